@@ -1,0 +1,1 @@
+"""trajflow.jobs"""
