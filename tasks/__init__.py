@@ -1,1 +1,18 @@
-"""trajflow.tasks"""
+"""Prompt sources and verifiers: built-in synthetic tasks and the interface for external ones."""
+
+from trajflow.tasks.addition import AdditionTask
+from trajflow.tasks.base import Prompt, SyntheticTask, Task, exact_match_reward
+from trajflow.tasks.registry import get_task, register_task, registered_tasks
+from trajflow.tasks.reverse import ReverseTask
+
+__all__ = [
+    "AdditionTask",
+    "Prompt",
+    "ReverseTask",
+    "SyntheticTask",
+    "Task",
+    "exact_match_reward",
+    "get_task",
+    "register_task",
+    "registered_tasks",
+]

@@ -1,0 +1,104 @@
+"""Per-batch correction diagnostics, as a flat dict[str, float] for the metrics row.
+
+All fractions are over loss tokens (loss_mask true) unless the key says seq.
+
+    mask/token_kept_frac   loss tokens kept by the r_d mask
+    mask/seq_kept_frac     sequences (with >= 1 loss token) that keep >= 1 token
+    clip/low_frac          A < 0 and r_s < 1 - eps_low
+    clip/high_frac         A > 0 and r_s > 1 + eps_high
+    clip/dual_frac         A < 0 and r_s > dual_clip_c
+    clip/frac              any of the three
+    active_frac            kept and unclipped: the tokens carrying gradient (the EWMA reset signal)
+    mismatch/k1            mean(log mu - log pi_old)            } estimators of KL(mu || pi_old) on
+    mismatch/k3            mean(rho - 1 - log rho), rho = pi_old/mu }  samples from mu; k3 >= 0
+    is/ess                 (sum w)^2 / (N sum w^2), w = r_d per loss token; 1 = all equal
+    staleness/mean, /max   trainer_version - versions over loss tokens
+    staleness/lag_{k}      token count at lag k, for k = 0..max (a histogram)
+    loss_tokens            number of loss tokens in the batch
+    ewma/age, ewma/reset_count   passed through when given
+
+For an offline "diagnose" pass without an update, call decoupled_loss with
+current_logprobs = old_logprobs under torch.no_grad() (r_s = 1: nothing clipped).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .objective import LossOutput
+
+
+def _frac(selected: Tensor, among: Tensor) -> float:
+    n = int(among.sum())
+    return float((selected & among).sum()) / n if n else 0.0
+
+
+def mismatch_kl(log_rd: Tensor, mask: Tensor) -> tuple[float, float]:
+    """(k1, k3) for KL(mu || pi_old) from log r_d = log pi_old - log mu on samples of mu."""
+    x = log_rd[mask].to(torch.float64)
+    if x.numel() == 0:
+        return 0.0, 0.0
+    k1 = (-x).mean()
+    k3 = (torch.expm1(x) - x).mean()  # rho - 1 - log rho, expm1 for accuracy near rho = 1
+    return float(k1), float(k3)
+
+
+def effective_sample_size(weights: Tensor, mask: Tensor) -> float:
+    """Normalised ESS (sum w)^2 / (N sum w^2) in (0, 1]; 0 for an empty selection."""
+    w = weights[mask].to(torch.float64)
+    if w.numel() == 0:
+        return 0.0
+    denom = w.numel() * (w * w).sum()
+    return float(w.sum() ** 2 / denom) if denom > 0 else 0.0
+
+
+def staleness_stats(versions: Tensor, trainer_version: int, mask: Tensor) -> dict[str, float]:
+    """Lag = trainer_version - version per loss token: mean, max, histogram (counts per lag)."""
+    lag = (trainer_version - versions[mask].to(torch.int64))
+    if lag.numel() == 0:
+        return {"staleness/mean": 0.0, "staleness/max": 0.0}
+    out = {"staleness/mean": float(lag.double().mean()), "staleness/max": float(lag.max())}
+    negative = int((lag < 0).sum())  # tokens from a version the trainer has not reached: a bug upstream
+    if negative:
+        out["staleness/negative_count"] = float(negative)
+    counts = torch.bincount(lag.clamp(min=0))
+    out.update({f"staleness/lag_{k}": float(c) for k, c in enumerate(counts.tolist())})
+    return out
+
+
+def correction_diagnostics(
+    out: LossOutput,
+    *,
+    versions: Tensor | None = None,
+    trainer_version: int | None = None,
+    ewma_age: float | None = None,
+    ewma_reset_count: int | None = None,
+) -> dict[str, float]:
+    """Diagnostics of one batch from the loss bookkeeping (see the module docstring for keys)."""
+    m = out.loss_mask
+    seqs = m.any(dim=-1)
+    clipped = out.clipped_low | out.clipped_high | out.dual_clipped
+    k1, k3 = mismatch_kl(out.log_rd, m)
+    d = {
+        "mask/token_kept_frac": _frac(out.discrepancy_mask, m),
+        "mask/seq_kept_frac": _frac(out.discrepancy_mask.any(dim=-1), seqs),
+        "clip/low_frac": _frac(out.clipped_low, m),
+        "clip/high_frac": _frac(out.clipped_high, m),
+        "clip/dual_frac": _frac(out.dual_clipped, m),
+        "clip/frac": _frac(clipped, m),
+        "active_frac": _frac(out.active, m),
+        "mismatch/k1": k1,
+        "mismatch/k3": k3,
+        "is/ess": effective_sample_size(out.log_rd.exp(), m),
+        "loss_tokens": float(m.sum()),
+    }
+    if versions is not None:
+        if trainer_version is None:
+            raise ValueError("staleness diagnostics need trainer_version along with versions")
+        d.update(staleness_stats(versions, trainer_version, m))
+    if ewma_age is not None:
+        d["ewma/age"] = float(ewma_age)
+    if ewma_reset_count is not None:
+        d["ewma/reset_count"] = float(ewma_reset_count)
+    return d

@@ -1,0 +1,140 @@
+"""Revised PPO-EWMA: a bias-corrected EWMA of the trainer's weights as the proximal policy.
+
+    theta_prox(t) = sum_{k=k0..t} beta^(t-k) theta(k) / sum_{k=k0..t} beta^(t-k)
+
+k0 is the last reset (or construction). Maintained in O(1) per step by the running normaliser
+n_t = beta n_{t-1} + 1 and theta_prox <- theta_prox + (theta - theta_prox) / n_t.
+
+beta = W / (W + 2) for a staleness window W puts the mean age beta / (1 - beta) at W / 2, the
+middle of the version window. Auto-reset: theta_prox <- theta when the active-token fraction
+(kept by the r_d mask and unclipped) falls below tau (default 0.9).
+
+Step order in the trainer: score the batch with theta_prox, take the optimizer step, then
+`ewma.step(new_state_dict, active_fraction)` (reset if below tau, else update).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+StateDict = dict[str, Tensor]
+
+
+def ewma_beta(window: int) -> float:
+    """beta = W / (W + 2): mean age W / 2 steps. W = 0 gives beta = 0 (prox = current)."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    return window / (window + 2)
+
+
+def ewma_mean_age(beta: float) -> float:
+    """Mean age in steps of the stationary EWMA weights: sum k beta^k / sum beta^k = beta / (1 - beta)."""
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"beta must be in [0, 1), got {beta}")
+    return beta / (1.0 - beta)
+
+
+class EwmaProximal:
+    """A float32 EWMA copy of a state dict. Non-float entries (int buffers) track the latest value."""
+
+    def __init__(self, state_dict: StateDict, beta: float, *, tau: float = 0.9,
+                 device: str | torch.device | None = None) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"EwmaProximal.beta must be in [0, 1), got {beta}")
+        if not 0.0 <= tau <= 1.0:
+            raise ValueError(f"EwmaProximal.tau must be in [0, 1], got {tau}")
+        self.beta = float(beta)
+        self.tau = float(tau)
+        self.device = device
+        self.reset_count = 0
+        self._copy_from(state_dict)
+
+    @classmethod
+    def from_window(cls, state_dict: StateDict, window: int, **kwargs) -> "EwmaProximal":
+        return cls(state_dict, ewma_beta(window), **kwargs)
+
+    # -- the EWMA ---------------------------------------------------------------------------
+    def _own(self, t: Tensor) -> Tensor:
+        t = t.detach()
+        dtype = torch.float32 if t.is_floating_point() else t.dtype
+        return t.to(device=self.device or t.device, dtype=dtype, copy=True)
+
+    def _copy_from(self, state_dict: StateDict) -> None:
+        self.weights: StateDict = {k: self._own(v) for k, v in state_dict.items()}
+        self.norm = 1.0        # sum_k beta^(t-k)
+        self._age_sum = 0.0    # sum_k (t-k) beta^(t-k)
+        self.steps_since_reset = 0
+
+    @torch.no_grad()
+    def update(self, state_dict: StateDict) -> None:
+        """Fold in theta(t), the weights after an optimizer step."""
+        if state_dict.keys() != self.weights.keys():
+            missing = sorted(set(self.weights) ^ set(state_dict))
+            raise KeyError(f"state dict keys differ from the EWMA's: {missing[:5]}")
+        prev = self.norm
+        self.norm = self.beta * prev + 1.0
+        self._age_sum = self.beta * (self._age_sum + prev)
+        step = 1.0 / self.norm
+        for k, w in self.weights.items():
+            new = state_dict[k].detach()
+            if w.is_floating_point():
+                w.lerp_(new.to(device=w.device, dtype=w.dtype), step)
+            else:
+                w.copy_(new)
+        self.steps_since_reset += 1
+
+    def reset(self, state_dict: StateDict) -> None:
+        """theta_prox <- theta: forget the history."""
+        self._copy_from(state_dict)
+        self.reset_count += 1
+
+    def maybe_reset(self, active_fraction: float, state_dict: StateDict, *, tau: float | None = None) -> bool:
+        """Reset iff active_fraction < tau (self.tau unless given). Returns whether it fired."""
+        tau = self.tau if tau is None else tau
+        if active_fraction < tau:
+            self.reset(state_dict)
+            return True
+        return False
+
+    def step(self, state_dict: StateDict, active_fraction: float) -> bool:
+        """After an optimizer step: reset if active_fraction < tau, else update. Returns reset?"""
+        if self.maybe_reset(active_fraction, state_dict):
+            return True
+        self.update(state_dict)
+        return False
+
+    @property
+    def age(self) -> float:
+        """Mean age in optimizer steps of the current weighted average (0 right after a reset)."""
+        return self._age_sum / self.norm
+
+    def prox_state_dict(self) -> StateDict:
+        """The proximal weights (float32, the live buffers: read, do not modify; a model's
+        load_state_dict copies and casts them)."""
+        return self.weights
+
+    # -- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "weights": {k: v.clone() for k, v in self.weights.items()},
+            "beta": self.beta,
+            "tau": self.tau,
+            "norm": self.norm,
+            "age_sum": self._age_sum,
+            "steps_since_reset": self.steps_since_reset,
+            "reset_count": self.reset_count,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.weights = {k: self._own(v) for k, v in state["weights"].items()}
+        self.beta = float(state["beta"])
+        self.tau = float(state["tau"])
+        self.norm = float(state["norm"])
+        self._age_sum = float(state["age_sum"])
+        self.steps_since_reset = int(state["steps_since_reset"])
+        self.reset_count = int(state["reset_count"])
+        if not (0.0 <= self.beta < 1.0 and math.isfinite(self.norm) and self.norm >= 1.0):
+            raise ValueError(f"corrupt EwmaProximal state: beta={self.beta}, norm={self.norm}")

@@ -1,0 +1,40 @@
+"""Masked reductions over right-padded [B, T] tensors.
+
+Every reduction selects with `torch.where` instead of multiplying by the mask, so a NaN/inf
+sitting on a padded position can never leak into the value or the gradient (0 * inf = NaN).
+An empty selection reduces to 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of x where mask is true (over everything, or along `dim`)."""
+    x = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.sum() if dim is None else x.sum(dim=dim)
+
+
+def masked_count(mask: Tensor, dim: int | None = None) -> Tensor:
+    """Number of true entries (int64)."""
+    return mask.sum() if dim is None else mask.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of x where mask is true; 0 where the selection is empty."""
+    total = masked_sum(x, mask, dim)
+    count = masked_count(mask, dim).clamp(min=1).to(total.dtype)
+    return total / count
+
+
+def broadcast_to_tokens(x: Tensor, like: Tensor) -> Tensor:
+    """Per-sequence values [B] -> [B, T] (per-token [B, T] values pass through)."""
+    if x.dim() == 1:
+        if x.shape[0] != like.shape[0]:
+            raise ValueError(f"per-sequence tensor has {x.shape[0]} rows, tokens have {like.shape[0]}")
+        return x[:, None].expand_as(like)
+    if x.shape != like.shape:
+        raise ValueError(f"per-token tensor has shape {tuple(x.shape)}, expected {tuple(like.shape)}")
+    return x

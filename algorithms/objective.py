@@ -1,0 +1,274 @@
+r"""The decoupled off-policy objective: a discrepancy mask on r_d, a PPO clip on r_s.
+
+Per loss token t of sequence i (log-probs of the sampled token; `old` is whatever the chosen
+strategy supplies as pi_old, see proximal.py):
+
+    r_d = exp(old - inference)          training-inference discrepancy  (pi_old^train / mu)
+    r_s = exp(current - old)            policy staleness                (pi_theta / pi_old^train)
+
+    L = - agg_t [ M_d · w_d · min( r_s A,  clip(r_s, 1 - eps_low, 1 + eps_high) A ) ]
+
+  M_d  keep-mask, symmetric:  token     1/c_tok <= r_d <= c_tok
+                              sequence  1/c_seq <= exp(mean_t log r_d) <= c_seq   (all of seq i)
+                              none      1
+  w_d  min(r_d, C) if tis_cap = C is set, else 1 (truncated IS, detached: a weight, not a path)
+  r_s  token level as above, or sequence level (GSPO-token): value exp(mean_t log r_s) shared by
+       all tokens of the sequence, gradient per token:  s_i · exp(log pi_t - sg(log pi_t))
+  dual clip (optional, A < 0):  max(·, c_dual · A), i.e. the per-token loss is at most c_dual |A|
+  agg  token-mean | seq-mean-token-mean | token-sum-norm over tokens with loss_mask & M_d
+
+The paper's runs bound both factors at sequence level with [1/c, c]:
+`CorrectionConfig.paper(c_ti=1.003, c_stale=1.004)` gives M_d on the geometric mean with
+c_seq = c_ti, and the sequence-level clip with eps_low = 1 - 1/c_stale, eps_high = c_stale - 1.
+
+Gradient flows only through `current_logprobs`. Masked tokens (loss_mask false, or dropped by
+M_d) contribute exactly zero gradient. Log-ratios are clamped to ±LOG_RATIO_CLAMP before exp, so
+extreme log-probs (-1e4 vs 0) give finite values and gradients; a clamped token gets no gradient
+through its ratio (it would be clipped or masked at any sane threshold anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .masked import broadcast_to_tokens, masked_mean
+
+MaskLevel = Literal["token", "sequence", "none"]
+ClipLevel = Literal["token", "sequence"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "token-sum-norm"]
+
+MASK_LEVELS = ("token", "sequence", "none")
+CLIP_LEVELS = ("token", "sequence")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum-norm")
+
+LOG_RATIO_CLAMP = 20.0  # exp(20) ≈ 4.9e8: finite in float32, squares still finite
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """Thresholds of the decoupled objective (see the module docstring for the formula).
+
+    mask_level        where the symmetric r_d mask acts: "token", "sequence" (geometric mean of
+                      r_d over the sequence's loss tokens) or "none"
+    mask_c_token      token mask keeps 1/c <= r_d <= c
+    mask_c_seq        sequence mask keeps 1/c <= exp(mean_t log r_d) <= c
+    tis_cap           truncated IS weight min(r_d, C) on kept tokens; None = off (the default)
+    clip_level        "token" (PPO) or "sequence" (GSPO-style geometric mean of r_s over the
+                      sequence's loss tokens)
+    eps_low/eps_high  asymmetric clip interval [1 - eps_low, 1 + eps_high] on r_s
+    dual_clip_c       for A < 0, bound the per-token loss by c·|A| (c > 1); None = off
+    aggregation       "token-mean": sum over kept tokens / number of kept tokens;
+                      "seq-mean-token-mean": mean over sequences (with >= 1 kept token) of the
+                      per-sequence token mean;
+                      "token-sum-norm": sum over kept tokens / (loss_norm_tokens × B), a constant
+                      normaliser (Dr.GRPO-style) that does not depend on how many tokens survive
+    loss_norm_tokens  the per-sequence token budget for "token-sum-norm" (e.g. max_new_tokens);
+                      None = the batch's padded width T (then not constant across batches)
+    """
+
+    mask_level: MaskLevel = "token"
+    mask_c_token: float = 2.0
+    mask_c_seq: float = 1.003
+    tis_cap: float | None = None
+    clip_level: ClipLevel = "token"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip_c: float | None = None
+    aggregation: Aggregation = "token-mean"
+    loss_norm_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        def fail(field: str, why: str) -> None:
+            raise ValueError(f"CorrectionConfig.{field} {why}, got {getattr(self, field)!r}")
+
+        if self.mask_level not in MASK_LEVELS:
+            fail("mask_level", f"must be one of {MASK_LEVELS}")
+        if self.clip_level not in CLIP_LEVELS:
+            fail("clip_level", f"must be one of {CLIP_LEVELS}")
+        if self.aggregation not in AGGREGATIONS:
+            fail("aggregation", f"must be one of {AGGREGATIONS}")
+        for name in ("mask_c_token", "mask_c_seq"):
+            c = getattr(self, name)
+            if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 1.0):
+                fail(name, "must be a finite number >= 1 (the mask keeps [1/c, c])")
+        if self.tis_cap is not None and not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
+            fail("tis_cap", "must be None or a finite number > 0")
+        if not (0.0 <= self.eps_low < 1.0):
+            fail("eps_low", "must be in [0, 1) (lower clip bound 1 - eps_low must stay > 0)")
+        if not (math.isfinite(self.eps_high) and self.eps_high >= 0.0):
+            fail("eps_high", "must be a finite number >= 0")
+        if self.dual_clip_c is not None and not (math.isfinite(self.dual_clip_c) and self.dual_clip_c > 1.0):
+            fail("dual_clip_c", "must be None or a finite number > 1")
+        if self.loss_norm_tokens is not None and not (
+            isinstance(self.loss_norm_tokens, int) and self.loss_norm_tokens > 0
+        ):
+            fail("loss_norm_tokens", "must be None or a positive int")
+
+    @classmethod
+    def paper(cls, c_ti: float = 1.003, c_stale: float = 1.004, **overrides) -> "CorrectionConfig":
+        """The paper's setting: both factors bounded at sequence level by [1/c, c].
+
+        r_d: geometric-mean sequence mask [1/c_ti, c_ti].
+        r_s: sequence-level clip [1/c_stale, c_stale], i.e. eps_low = 1 - 1/c_stale, eps_high = c_stale - 1.
+        """
+        if not c_stale >= 1.0:
+            raise ValueError(f"CorrectionConfig.paper: c_stale must be >= 1, got {c_stale!r}")
+        kwargs = dict(
+            mask_level="sequence",
+            mask_c_seq=c_ti,
+            clip_level="sequence",
+            eps_low=1.0 - 1.0 / c_stale,
+            eps_high=c_stale - 1.0,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+@dataclass
+class LossOutput:
+    """The loss and the per-token bookkeeping diagnostics need. All [B, T] tensors are detached.
+
+    loss              scalar; gradient flows to current_logprobs only
+    loss_mask         [B, T] bool, as given
+    discrepancy_mask  [B, T] bool, loss tokens kept by the r_d mask (M_d & loss_mask)
+    clipped_low       [B, T] bool, loss tokens with A < 0 and r_s < 1 - eps_low (no gradient)
+    clipped_high      [B, T] bool, loss tokens with A > 0 and r_s > 1 + eps_high (no gradient)
+    dual_clipped      [B, T] bool, loss tokens with A < 0 and r_s > dual_clip_c (no gradient)
+    active            [B, T] bool, kept by the mask and not clipped: the tokens that carry gradient
+    log_rd            [B, T] clamped log r_d (0 off loss tokens)
+    log_rs            [B, T] clamped log r_s as the clip saw it (the sequence value if
+                      clip_level="sequence"; 0 off loss tokens)
+    is_weights        [B, T] w_d (1 without TIS)
+    token_weights     [B, T] aggregation weight of each token (0 off kept tokens), so that
+                      loss = -sum(token_weights · w_d · min(...))
+    """
+
+    loss: Tensor
+    loss_mask: Tensor
+    discrepancy_mask: Tensor
+    clipped_low: Tensor
+    clipped_high: Tensor
+    dual_clipped: Tensor
+    active: Tensor
+    log_rd: Tensor
+    log_rs: Tensor
+    is_weights: Tensor
+    token_weights: Tensor
+
+
+def _log_ratio(numer: Tensor, denom: Tensor) -> Tensor:
+    return (numer - denom).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def discrepancy_mask(log_rd: Tensor, loss_mask: Tensor, config: CorrectionConfig) -> Tensor:
+    """M_d & loss_mask, [B, T] bool. 1/c <= r_d <= c is tested as |log r_d| <= log c."""
+    if config.mask_level == "none":
+        return loss_mask.clone()
+    if config.mask_level == "token":
+        keep = log_rd.abs() <= math.log(config.mask_c_token)
+    else:  # sequence: geometric mean of r_d over the sequence's loss tokens
+        seq_log_rd = masked_mean(log_rd, loss_mask, dim=-1)
+        keep = (seq_log_rd.abs() <= math.log(config.mask_c_seq))[:, None].expand_as(loss_mask)
+    return keep & loss_mask
+
+
+def aggregation_weights(keep: Tensor, config: CorrectionConfig) -> Tensor:
+    """Constant per-token weights [B, T] (zero off `keep`) that turn per-token losses into one scalar."""
+    keep_f = keep.float()
+    if config.aggregation == "token-mean":
+        return keep_f / keep_f.sum().clamp(min=1.0)
+    if config.aggregation == "seq-mean-token-mean":
+        per_seq = keep_f.sum(dim=-1, keepdim=True)
+        n_seqs = (per_seq > 0).float().sum().clamp(min=1.0)
+        return keep_f / per_seq.clamp(min=1.0) / n_seqs
+    batch, width = keep.shape
+    norm_tokens = config.loss_norm_tokens if config.loss_norm_tokens is not None else width
+    return keep_f / float(max(norm_tokens * batch, 1))
+
+
+def decoupled_loss(
+    current_logprobs: Tensor,
+    old_logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    config: CorrectionConfig = CorrectionConfig(),
+) -> LossOutput:
+    """The decoupled objective of the module docstring.
+
+    current_logprobs [B, T] (with grad), old_logprobs / inference_logprobs [B, T] (treated as
+    constants), advantages [B] or [B, T], loss_mask [B, T] bool.
+    """
+    if loss_mask.dtype != torch.bool:
+        raise TypeError(f"loss_mask must be bool, got {loss_mask.dtype}")
+    for name, t in (("current_logprobs", current_logprobs), ("old_logprobs", old_logprobs),
+                    ("inference_logprobs", inference_logprobs)):
+        if t.shape != loss_mask.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, loss_mask has {tuple(loss_mask.shape)}")
+    m = loss_mask
+    zero = torch.zeros((), dtype=current_logprobs.dtype, device=current_logprobs.device)
+
+    # Select padding away first: padding may hold NaN/-inf, and where() keeps it out of both
+    # the forward value and the backward pass.
+    cur = torch.where(m, current_logprobs, zero)
+    old = torch.where(m, old_logprobs.detach().to(cur.dtype), zero)
+    inf = torch.where(m, inference_logprobs.detach().to(cur.dtype), zero)
+    adv = torch.where(m, broadcast_to_tokens(advantages.detach().to(cur.dtype), m), zero)
+
+    # Discrepancy factor r_d: a mask (and optionally a detached truncated IS weight).
+    log_rd = _log_ratio(old, inf)
+    keep = discrepancy_mask(log_rd, m, config)
+    if config.tis_cap is not None:
+        w_d = log_rd.exp().clamp(max=config.tis_cap)
+    else:
+        w_d = torch.ones_like(log_rd)
+
+    # Staleness factor r_s. At sequence level the value is the geometric mean over the loss
+    # tokens (r_s compares training numerics with training numerics, so a token dropped by the
+    # r_d mask still measures drift) and each token keeps its own gradient path: x - sg(x) is
+    # exactly 0 in value, 1 in gradient (GSPO-token).
+    log_rs_tok = _log_ratio(cur, old)
+    if config.clip_level == "token":
+        log_rs = log_rs_tok
+    else:
+        seq = masked_mean(log_rs_tok.detach(), m, dim=-1)
+        log_rs = seq[:, None] + (log_rs_tok - log_rs_tok.detach())
+    r_s = log_rs.exp()
+
+    # min(r A, clip(r) A) picks the clipped constant exactly when A > 0, r > 1 + eps_high or
+    # A < 0, r < 1 - eps_low. Selecting those cases explicitly gives the same value and makes the
+    # gradient-carrying set exactly `active` (no split gradient at a floating-point tie).
+    lo, hi = 1.0 - config.eps_low, 1.0 + config.eps_high
+    r_val = r_s.detach()
+    clipped_high = m & (adv > 0) & (r_val > hi)
+    clipped_low = m & (adv < 0) & (r_val < lo)
+    pg = torch.where(clipped_low | clipped_high, r_val.clamp(lo, hi) * adv, r_s * adv)
+    if config.dual_clip_c is not None:  # A < 0 and r > c: r A < c A, so max(., c A) = c A
+        dual_clipped = m & (adv < 0) & (r_val > config.dual_clip_c)
+        pg = torch.where(dual_clipped, config.dual_clip_c * adv, pg)
+    else:
+        dual_clipped = torch.zeros_like(m)
+
+    weights = aggregation_weights(keep, config)
+    per_token = torch.where(keep, -w_d * pg, zero)
+    loss = (per_token * weights).sum()
+
+    active = keep & ~(clipped_low | clipped_high | dual_clipped)
+    return LossOutput(
+        loss=loss,
+        loss_mask=m,
+        discrepancy_mask=keep,
+        clipped_low=clipped_low,
+        clipped_high=clipped_high,
+        dual_clipped=dual_clipped,
+        active=active,
+        log_rd=log_rd,
+        log_rs=torch.where(m, log_rs.detach(), zero),
+        is_weights=w_d,
+        token_weights=weights,
+    )

@@ -1,0 +1,99 @@
+"""Sampling parameters and the one logits processor shared by generation and scoring.
+
+Log-prob semantics (recorded in the trajectory schema as "processed" log-probs): the log-prob of a
+token is taken under the distribution the engine actually samples from — logits divided by the
+temperature, then top-k, then top-p filtering (filtered entries are -inf, the rest renormalised).
+Generation and teacher-forced scoring both go through `warp_logits`, so the two agree exactly up to
+float rounding of the forward pass.
+
+temperature == 0 means greedy decoding. A point mass is useless as a log-prob, so log-probs are then
+reported under the *untempered* (temperature 1) distribution, still with top-k/top-p applied; the
+greedy token (the argmax) is never filtered out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp_logits(logits: Tensor, sampling: SamplingParams) -> Tensor:
+    """Float32 logits [..., V] -> tempered, top-k/top-p filtered logits (filtered entries -inf).
+
+    Not normalised: `process_logits` / `token_logprobs` normalise. Differentiable in the kept
+    entries (the filter is a selection, carrying no gradient).
+    """
+    logits = logits.float()
+    if not sampling.greedy and sampling.temperature != 1.0:
+        logits = logits / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        # Ties with the k-th value are kept (same rule as transformers' TopKLogitsWarper).
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        # Keep the smallest prefix of tokens (by descending prob) whose mass reaches top_p; the
+        # top token always survives. Computed on the top-k-filtered distribution, as in HF.
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits.detach(), dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        remove_sorted = mass_before >= sampling.top_p
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def process_logits(logits: Tensor, sampling: SamplingParams) -> Tensor:
+    """Float32 logits [..., V] -> processed log-probs [..., V] (temperature, top-k, top-p; -inf
+    where filtered). The distribution generation samples from."""
+    return torch.log_softmax(warp_logits(logits, sampling), dim=-1)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingParams) -> Tensor:
+    """Processed log-prob of `tokens` [...] under `logits` [..., V], in the memory-light
+    gather-minus-logsumexp form (no [..., V] log-softmax kept). Equals
+    `process_logits(logits).gather(tokens)`; a filtered token scores -inf."""
+    warped = warp_logits(logits, sampling)
+    picked = warped.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(warped, dim=-1)
+
+
+def sample_tokens(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None = None
+                  ) -> tuple[Tensor, Tensor]:
+    """Sample one token per row from float32 logits [B, V] -> (tokens [B] int64, log-probs [B]).
+
+    Log-probs are under the processed distribution (see module docstring for temperature 0).
+    """
+    warped = warp_logits(logits, sampling)
+    # Same gather-minus-logsumexp arithmetic as `token_logprobs`, so generation and scoring of the
+    # same logits give bit-identical log-probs.
+    lse = torch.logsumexp(warped, dim=-1, keepdim=True)
+    if sampling.greedy:
+        tokens = torch.argmax(warped, dim=-1)
+    else:
+        tokens = torch.multinomial(torch.exp(warped - lse), 1, generator=generator).squeeze(-1)
+    picked = warped.gather(-1, tokens.unsqueeze(-1))
+    return tokens, (picked - lse).squeeze(-1)

@@ -1,0 +1,183 @@
+"""The built-in generation engine: any Hugging Face causal LM, own decode loop with a KV cache.
+
+Why an own loop instead of `model.generate`: the engine must (a) record per-token log-probs under
+exactly the processed distribution it samples from (`sampling.sample_tokens`, shared with scoring),
+(b) stamp every token with the weight version that produced it, and (c) let a callback swap the
+weights between decode steps, after which the KV cache — computed under the old weights — is
+rebuilt by re-prefilling prompt + generated prefix under the new ones ("interrupt" strategy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from trajflow.engines.numerics import check_inference_dtype, load_inference_weights, make_inference_model
+from trajflow.engines.sampling import SamplingParams, sample_tokens
+from trajflow.engines.scoring import pack_batch
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class Generation:
+    prompt_index: int
+    response_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # under the processed distribution sampled from
+    versions: list[int] = field(default_factory=list)  # engine version when each token was sampled
+    finish_reason: str = ""  # "stop" | "length" | "abort"; "" while still being generated
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != ""
+
+
+BetweenSteps = Callable[["TorchEngine", list[Generation]], None]
+
+
+class TorchEngine:
+    """Batched sampling with a KV cache, per-token log-probs and versions, and mid-flight weight swaps.
+
+    The engine owns an inference copy of `model` with `inference_dtype` numerics (see
+    engines/numerics.py); the caller's model is never modified. Sampling draws from a torch.Generator
+    seeded with `seed`, so an engine built with the same seed and given the same calls (and weight
+    swaps) reproduces its outputs.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        eos_id: int,
+        pad_id: int,
+        sampling: SamplingParams,
+        inference_dtype: str = "float32",
+        seed: int = 0,
+        version: int = 0,
+    ) -> None:
+        self.inference_dtype = check_inference_dtype(inference_dtype)
+        self.model = make_inference_model(model, inference_dtype)
+        self.eos_id = int(eos_id)
+        self.pad_id = int(pad_id)
+        self.sampling = sampling
+        self.version = int(version)
+        self.device = next(self.model.parameters()).device
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._weights_changed = False  # set by load_weights: the KV cache is stale
+        self._abort_requested = False
+
+    def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
+        """Install a float32 training state dict as `version`. Safe to call from `between_steps`:
+        the running generate() re-prefills its KV cache before sampling the next token."""
+        load_inference_weights(self.model, state_dict, self.inference_dtype)
+        self.version = int(version)
+        self._weights_changed = True
+
+    def abort(self) -> None:
+        """From `between_steps`: stop the running generate(); unfinished sequences end "abort"."""
+        self._abort_requested = True
+
+    @torch.no_grad()
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], prefixes: Sequence[Sequence[int]]
+    ) -> tuple[Tensor, object, Tensor, Tensor]:
+        """Forward prompt + generated prefix (all prefixes the same length) with a fresh cache.
+
+        Returns (next-token float32 logits [B, V], cache, attention mask [B, L], next positions [B]).
+        Uses the same padded layout as teacher-forced scoring.
+        """
+        ids, mask, positions, _ = pack_batch(prompts, prefixes, self.pad_id, self.device)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
+        return out.logits[:, -1].float(), out.past_key_values, mask, mask.sum(-1)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        *,
+        between_steps: BetweenSteps | None = None,
+    ) -> list[Generation]:
+        """Sample n responses per prompt; returns len(prompts) * n Generations, prompt-major.
+
+        `between_steps(engine, generations)` runs after every decode step with the live (partial)
+        Generation objects — read them, do not mutate them. It may call `engine.load_weights(...)`
+        (later tokens then come from, and are stamped with, the new version) or `engine.abort()`.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not prompts:
+            return []
+        max_new = self.sampling.max_new_tokens
+        gens = [Generation(prompt_index=i) for i in range(len(prompts)) for _ in range(n)]
+        self._weights_changed = False
+        self._abort_requested = False
+
+        # Prefill each prompt once, then replicate logits and cache for its n samples.
+        logits, cache, mask, next_pos = self._prefill(prompts, [[] for _ in prompts])
+        if n > 1:
+            logits = logits.repeat_interleave(n, dim=0)
+            cache.batch_repeat_interleave(n)
+            mask = mask.repeat_interleave(n, dim=0)
+            next_pos = next_pos.repeat_interleave(n, dim=0)
+        rows = list(range(len(gens)))  # Generation index of each live cache row
+
+        for _ in range(max_new):
+            version = self.version
+            tokens, logprobs = sample_tokens(logits, self.sampling, self.generator)
+            keep: list[int] = []  # cache rows still generating
+            for j, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+                g = gens[rows[j]]
+                g.response_tokens.append(token)
+                g.logprobs.append(logprob)
+                g.versions.append(version)
+                if token == self.eos_id:
+                    g.finish_reason = "stop"
+                elif len(g.response_tokens) >= max_new:
+                    g.finish_reason = "length"
+                else:
+                    keep.append(j)
+
+            if between_steps is not None:
+                between_steps(self, gens)
+            if self._abort_requested:
+                for j in keep:
+                    gens[rows[j]].finish_reason = "abort"
+                break
+            if not keep:
+                break
+
+            rows = [rows[j] for j in keep]
+            if self._weights_changed:
+                # The cache holds keys/values of the old weights: recompute them for the whole
+                # prefix. Live rows have all generated the same number of tokens.
+                self._weights_changed = False
+                logits, cache, mask, next_pos = self._prefill(
+                    [prompts[gens[r].prompt_index] for r in rows], [gens[r].response_tokens for r in rows]
+                )
+                continue
+            if len(keep) < tokens.shape[0]:
+                # Drop finished rows so the batch only pays for live sequences.
+                idx = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(idx)
+                tokens, mask, next_pos = tokens[idx], mask[idx], next_pos[idx]
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits, cache = out.logits[:, -1].float(), out.past_key_values
+            next_pos = next_pos + 1
+
+        self._abort_requested = False
+        return gens

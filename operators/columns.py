@@ -1,0 +1,63 @@
+"""Small Arrow helpers shared by the operators."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+FILTER_REASON = "filter_reason"  # null = kept for training; otherwise why the row is not trained
+
+
+def replace_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:
+    """Set column `name` (replacing it in place if present, appending otherwise)."""
+    index = table.schema.get_field_index(name)
+    if index < 0:
+        return table.append_column(name, values)
+    field = table.schema.field(index).with_type(values.type)
+    return table.set_column(index, field, values)
+
+
+def group_codes(table: pa.Table, column: str = "group_id") -> np.ndarray:
+    """Integer code per row of its group (0..G-1), vectorised via dictionary encoding."""
+    encoded = pc.dictionary_encode(table[column]).combine_chunks()
+    return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def filter_reasons(table: pa.Table) -> np.ndarray:
+    """The filter_reason column as an object array (None = kept); all None if absent."""
+    if FILTER_REASON not in table.column_names:
+        return np.full(table.num_rows, None, dtype=object)
+    return np.array(table[FILTER_REASON].to_pylist(), dtype=object)
+
+
+def mark_filtered(table: pa.Table, drop: np.ndarray, reason: str) -> pa.Table:
+    """Give rows in `drop` the filter reason `reason`, keeping any earlier reason."""
+    reasons = filter_reasons(table)
+    reasons[(reasons == None) & drop] = reason  # noqa: E711 - elementwise comparison
+    return replace_column(table, FILTER_REASON, pa.array(reasons.tolist(), pa.string()))
+
+
+def list_values(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, offsets) of a list column, without per-row Python."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = array.offsets.to_numpy()
+    values = array.values.to_numpy(zero_copy_only=False)
+    return values[offsets[0] : offsets[-1]], offsets - offsets[0]
+
+
+def padded(column: pa.ChunkedArray | pa.Array, width: int, fill: float, dtype=np.float32) -> np.ndarray:
+    """A list column as a right-padded [rows, width] array (null rows become all `fill`)."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    rows = len(array)
+    out = np.full((rows, width), fill, dtype=dtype)
+    offsets = array.offsets.to_numpy()
+    lengths = np.diff(offsets)
+    if array.null_count:
+        lengths = np.where(array.is_null().to_numpy(zero_copy_only=False), 0, lengths)
+    values = array.values.to_numpy(zero_copy_only=False)
+    row_idx = np.repeat(np.arange(rows), lengths)
+    starts = np.repeat(offsets[:-1], lengths)
+    col_idx = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out[row_idx, col_idx] = values[starts + col_idx]
+    return out

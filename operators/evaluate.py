@@ -1,0 +1,36 @@
+"""Held-out accuracy: greedy decoding on the task's test split, float32 (no Ray)."""
+
+from __future__ import annotations
+
+import numpy as np
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.tokenizer import decode_response, encode_prompt
+from trajflow.engines.torch_engine import TorchEngine
+
+
+def heldout_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    task,
+    n: int,
+    max_new_tokens: int,
+    batch_size: int = 256,
+) -> float:
+    """Mean reward of greedy responses on the first n held-out prompts (= accuracy for 0/1 tasks)."""
+    engine = TorchEngine(
+        model,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
+    )
+    prompts = task.heldout(n)
+    rewards = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        gens = engine.generate([encode_prompt(tokenizer, p.text) for p in chunk])
+        rewards += [
+            task.reward(p.text, p.answer, decode_response(tokenizer, g.response_tokens)) for p, g in zip(chunk, gens)
+        ]
+    return float(np.mean(rewards))

@@ -1,0 +1,173 @@
+"""Generate: the rollout of one train step per call (Ray Data actor).
+
+Batch in: one row `{"id": step}`. Batch out: `prompts_per_step * group_size` trajectory rows
+(schema v1 plus the extra columns `answer` and `rollout_step`), a group's samples contiguous.
+
+Before sampling, the actor takes an admission permit from the policy store: the rollout of
+step b starts only once version b - max_staleness exists, which bounds policy lag. With
+`mid_generation_updates` it also takes newer weights between decode steps, so one trajectory can
+span versions; for the `interrupt` strategy it first scores the prefix generated so far with the
+still-resident weights under training numerics — the exact old log-probs — then switches.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import ray
+import torch
+
+from trajflow.engines.models import load_model, load_tokenizer
+from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.scoring import score
+from trajflow.engines.tokenizer import encode_prompt
+from trajflow.engines.torch_engine import Generation, TorchEngine
+from trajflow.schemas import SamplingSemantics, conform
+from trajflow.tasks import get_task
+
+
+def step_prompts(task, seed: int, step: int, count: int) -> list:
+    """The prompts of train step `step`: a deterministic function of (seed, step), so a resumed
+    run or a second generator reproduces them without shared state."""
+    stream = task.prompts("train", seed=seed * 1_000_003 + step)
+    return [next(stream) for _ in range(count)]
+
+
+class Generate:
+    def __init__(
+        self,
+        store: ray.actor.ActorHandle,
+        model_path: str | Path,
+        task: str,
+        prompts_per_step: int,
+        group_size: int,
+        sampling: SamplingParams,
+        inference_dtype: str,
+        seed: int,
+        mid_generation_updates: bool = False,
+        score_on_switch: bool = False,
+        torch_threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(torch_threads)
+        self.store = store
+        self.task = get_task(task)
+        self.tokenizer = load_tokenizer(model_path)
+        self.prompts_per_step = prompts_per_step
+        self.group_size = group_size
+        self.sampling = sampling
+        self.seed = seed
+        self.mid_generation_updates = mid_generation_updates
+        self.score_on_switch = score_on_switch
+        model = load_model(model_path)
+        self.engine = TorchEngine(
+            model,
+            eos_id=self.tokenizer.eos_token_id,
+            pad_id=self.tokenizer.pad_token_id,
+            sampling=sampling,
+            inference_dtype=inference_dtype,
+            seed=seed,
+            version=-1,
+        )
+        # Training numerics of the resident version, for scoring prefixes at a switch (interrupt).
+        self.scoring_model = model if score_on_switch else None
+        self.semantics = SamplingSemantics(sampling.temperature, sampling.top_p, sampling.top_k)
+
+    def _load(self, version: int, ref: ray.ObjectRef) -> None:
+        state_dict = ray.get(ref)
+        self.engine.load_weights(state_dict, version)
+        if self.scoring_model is not None:
+            self.scoring_model.load_state_dict(state_dict)
+
+    def _take_newest(self, pins: set[int]) -> None:
+        version, (ref,) = ray.get(self.store.get.remote(None, True))
+        pins.add(version)
+        if version != self.engine.version:
+            self._load(version, ref)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        step = int(batch["id"][0].as_py())
+        if batch.num_rows != 1:
+            raise ValueError(f"Generate takes one step per call, got {batch.num_rows} rows")
+        started = time.perf_counter()
+        ray.get(self.store.admit.remote(step))
+        waited = time.perf_counter() - started
+        pins: set[int] = set()
+        self._take_newest(pins)
+
+        prompts = step_prompts(self.task, self.seed, step, self.prompts_per_step)
+        prompt_tokens = [encode_prompt(self.tokenizer, p.text) for p in prompts]
+        self.engine.generator.manual_seed(self.seed * 1_000_003 + step)
+        old_logprobs: list[list[float | None]] | None = None
+        hook = None
+        if self.mid_generation_updates:
+            if self.score_on_switch:
+                old_logprobs = [[] for _ in range(len(prompts) * self.group_size)]
+
+            def hook(engine: TorchEngine, gens: list[Generation]) -> None:
+                newest = ray.get(self.store.latest_version.remote())
+                if newest > engine.version:
+                    if old_logprobs is not None:
+                        self._score_resident(prompt_tokens, gens, old_logprobs)
+                    self._take_newest(pins)
+
+        gens = self.engine.generate(prompt_tokens, n=self.group_size, between_steps=hook)
+        if old_logprobs is not None:
+            self._score_resident(prompt_tokens, gens, old_logprobs)
+
+        # Release pins of versions that no generated token carries (all sequences had finished).
+        used = {v for g in gens for v in g.versions}
+        for version in pins - used:
+            self.store.release.remote(version)
+        self.store.add_counters.remote(
+            {"generate_seconds": time.perf_counter() - started - waited, "admission_wait_seconds": waited}
+        )
+        return self._to_table(step, prompts, prompt_tokens, gens, old_logprobs)
+
+    def _score_resident(
+        self, prompt_tokens: list[list[int]], gens: list[Generation], old_logprobs: list[list[float | None]]
+    ) -> None:
+        """Fill old log-probs of every token sampled under the resident version, with training
+        numerics (the float32 copy of the same weights): exact pi_v^train before v is replaced."""
+        version = self.engine.version
+        todo = [i for i, g in enumerate(gens) if len(old_logprobs[i]) < len(g.response_tokens)]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        scored = score(
+            self.scoring_model,
+            [prompt_tokens[gens[i].prompt_index] for i in todo],
+            [gens[i].response_tokens for i in todo],
+            self.sampling,
+        )
+        for i, lp in zip(todo, scored):
+            done = len(old_logprobs[i])
+            for t in range(done, len(gens[i].response_tokens)):
+                assert gens[i].versions[t] == version, "a token of an older version was left unscored"
+                old_logprobs[i].append(float(lp[t]))
+        self.store.add_counters.remote({"interrupt_scoring_seconds": time.perf_counter() - t0})
+
+    def _to_table(self, step, prompts, prompt_tokens, gens, old_logprobs) -> pa.Table:
+        n = self.group_size
+        prompt_idx = np.repeat(np.arange(len(prompts)), n)
+        sample_idx = np.tile(np.arange(n), len(prompts))
+        int_list, float_list = pa.list_(pa.int32()), pa.list_(pa.float32())
+        columns = {
+            "trajectory_id": [f"s{step:06d}-p{p:03d}-n{j:03d}" for p, j in zip(prompt_idx, sample_idx)],
+            "group_id": [f"s{step:06d}-p{p:03d}" for p in prompt_idx],
+            "prompt_id": [prompts[p].prompt_id for p in prompt_idx],
+            "prompt_tokens": pa.array([prompt_tokens[p] for p in prompt_idx], int_list),
+            "response_tokens": pa.array([g.response_tokens for g in gens], int_list),
+            "loss_mask": pa.array([[True] * len(g.response_tokens) for g in gens], pa.list_(pa.bool_())),
+            "inference_logprobs": pa.array([g.logprobs for g in gens], float_list),
+            "versions": pa.array([g.versions for g in gens], int_list),
+            "old_logprobs": pa.array(old_logprobs if old_logprobs is not None else [None] * len(gens), float_list),
+            "finish_reason": [g.finish_reason for g in gens],
+            "reward": pa.nulls(len(gens), pa.float32()),
+            "advantage": pa.nulls(len(gens), pa.float32()),
+            "answer": [prompts[p].answer for p in prompt_idx],
+            "rollout_step": pa.array(np.full(len(gens), step, dtype=np.int32)),
+        }
+        return conform(pa.table(columns), self.semantics)

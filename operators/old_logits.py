@@ -1,0 +1,94 @@
+"""Old logits at the behaviour version: pi_v^train for every token, exactly (Ray Data actor).
+
+For each version v carried by the batch's tokens, the operator loads the weights of v from the
+policy store into a float32 model with training numerics, scores the responses teacher-forced and
+keeps the log-probs of the tokens stamped v. A trajectory spanning versions is thus scored under
+each token's own version. After scoring it releases the batch's pins on those versions, so the
+store frees a snapshot as soon as no in-flight token needs it.
+
+The same operator serves two strategies; what differs is where the pipeline places it:
+- `dedicated`: right after generate, on its own actor (its own CPU/GPU share). It follows the
+  generator's versions in lockstep — the store holds a version only until its batch is scored —
+  so it switches at most as often as the generator and keeps no history.
+- `snapshot`: right before the train step. Rows the filter dropped are never scored, but the
+  store must keep every version still inside the staleness window (up to max_staleness + 1).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import ray
+import torch
+
+from trajflow.engines.models import load_model
+from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.scoring import score
+from trajflow.operators.columns import filter_reasons, mark_filtered, replace_column
+
+
+class OldLogitsAtBehaviourVersion:
+    def __init__(
+        self,
+        store: ray.actor.ActorHandle,
+        model_path: str | Path,
+        sampling: SamplingParams,
+        skip_filtered: bool,
+        torch_threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(torch_threads)
+        self.store = store
+        self.model = load_model(model_path)
+        self.sampling = sampling
+        self.skip_filtered = skip_filtered
+        self.resident_version: int | None = None
+        self.version_switches = 0
+
+    def _ensure(self, version: int) -> None:
+        if version != self.resident_version:
+            _, (ref,) = ray.get(self.store.get.remote(version))
+            self.model.load_state_dict(ray.get(ref))
+            self.resident_version = version
+            self.version_switches += 1
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        started = time.perf_counter()
+        versions = batch["versions"].to_pylist()
+        rows = range(batch.num_rows)
+        if self.skip_filtered:
+            reasons = filter_reasons(batch)
+            rows = [i for i in rows if reasons[i] is None]
+        prompts = batch["prompt_tokens"].to_pylist()
+        responses = batch["response_tokens"].to_pylist()
+        old: list[list[float] | None] = [None] * batch.num_rows
+        needed = sorted({v for i in rows for v in versions[i]})
+        # Score under the resident version first, so a batch of one version never switches twice.
+        needed.sort(key=lambda v: v != self.resident_version)
+        evicted: set[int] = set()
+        for version in needed:
+            try:
+                self._ensure(version)
+            except ray.exceptions.RayTaskError:
+                evicted.add(version)  # out of the staleness window: its tokens cannot be trained
+                continue
+            todo = [i for i in rows if version in versions[i]]
+            scored = score(self.model, [prompts[i] for i in todo], [responses[i] for i in todo], self.sampling)
+            for i, lp in zip(todo, scored):
+                if old[i] is None:
+                    old[i] = [float("nan")] * len(responses[i])
+                mine = np.asarray(versions[i]) == version
+                for t in np.flatnonzero(mine):
+                    old[i][t] = float(lp[t])
+        over_stale = np.array([bool(evicted & set(vs)) for vs in versions])
+        for i in np.flatnonzero(over_stale):
+            old[i] = None
+        for version in {v for vs in versions for v in vs}:
+            self.store.release.remote(version)
+        self.store.add_counters.remote(
+            {"old_logit_seconds": time.perf_counter() - started, "old_logit_version_switches": float(len(needed))}
+        )
+        batch = replace_column(batch, "old_logprobs", pa.array(old, pa.list_(pa.float32())))
+        return mark_filtered(batch, over_stale, "over_stale") if over_stale.any() else batch

@@ -1,0 +1,124 @@
+"""The typed, validated configuration of one RL pipeline (the job config nests it).
+
+Every field has a default that runs the built-in task on a 2-core CPU machine. Validation happens
+here, before Ray starts: unknown keys, wrong types and impossible combinations fail with a message
+that names the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Strategy = Literal["snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior", "loglinear"]
+# Strategies whose old log-probs are computed by an operator before the train step.
+OPERATOR_STRATEGIES = ("snapshot", "dedicated", "interrupt")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(6, ge=1)
+
+
+class CorrectionSettings(_Strict):
+    """The decoupled objective's knobs (see algorithms/objective.py)."""
+
+    mask_level: Literal["token", "sequence", "none"] = "sequence"
+    mask_c_token: float = Field(2.0, gt=1.0)
+    mask_c_seq: float = Field(1.05, gt=1.0)
+    tis_cap: float | None = Field(None, gt=0.0)
+    clip_level: Literal["token", "sequence"] = "token"
+    eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    eps_high: float = Field(0.28, gt=0.0)
+    dual_clip_c: float | None = Field(None, gt=1.0)
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "token-sum-norm"] = "token-mean"
+
+
+class OptimizerConfig(_Strict):
+    lr: float = Field(3e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    minibatches_per_step: int = Field(1, ge=1)
+    mixed_precision: Literal["no", "bf16"] = "no"
+
+
+class EwmaConfig(_Strict):
+    window: int | None = Field(None, ge=1, description="staleness window W; default max(1, max_staleness)")
+    reset_threshold: float = Field(0.9, ge=0.0, le=1.0, description="tau: reset when active fraction < tau")
+
+
+class ResourceConfig(_Strict):
+    """Ray resources of one actor stage (fractional CPUs so that 2 cores do not deadlock)."""
+
+    num_cpus: float = Field(0.5, ge=0.0)
+    num_gpus: float = Field(0.0, ge=0.0)
+    resources: dict[str, float] = Field(default_factory=dict)
+    torch_threads: int = Field(1, ge=1)
+
+
+class PipelineConfig(_Strict):
+    model: Path | None = Field(None, description="local HF model dir; default: the built-in warm start")
+    task: str = "addition"
+    strategy: Strategy = "snapshot"
+    steps: int = Field(100, ge=1)
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=1)
+    max_staleness: int = Field(0, ge=0)
+    inference_dtype: Literal["float32", "bfloat16", "fp8"] = "float32"
+    partial_rollout: bool = Field(
+        False, description="take new weights between decode steps (always on for `interrupt`)"
+    )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    correction: CorrectionSettings = Field(default_factory=CorrectionSettings)
+    advantage: Literal["grpo", "dr_grpo", "leave_one_out"] = "grpo"
+    drop_zero_variance_groups: bool = True
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    ewma: EwmaConfig = Field(default_factory=EwmaConfig)
+    loglinear_alpha: float | None = Field(
+        None, ge=0.0, le=1.0, description="fixed alpha; default: from versions (A-3PO)"
+    )
+    eval_every: int = Field(0, ge=0, description="held-out greedy accuracy every k steps (0: off)")
+    eval_prompts: int = Field(200, ge=1)
+    seed: int = 0
+    num_generators: int = Field(1, ge=1)
+    generator: ResourceConfig = Field(default_factory=ResourceConfig)
+    scorer: ResourceConfig = Field(default_factory=lambda: ResourceConfig(num_cpus=0.25))
+    trainer: ResourceConfig = Field(default_factory=ResourceConfig)
+    light_stage_cpus: float = Field(0.1, gt=0.0, description="CPUs of reward/advantage/filter tasks")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "PipelineConfig":
+        if self.model is not None and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model: {self.model} is not a local model directory (no config.json)")
+        if self.strategy == "interrupt" and self.num_generators != 1:
+            raise ValueError("num_generators: the interrupt strategy needs exactly one generator")
+        rows = self.rows_per_step
+        if rows % self.optimizer.minibatches_per_step:
+            raise ValueError(
+                f"optimizer.minibatches_per_step: {self.optimizer.minibatches_per_step} does not divide "
+                f"the {rows} rows of a step"
+            )
+        if self.correction.eps_low >= 1.0:
+            raise ValueError("correction.eps_low must be < 1")
+        return self
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def ewma_window(self) -> int:
+        return self.ewma.window or max(1, self.max_staleness)
+
+    @property
+    def mid_generation_updates(self) -> bool:
+        return self.partial_rollout or self.strategy == "interrupt"

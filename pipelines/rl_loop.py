@@ -1,0 +1,266 @@
+"""The asynchronous RL loop as one Ray Data pipeline whose output stream is metrics rows.
+
+    steps ─▶ generate ─▶ [dedicated old logits] ─▶ reward ─▶ advantage ─▶ filter
+          ─▶ [snapshot old logits] ─▶ train step ─▶ metrics
+                 ▲                                       │
+                 └──────── policy store (versions) ◀─────┘
+
+`RLPipeline(config)` holds the stages as a list you can edit before running — swap the strategy
+in the config, or insert your own operator in one line:
+
+    pipe = RLPipeline(config)
+    pipe.insert_after("advantage", Stage("clip_rewards", MyOp()))
+    metrics = pipe.run()            # a polars DataFrame, one row per train step
+
+Ordering: the source emits one row per train step and Ray Data runs with `preserve_order`, so
+step b reaches the trainer as its b-th batch; every stage after generate sees whole steps
+(batch_size = rows per step), so a group's samples always travel together. Consecutive light
+task stages are fused into one Ray task to keep operator boundaries few.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import polars as pl
+import pyarrow as pa
+import ray
+from ray.data import ActorPoolStrategy, DataContext
+
+from trajflow.algorithms import CorrectionConfig
+from trajflow.algorithms.proximal import STRATEGIES, format_strategies
+from trajflow.engines.models import WARM_START_DIR
+from trajflow.engines.sampling import SamplingParams
+from trajflow.operators.advantage import Advantage
+from trajflow.operators.filter import Filter
+from trajflow.operators.generate import Generate
+from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
+from trajflow.operators.reward import Reward
+from trajflow.operators.train_step import TrainStep, publish_weights
+from trajflow.pipelines.config import PipelineConfig, ResourceConfig
+from trajflow.pipelines.policy_store import PolicyStore
+
+log = logging.getLogger("trajflow")
+
+
+@dataclass
+class Stage:
+    """One operator of the pipeline.
+
+    `fn` is either a class (run as a Ray Data actor pool, constructed with `kwargs` on each actor)
+    or a callable instance/function (run as a Ray task; Arrow table in, Arrow table out).
+    """
+
+    name: str
+    fn: Callable | type
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    resources: ResourceConfig | None = None
+    pool_size: int = 1
+
+    @property
+    def is_actor(self) -> bool:
+        return isinstance(self.fn, type)
+
+
+class _Fused:
+    """Several light task stages applied in order inside one Ray task."""
+
+    def __init__(self, fns: list[Callable]) -> None:
+        self.fns = fns
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        for fn in self.fns:
+            batch = fn(batch)
+        return batch
+
+
+def ensure_ray(**init_kwargs) -> None:
+    """Start an embedded Ray unless one is running (dashboard off; services bind to 127.0.0.1)."""
+    if not ray.is_initialized():
+        init_kwargs.setdefault("include_dashboard", False)
+        init_kwargs.setdefault("configure_logging", False)
+        ray.init(**init_kwargs)
+
+
+class RLPipeline:
+    def __init__(self, config: PipelineConfig, model_path: str | Path | None = None) -> None:
+        self.config = config
+        self.model_path = str(model_path or config.model or WARM_START_DIR)
+        self.sampling = SamplingParams(**config.sampling.model_dump())
+        self.store: ray.actor.ActorHandle | None = None
+        self.train_step_kwargs: dict[str, Any] = {}  # extra TrainStep kwargs (e.g. the job's on_step)
+        self.stages = self._default_stages()
+
+    # -- editing -----------------------------------------------------------------------------------
+    def _index(self, name: str) -> int:
+        for i, stage in enumerate(self.stages):
+            if stage.name == name:
+                return i
+        raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
+
+    def insert_after(self, name: str, stage: Stage) -> "RLPipeline":
+        self.stages.insert(self._index(name) + 1, stage)
+        return self
+
+    def insert_before(self, name: str, stage: Stage) -> "RLPipeline":
+        self.stages.insert(self._index(name), stage)
+        return self
+
+    def replace(self, name: str, stage: Stage) -> "RLPipeline":
+        self.stages[self._index(name)] = stage
+        return self
+
+    def remove(self, name: str) -> "RLPipeline":
+        del self.stages[self._index(name)]
+        return self
+
+    # -- the default stage list ----------------------------------------------------------------
+    def _default_stages(self) -> list[Stage]:
+        c = self.config
+        generate = Stage(
+            "generate",
+            Generate,
+            dict(
+                model_path=self.model_path,
+                task=c.task,
+                prompts_per_step=c.prompts_per_step,
+                group_size=c.group_size,
+                sampling=self.sampling,
+                inference_dtype=c.inference_dtype,
+                seed=c.seed,
+                mid_generation_updates=c.mid_generation_updates,
+                score_on_switch=c.strategy == "interrupt",
+                torch_threads=c.generator.torch_threads,
+            ),
+            c.generator,
+            pool_size=c.num_generators,
+        )
+        old_logits = dict(model_path=self.model_path, sampling=self.sampling, torch_threads=c.scorer.torch_threads)
+        stages = [generate]
+        if c.strategy == "dedicated":
+            stages.append(Stage("old_logits", OldLogitsAtBehaviourVersion, dict(old_logits, skip_filtered=False), c.scorer))
+        stages += [
+            Stage("reward", Reward(self.model_path, c.task)),
+            Stage("advantage", Advantage(c.advantage)),
+            Stage("filter", Filter(c.drop_zero_variance_groups)),
+        ]
+        if c.strategy == "snapshot":
+            stages.append(Stage("old_logits", OldLogitsAtBehaviourVersion, dict(old_logits, skip_filtered=True), c.scorer))
+        correction = CorrectionConfig(**c.correction.model_dump(), loss_norm_tokens=c.sampling.max_new_tokens)
+        train = dict(
+            model_path=self.model_path,
+            task=c.task,
+            strategy=c.strategy,
+            correction=correction,
+            sampling=self.sampling,
+            max_staleness=c.max_staleness,
+            **c.optimizer.model_dump(),
+            ewma_window=c.ewma_window,
+            ewma_tau=c.ewma.reset_threshold,
+            loglinear_alpha=c.loglinear_alpha,
+            eval_every=c.eval_every,
+            eval_prompts=c.eval_prompts,
+            torch_threads=c.trainer.torch_threads,
+        )
+        stages.append(Stage("train", TrainStep, train, c.trainer))
+        return stages
+
+    # -- building and running --------------------------------------------------------------------
+    def start_store(self, initial_version: int = 0, initial_weights: dict | None = None) -> ray.actor.ActorHandle:
+        """Create this run's policy store and publish the starting weights as `initial_version`."""
+        from trajflow.engines.models import load_model
+
+        ensure_ray()
+        keep_history = self.config.strategy in ("snapshot", "dedicated")
+        self.store = PolicyStore.options(name=f"trajflow_store_{uuid.uuid4().hex[:8]}").remote(
+            self.config.max_staleness, keep_history
+        )
+        model = load_model(self.model_path)
+        if initial_weights is not None:
+            model.load_state_dict(initial_weights)
+        publish_weights(self.store, model, initial_version)
+        return self.store
+
+    def build(self, first_step: int = 0) -> ray.data.Dataset:
+        """The Ray Dataset whose rows are the metrics of train steps first_step .. steps-1."""
+        c = self.config
+        if self.store is None:
+            self.start_store(first_step)
+        ctx = DataContext.get_current()
+        ctx.execution_options.preserve_order = True  # step b must reach the trainer as batch b
+        rows = c.rows_per_step
+        # One block per step, built on the driver: a read task would ask for a whole CPU.
+        ds = ray.data.from_arrow([pa.table({"id": pa.array([step], pa.int64())}) for step in range(first_step, c.steps)])
+        pending: list[Callable] = []
+
+        def flush(ds: ray.data.Dataset) -> ray.data.Dataset:
+            if not pending:
+                return ds
+            fn = pending[0] if len(pending) == 1 else _Fused(list(pending))
+            pending.clear()
+            return ds.map_batches(fn, batch_size=rows, batch_format="pyarrow", num_cpus=c.light_stage_cpus,
+                                  zero_copy_batch=True)
+
+        for stage in self.stages:
+            if not stage.is_actor:
+                pending.append(stage.fn)
+                continue
+            ds = flush(ds)
+            res = stage.resources or ResourceConfig()
+            ray_args = {"resources": res.resources} if res.resources else {}
+            ds = ds.map_batches(
+                stage.fn,
+                fn_constructor_kwargs={"store": self.store, **stage.kwargs,
+                                       **(self.train_step_kwargs if stage.fn is TrainStep else {})},
+                batch_size=1 if stage.fn is Generate else rows,
+                batch_format="pyarrow",
+                compute=ActorPoolStrategy(size=stage.pool_size),
+                num_cpus=res.num_cpus,
+                num_gpus=res.num_gpus or None,
+                **ray_args,
+            )
+        return flush(ds)
+
+    def describe(self) -> str:
+        s = STRATEGIES[self.config.strategy]
+        return (
+            f"strategy {s.name} ({s.kind}): {s.meaning}\n"
+            f"stages: {' -> '.join(stage.name for stage in self.stages)}\n"
+            f"max_staleness {self.config.max_staleness}, inference_dtype {self.config.inference_dtype}, "
+            f"{self.config.steps} steps x {self.config.rows_per_step} rows"
+        )
+
+    def iter_metrics(self, first_step: int = 0):
+        """Run the pipeline, yielding one metrics dict per train step as it completes."""
+        log.info("trajflow pipeline\n%s\nall strategies:\n%s", self.describe(), format_strategies())
+        try:
+            for row in self.build(first_step).iter_rows():
+                yield row
+        finally:
+            self.shutdown()
+
+    def run(self, progress: bool = True) -> pl.DataFrame:
+        """Run to the end and return the metrics as a polars DataFrame (one row per step)."""
+        from tqdm.auto import tqdm
+
+        rows = []
+        with tqdm(total=self.config.steps, desc=f"trajflow {self.config.strategy}", disable=not progress) as bar:
+            for row in self.iter_metrics():
+                rows.append(row)
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", version=row["version"])
+        return pl.DataFrame(rows)
+
+    def shutdown(self) -> None:
+        if self.store is not None:
+            ray.kill(self.store)
+            self.store = None
+
+
+def build_pipeline(config: PipelineConfig) -> ray.data.Dataset:
+    """The Ray Dataset of metrics rows for `config` (starts Ray and the policy store if needed)."""
+    return RLPipeline(config).build()

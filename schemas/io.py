@@ -1,0 +1,51 @@
+"""Parquet I/O for v1 trajectory tables: validated, atomic writes; checked reads."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .trajectory import SchemaError, conform, validate
+
+
+def write_parquet(table: pa.Table, path: str | os.PathLike) -> Path:
+    """Validate `table`, then write it atomically (temp file in the same dir + os.replace).
+
+    v1 metadata is always attached. An invalid table raises SchemaError and writes nothing.
+    """
+    validate(table)
+    table = conform(table)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_parquet(path: str | os.PathLike) -> pa.Table:
+    """Read a v1 Parquet file, conform and validate it; errors name the file (and column)."""
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError) as e:
+        raise SchemaError(f"{path}: not a readable Parquet file (truncated or corrupt?): {e}") from e
+    try:
+        table = conform(table)
+        validate(table)
+    except SchemaError as e:
+        raise SchemaError(f"{path}: {e}", column=e.column, row=e.row) from e
+    return table
