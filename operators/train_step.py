@@ -71,6 +71,7 @@ class TrainStep:
         eval_every: int = 0,
         eval_prompts: int = 200,
         torch_threads: int = 1,
+        on_start: Callable[["TrainStep"], None] | None = None,
         on_step: Callable[["TrainStep", pa.Table, dict], None] | None = None,
     ) -> None:
         torch.set_num_threads(torch_threads)
@@ -86,7 +87,7 @@ class TrainStep:
         self.eval_prompts = eval_prompts
         self.task = get_task(task)
         self.tokenizer = load_tokenizer(model_path)
-        self.on_step = on_step  # e.g. the job's trajectory log and checkpoints
+        self.on_step = on_step  # e.g. the job's trajectory log and checkpoints (after publishing)
 
         model = load_model(model_path)
         # Start from the store's newest weights: version 0 on a fresh run, the resumed one later.
@@ -103,6 +104,8 @@ class TrainStep:
             self.prox_model = copy.deepcopy(self._unwrapped()).eval()
         self.busy_seconds = 0.0
         self.started = time.perf_counter()
+        if on_start is not None:
+            on_start(self)  # e.g. a resumed job restores optimizer and EWMA state here
 
     def _unwrapped(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.model)
