@@ -1,4 +1,15 @@
-"""The `trajflow` command line."""
+"""The `trajflow` command line.
+
+    trajflow run CONFIG [--set key=value ...]       a job on an embedded Ray; writes a run dir
+    trajflow run --resume RUN_DIR                   continue a killed run from its last checkpoint
+    trajflow submit CONFIG --address http://HOST:8265   the same job on a Ray cluster (Ray Jobs)
+    trajflow status JOB_ID --address ...  /  trajflow stop JOB_ID --address ...
+    trajflow replay TRAJECTORIES --checkpoints DIR --strategy NAME [--diagnose | --train]
+    trajflow generate / trajflow eval               quick looks at a model (no Ray)
+
+CONFIG is a YAML file or the name of a bundled one (`trajflow configs` lists them). Bad input
+(config, Parquet, missing weights) ends with one `trajflow: ...` line and exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -71,8 +82,133 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(ValueError):
+    """Bad command-line input; reported as one line."""
+
+
+def _cmd_configs(args: argparse.Namespace) -> int:
+    from trajflow.jobs.config import CONFIGS_DIR, bundled_configs
+
+    for name in bundled_configs():
+        first = (CONFIGS_DIR / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ").strip()
+        print(f"{name:<12} {first}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from trajflow.jobs.config import build_job_config, load_job_config, parse_config_text
+
+    if args.resume:
+        if args.config or args.config_b64:
+            raise UsageError("run: give either CONFIG or --resume RUN_DIR, not both")
+        from trajflow.jobs.run import resume_job
+
+        resume_job(args.resume, args.set, progress=not args.no_progress)
+        return 0
+    if args.config_b64:
+        import base64
+
+        text = base64.urlsafe_b64decode(args.config_b64.encode()).decode()
+        config = build_job_config(parse_config_text(text, "--config-b64"), args.set)
+    elif args.config:
+        config = load_job_config(args.config, args.set)
+    else:
+        raise UsageError("run: a CONFIG (file or bundled name, e.g. quickstart) or --resume RUN_DIR is required")
+    if args.run_dir:
+        config = config.model_copy(update={"run_dir": Path(args.run_dir)})
+    from trajflow.jobs.run import run_job  # imported after validation: torch loads only for a valid config
+
+    run_job(config, progress=not args.no_progress)
+    return 0
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from trajflow.jobs.config import load_job_config
+
+    config = load_job_config(args.config, args.set)
+    if args.run_dir:
+        config = config.model_copy(update={"run_dir": Path(args.run_dir)})
+    from trajflow.jobs.submit import submit
+
+    return submit(config, args.address, wait=not args.no_wait, python=args.python,
+                  submission_id=args.submission_id)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from trajflow.jobs.submit import status
+
+    return status(args.job_id, args.address)
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from trajflow.jobs.submit import stop
+
+    return stop(args.job_id, args.address)
+
+
+def _find_run_config(trajectories: Path) -> Path | None:
+    path = trajectories.resolve()
+    for candidate in [path, *path.parents][:4]:
+        if (candidate / "config.yaml").is_file():
+            return candidate / "config.yaml"
+    return None
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    import time
+
+    import polars as pl
+
+    from trajflow.engines import checkpoint as ckpt
+    from trajflow.jobs.config import JobConfigError, load_job_config
+    from trajflow.jobs.recorder import write_table_atomic
+    from trajflow.jobs.run import quiet_ray_data, start_ray
+    from trajflow.pipelines.replay import Replay
+
+    trajectories = Path(args.trajectories)
+    config_path = Path(args.config) if args.config else _find_run_config(trajectories)
+    if config_path is None:
+        raise JobConfigError(f"config error: no config.yaml found beside {trajectories}; pass --config FILE")
+    config = load_job_config(config_path, args.set)
+    strategies = [s for item in args.strategy for s in item.split(",") if s]
+    mode = "train" if args.train else "diagnose"
+    replay = Replay(config.pipeline_config(), trajectories, args.checkpoints, strategies, mode)  # checks all inputs
+
+    run_root = config_path.parent
+    out = Path(args.out) if args.out else run_root / "replay" / f"{mode}-{'+'.join(strategies)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"replay: --out {out} already exists and is not empty")
+    print(f"trajflow: replay ({mode}) of {len(replay.steps)} steps under {', '.join(strategies)}; "
+          f"{len(replay.weights)} versions from {args.checkpoints}", flush=True)
+    start_ray(config)
+    quiet_ray_data()
+    metrics = replay.run()
+
+    # everything is written into a temp dir and renamed at the end: no half-written output
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    write_table_atomic(metrics.to_arrow(), tmp / "metrics.parquet")
+    ckpt.atomic_write_text(tmp / "config.yaml", config.to_yaml())
+    if mode == "train":
+        ckpt.save_weights(replay.final_weights, tmp / "model.safetensors")
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+
+    keys = [k for k in ("step", "strategy", "rows_trained", "mask/token_kept_frac", "clip/frac", "active_frac",
+                        "mismatch/k3", "is/ess", "staleness/mean", "loss") if k in metrics.columns]
+    with pl.Config(tbl_rows=40, tbl_cols=-1, tbl_width_chars=200, float_precision=4,
+                   tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
+        print(metrics.select(keys))
+        means = [c for c in keys if c not in ("step", "strategy")]
+        print(metrics.group_by("strategy", maintain_order=True).agg([pl.col(c).mean() for c in means]))
+    print(f"trajflow: replay written to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trajflow", description=__doc__)
+    parser = argparse.ArgumentParser(prog="trajflow", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate and score a batch with a model; print a table")
@@ -92,13 +228,101 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--n", type=int, default=1000)
     ev.add_argument("--max-new-tokens", type=int, default=6)
     ev.set_defaults(func=_cmd_eval)
+
+    def add_set(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key (dotted path; the value is parsed as YAML), repeatable")
+
+    run = sub.add_parser("run", help="run a job on an embedded Ray (or continue one with --resume)")
+    run.add_argument("config", nargs="?", help="YAML job config, or a bundled name (quickstart, snapshot, ...)")
+    add_set(run)
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last checkpoint")
+    run.add_argument("--run-dir", help="where to write the run (default: runs_root/NAME-STRATEGY-TIME)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (status lines only)")
+    run.add_argument("--config-b64", help=argparse.SUPPRESS)  # inline config (used by `submit`)
+    run.set_defaults(func=_cmd_run)
+
+    sb = sub.add_parser("submit", help="submit a job to a Ray cluster (Ray Jobs API), stream its logs")
+    sb.add_argument("config")
+    add_set(sb)
+    sb.add_argument("--address", required=True, help="the cluster's dashboard, e.g. http://127.0.0.1:8265")
+    sb.add_argument("--run-dir", help="run dir on storage the cluster can write (default: runs_root/...)")
+    sb.add_argument("--no-wait", action="store_true", help="return after submitting")
+    sb.add_argument("--python", default="python", help="the cluster's Python with trajflow installed")
+    sb.add_argument("--submission-id", help="job id to use (default: generated)")
+    sb.set_defaults(func=_cmd_submit)
+
+    st = sub.add_parser("status", help="status of a submitted job")
+    st.add_argument("job_id")
+    st.add_argument("--address", required=True)
+    st.set_defaults(func=_cmd_status)
+
+    sp = sub.add_parser("stop", help="stop a submitted job")
+    sp.add_argument("job_id")
+    sp.add_argument("--address", required=True)
+    sp.set_defaults(func=_cmd_stop)
+
+    rp = sub.add_parser("replay", help="replay a logged trajectory dataset under a strategy")
+    rp.add_argument("trajectories", help="a run dir, its trajectories/ dir, or Parquet file(s)")
+    rp.add_argument("--checkpoints", required=True,
+                    help="dir with the versions' weights (a run dir, its versions/ or checkpoints/)")
+    rp.add_argument("--strategy", action="append", required=True,
+                    help="strategy to replay under; repeat (or comma-separate) to compare in --diagnose")
+    mode = rp.add_mutually_exclusive_group()
+    mode.add_argument("--diagnose", action="store_true", help="correction diagnostics per step, no training (default)")
+    mode.add_argument("--train", action="store_true", help="train on the logged data")
+    rp.add_argument("--config", help="job config (default: the run's config.yaml beside the log)")
+    add_set(rp)
+    rp.add_argument("--out", help="output dir (default: RUN/replay/MODE-STRATEGY-TIME)")
+    rp.set_defaults(func=_cmd_replay)
+
+    cf = sub.add_parser("configs", help="list the bundled job configs")
+    cf.set_defaults(func=_cmd_configs)
     return parser
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+_BAD_INPUT = (
+    ("trajflow.jobs.cli", "UsageError"),
+    ("trajflow.jobs.config", "JobConfigError"),
+    ("trajflow.jobs.run", "RunError"),
+    ("trajflow.pipelines.replay", "ReplayError"),
+    ("trajflow.schemas.trajectory", "SchemaError"),
+    ("trajflow.engines.checkpoint", "CheckpointError"),
+)
+
+
+def _is_bad_input(error: BaseException) -> bool:
+    """An error about the user's input (not a bug): reported as one line. Only modules already
+    imported are checked — an error cannot come from a module that was never loaded."""
+    for module, name in _BAD_INPUT:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(error, cls):
+            return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    if args.command in ("generate", "eval", "configs"):
+        return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("trajflow: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if _is_bad_input(e):
+            print(f"trajflow: {_one_line(e)}", file=sys.stderr)
+            return 2
+        if args.command in ("submit", "status", "stop") and isinstance(e, (ConnectionError, RuntimeError)):
+            print(f"trajflow: {args.command}: {_one_line(e)}", file=sys.stderr)  # the cluster said no
+            return 1
+        raise
 
 
 if __name__ == "__main__":

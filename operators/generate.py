@@ -49,6 +49,7 @@ class Generate:
         seed: int,
         mid_generation_updates: bool = False,
         score_on_switch: bool = False,
+        simulate_decode_seconds: float = 0.0,
         torch_threads: int = 1,
     ) -> None:
         torch.set_num_threads(torch_threads)
@@ -61,6 +62,7 @@ class Generate:
         self.seed = seed
         self.mid_generation_updates = mid_generation_updates
         self.score_on_switch = score_on_switch
+        self.simulate_decode_seconds = simulate_decode_seconds
         model = load_model(model_path)
         self.engine = TorchEngine(
             model,
@@ -101,12 +103,13 @@ class Generate:
         prompt_tokens = [encode_prompt(self.tokenizer, p.text) for p in prompts]
         self.engine.generator.manual_seed(self.seed * 1_000_003 + step)
         old_logprobs: list[list[float | None]] | None = None
-        hook = None
-        if self.mid_generation_updates:
-            if self.score_on_switch:
-                old_logprobs = [[] for _ in range(len(prompts) * self.group_size)]
+        if self.mid_generation_updates and self.score_on_switch:
+            old_logprobs = [[] for _ in range(len(prompts) * self.group_size)]
 
-            def hook(engine: TorchEngine, gens: list[Generation]) -> None:
+        def hook(engine: TorchEngine, gens: list[Generation]) -> None:
+            if self.simulate_decode_seconds:
+                time.sleep(self.simulate_decode_seconds)
+            if self.mid_generation_updates:
                 newest = ray.get(self.store.latest_version.remote())
                 if newest > engine.version:
                     if old_logprobs is not None:

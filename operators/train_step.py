@@ -59,7 +59,7 @@ class TrainStep:
         correction: CorrectionConfig,
         sampling: SamplingParams,
         max_staleness: int,
-        lr: float = 3e-4,
+        lr: float = 1e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.99),
         grad_clip: float | None = 1.0,
@@ -235,6 +235,8 @@ class TrainStep:
             fired = self.ewma.maybe_reset(diagnostics["active_frac"], self._state_dict())
             diagnostics.update({"ewma/reset": float(fired), "ewma/reset_count": float(self.ewma.reset_count),
                                 "ewma/age": self.ewma.age})
+        versions_per_row = batch["versions"].to_pylist()
+        diagnostics["rows_spanning_versions"] = sum(len(set(v)) > 1 for v in versions_per_row)
         lengths = [len(r) for r in responses]
         return diagnostics, [row[:n].tolist() for row, n in zip(olds.numpy(), lengths)]
 

@@ -43,7 +43,7 @@ class CorrectionSettings(_Strict):
 
 
 class OptimizerConfig(_Strict):
-    lr: float = Field(3e-4, gt=0.0)
+    lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float | None = Field(1.0, gt=0.0)
@@ -76,6 +76,9 @@ class PipelineConfig(_Strict):
     inference_dtype: Literal["float32", "bfloat16", "fp8"] = "float32"
     partial_rollout: bool = Field(
         False, description="take new weights between decode steps (always on for `interrupt`)"
+    )
+    simulate_decode_seconds: float = Field(
+        0.0, ge=0.0, description="sleep per decode step: emulate a slower inference engine (staleness studies)"
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     correction: CorrectionSettings = Field(default_factory=CorrectionSettings)

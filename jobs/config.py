@@ -1,0 +1,157 @@
+"""Job configs: one YAML file = the pipeline's settings (PipelineConfig) + how to run it.
+
+    # jobs/configs/quickstart.yaml
+    strategy: snapshot
+    steps: 20
+    optimizer: {lr: 3.0e-4}
+    checkpoint_every: 5
+
+Pipeline keys sit at the top level (the fields of `PipelineConfig`: strategy, steps, sampling,
+optimizer, generator/trainer resources, ...); the run options below sit beside them. Everything is
+validated before Ray starts. `load_job_config(path, ["optimizer.lr=1e-3", ...])` applies `--set`
+overrides (each value parsed as YAML: `generator.resources={gen_node: 0.1}`, never eval'd) and
+turns any problem into one `JobConfigError` line that names the key, e.g.
+
+    config error: optimizer.lr: Input should be greater than 0
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from trajflow.pipelines.config import PipelineConfig
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+
+
+class JobConfigError(ValueError):
+    """A job config cannot be used; the message is one line naming the key."""
+
+
+class JobConfig(PipelineConfig):
+    """PipelineConfig + run options (run dir, checkpoints, logs, where Ray runs)."""
+
+    name: str = Field("run", min_length=1, description="run dir name prefix")
+    runs_root: Path = Field(Path("runs"), description="parent of new run dirs (when run_dir is not set)")
+    run_dir: Path | None = Field(None, description="explicit run dir (must not exist yet, unless resuming)")
+    checkpoint_every: int = Field(10, ge=0, description="checkpoint every k steps (0: only the final one)")
+    keep_checkpoints: int = Field(2, ge=1, description="retention: keep the newest k checkpoints")
+    save_all_versions: bool = Field(False, description="keep the weights of every version (exact replay)")
+    trajectory_log: bool = Field(True, description="log every trajectory (Parquet, partitioned by step)")
+    tensorboard: bool = Field(True, description="TensorBoard event files (needs the `plots` extra)")
+    ray_address: str | None = Field(None, description="None: embedded Ray; else ray.init(address=...)")
+    dashboard: bool = Field(False, description="embedded Ray: start the dashboard (bound to 127.0.0.1)")
+    status_every: int = Field(1, ge=0, description="print a status line every k steps (0: never)")
+
+    @model_validator(mode="after")
+    def _check_run_options(self) -> "JobConfig":
+        if self.checkpoint_every > self.steps:
+            raise ValueError(
+                f"checkpoint_every: {self.checkpoint_every} is more than steps ({self.steps}); "
+                "use 0 for a final checkpoint only"
+            )
+        return self
+
+    def pipeline_config(self) -> PipelineConfig:
+        fields = set(PipelineConfig.model_fields)
+        return PipelineConfig(**{k: v for k, v in self.model_dump().items() if k in fields})
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# -- loading -------------------------------------------------------------------------------------
+def _loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line: `key.path: message` for each error, joined with '; '."""
+    parts = []
+    for e in error.errors():
+        key = _loc(e.get("loc", ()))
+        msg = str(e.get("msg", "invalid"))
+        if e.get("type") == "extra_forbidden":
+            msg = "unknown key"
+        msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        parts.append(f"{key}: {msg}" if key else msg)
+    return "; ".join(parts).replace("\n", " ")
+
+
+def _set_key(data: dict, assignment: str) -> None:
+    key, sep, raw = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise JobConfigError(f"config error: --set {assignment!r}: expected key=value (e.g. optimizer.lr=1e-3)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise JobConfigError(f"config error: {key}: --set value {raw!r} is not valid YAML ({problem})") from None
+    parts = key.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise JobConfigError(f"config error: {'.'.join(parts[: i + 1])}: is not a mapping, cannot set {key}")
+        node = child
+    node[parts[-1]] = value
+
+
+def resolve_config_path(path: str | os.PathLike) -> Path:
+    """A path, or the name of a bundled config (`quickstart`, `snapshot`, ...)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    for candidate in (CONFIGS_DIR / p.name, CONFIGS_DIR / f"{p.name}.yaml"):
+        if not p.parent.parts and candidate.is_file():
+            return candidate
+    raise JobConfigError(f"config error: {path}: no such config file (bundled: {', '.join(bundled_configs())})")
+
+
+def bundled_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+
+
+def parse_config_text(text: str, source: str = "<config>") -> dict:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise JobConfigError(f"config error: {source}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise JobConfigError(f"config error: {source}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def build_job_config(data: dict[str, Any], overrides: list[str] | None = None) -> JobConfig:
+    data = dict(data)
+    for assignment in overrides or []:
+        _set_key(data, assignment)
+    try:
+        return JobConfig(**data)
+    except ValidationError as e:
+        raise JobConfigError(f"config error: {format_validation_error(e)}") from None
+    except TypeError as e:  # e.g. non-string keys in the YAML
+        raise JobConfigError(f"config error: {e}") from None
+
+
+def load_job_config(path: str | os.PathLike, overrides: list[str] | None = None) -> JobConfig:
+    """Read, override and validate a job config; any problem is one JobConfigError line."""
+    resolved = resolve_config_path(path)
+    try:
+        text = resolved.read_text()
+    except OSError as e:
+        raise JobConfigError(f"config error: {path}: cannot read ({e.strerror})") from None
+    return build_job_config(parse_config_text(text, str(path)), overrides)

@@ -1,0 +1,288 @@
+"""The run directory, and the hooks that write it durably from inside the trainer actor.
+
+    RUN/
+      config.yaml                       the resolved job config
+      run.json                          state (running / finished / failed), pid, host, times
+      metrics/step=000012.parquet       one row per train step (written by the trainer, atomically)
+      metrics.parquet                   all steps in one file (rewritten at the end)
+      trajectories/step=000012/part-0.parquet   every trajectory of train step 12, schema v1 +
+                                        extras (answer, rollout_step, filter_reason, trainer_version)
+      quarantine/step=000012.parquet    rows with non-finite log-probs (not schema-valid; rare)
+      checkpoints/step-000012/          weights + optimizer (+ EWMA) state of version 12
+      versions/v000012.safetensors      every version's weights (save_all_versions only)
+      tensorboard/                      event files (when tensorboard is installed)
+      summary.txt                       the final summary table
+
+Step s is trained by the trainer at version s and produces version s + 1. `RunRecorder.on_step`
+runs in the trainer actor after version s + 1 is published, and writes, in this order: the
+trajectory partition of step s, the metrics row of step s, the version file s + 1, then (every
+`checkpoint_every` steps, and at the end) checkpoint s + 1. Each file is written atomically, so a
+kill at any point leaves complete files; a complete checkpoint k implies complete logs of steps
+< k. Resuming from checkpoint k deletes whatever exists of steps >= k (`truncate_after`) and
+re-runs them, so no step is repeated or skipped in the logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trajflow.engines import checkpoint as ckpt
+
+STEP_DIR = "step={:06d}"
+
+
+def step_of(name: str) -> int | None:
+    """6 from 'step=000006' or 'step=000006.parquet'; None for anything else."""
+    if not name.startswith("step="):
+        return None
+    try:
+        return int(name[5:].split(".")[0])
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.root / "metrics"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.parquet"
+
+    @property
+    def trajectories(self) -> Path:
+        return self.root / "trajectories"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def versions(self) -> Path:
+        return self.root / "versions"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.txt"
+
+    def trajectory_file(self, step: int) -> Path:
+        return self.trajectories / STEP_DIR.format(step) / "part-0.parquet"
+
+    def metrics_file(self, step: int) -> Path:
+        return self.metrics_dir / (STEP_DIR.format(step) + ".parquet")
+
+
+def write_table_atomic(table: pa.Table, path: Path) -> None:
+    """pyarrow Parquet write via temp file + fsync + rename (for non-trajectory tables)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_state(paths: RunPaths, **fields) -> None:
+    current = read_state(paths)
+    current.update(fields)
+    ckpt.atomic_write_text(paths.state, json.dumps(current, indent=1, sort_keys=True))
+
+
+def read_state(paths: RunPaths) -> dict:
+    try:
+        return json.loads(paths.state.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def same_host(state: dict) -> bool:
+    return state.get("host") == socket.gethostname()
+
+
+def truncate_after(paths: RunPaths, first_step: int) -> list[int]:
+    """Delete everything logged for steps >= first_step (and versions > first_step, checkpoints >
+    first_step, temp files). Returns the steps whose logs were removed."""
+    removed: set[int] = set()
+    for parent in (paths.trajectories, paths.metrics_dir, paths.quarantine):
+        if not parent.is_dir():
+            continue
+        for path in parent.iterdir():
+            if path.name.startswith("."):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                continue
+            step = step_of(path.name)
+            if step is not None and step >= first_step:
+                removed.add(step)
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            elif path.is_dir():  # leftovers of an interrupted atomic write inside a partition
+                for tmp in path.glob(".*.tmp"):
+                    tmp.unlink(missing_ok=True)
+    if paths.versions.is_dir():
+        for path in paths.versions.iterdir():
+            if path.name.startswith("."):
+                path.unlink(missing_ok=True)
+            elif path.name.startswith(ckpt.VERSION_PREFIX):
+                try:
+                    version = int(path.name[len(ckpt.VERSION_PREFIX):].split(".")[0])
+                except ValueError:
+                    continue
+                if version > first_step:
+                    path.unlink()
+    ckpt.clean_partial(paths.checkpoints)
+    for c in ckpt.list_checkpoints(paths.checkpoints):
+        if c.version > first_step:
+            shutil.rmtree(c.path)
+    return sorted(removed)
+
+
+def logged_steps(paths: RunPaths) -> list[int]:
+    if not paths.metrics_dir.is_dir():
+        return []
+    return sorted(s for s in (step_of(p.name) for p in paths.metrics_dir.glob("step=*.parquet")) if s is not None)
+
+
+def read_metrics(paths: RunPaths):
+    """All per-step metrics rows as one polars DataFrame, sorted by step."""
+    import polars as pl
+
+    files = sorted(paths.metrics_dir.glob("step=*.parquet")) if paths.metrics_dir.is_dir() else []
+    if not files:
+        return pl.DataFrame()
+    frames = [pl.read_parquet(f) for f in files]
+    return pl.concat(frames, how="diagonal_relaxed").sort("step")
+
+
+@dataclass
+class RunRecorder:
+    """The trainer-side hooks of a job run (picklable: shipped to the trainer actor).
+
+    on_start: restores optimizer and EWMA state when resuming, and saves the starting version's
+    weights when every version is kept. on_step: writes the logs and checkpoints of each step.
+    """
+
+    run_dir: str
+    steps: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    save_all_versions: bool
+    trajectory_log: bool
+    resume_from: str | None = None  # checkpoint dir whose optimizer/EWMA state the trainer restores
+
+    @property
+    def paths(self) -> RunPaths:
+        return RunPaths(Path(self.run_dir))
+
+    # -- hooks (called inside the TrainStep actor) ------------------------------------------
+    def on_start(self, trainstep) -> None:
+        if self.resume_from is not None:
+            checkpoint = ckpt.Checkpoint(Path(self.resume_from), -1)
+            meta = json.loads((checkpoint.path / "meta.json").read_text())
+            if trainstep.version != meta["version"]:
+                raise RuntimeError(
+                    f"resume: the trainer starts at version {trainstep.version}, "
+                    f"checkpoint {checkpoint.path} holds version {meta['version']}"
+                )
+            optimizer_state = checkpoint.optimizer_state()
+            if optimizer_state is not None:
+                trainstep.optimizer.load_state_dict(optimizer_state)
+            ewma_state = checkpoint.ewma_state()
+            if trainstep.ewma is not None:
+                if ewma_state is None:
+                    raise RuntimeError(f"resume: checkpoint {checkpoint.path} has no EWMA state")
+                trainstep.ewma.load_state_dict(ewma_state)
+        if self.save_all_versions:
+            path = ckpt.version_file(self.paths.versions, trainstep.version)
+            if not path.is_file():
+                ckpt.save_weights(trainstep._state_dict(), path)
+
+    def on_step(self, trainstep, batch: pa.Table, metrics: dict) -> None:
+        import ray
+
+        paths = self.paths
+        step, version = int(metrics["step"]), int(metrics["version"])
+        try:
+            metrics["trainer_node"] = ray.get_runtime_context().get_node_id()
+        except Exception:  # not inside Ray (unit use)
+            metrics["trainer_node"] = ""
+        if self.trajectory_log:
+            self._log_trajectories(paths, step, batch)
+        write_table_atomic(pa.Table.from_pylist([_plain(metrics)]), paths.metrics_file(step))
+        state = trainstep._state_dict()
+        if self.save_all_versions:
+            ckpt.save_weights(state, ckpt.version_file(paths.versions, version))
+        final = version >= self.steps
+        if final or (self.checkpoint_every and version % self.checkpoint_every == 0):
+            ckpt.save_checkpoint(
+                paths.checkpoints,
+                version,
+                state,
+                optimizer_state=trainstep.optimizer.state_dict(),
+                ewma_state=trainstep.ewma.state_dict() if trainstep.ewma is not None else None,
+                meta={"steps_done": version, "time": time.time(), "strategy": trainstep.strategy},
+            )
+            ckpt.prune_checkpoints(paths.checkpoints, self.keep_checkpoints)
+            metrics["checkpoint"] = version
+
+    def _log_trajectories(self, paths: RunPaths, step: int, batch: pa.Table) -> None:
+        from trajflow.schemas import nonfinite_rows, write_parquet
+
+        batch = batch.append_column("trainer_version", pa.array(np.full(batch.num_rows, step, np.int32)))
+        bad = nonfinite_rows(batch)
+        if bad.any():  # quarantined rows are not schema-valid (NaN log-probs): keep them apart
+            write_table_atomic(batch.filter(pa.array(bad)), paths.quarantine / (STEP_DIR.format(step) + ".parquet"))
+            batch = batch.filter(pa.array(~bad))
+        write_parquet(batch, paths.trajectory_file(step))
+
+
+def _plain(metrics: dict) -> dict:
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, np.generic):
+            value = value.item()
+        out[key] = value
+    return out

@@ -1,0 +1,271 @@
+"""The engine contract, run against every engine (torch, vllm): same tests, same tolerances.
+
+float32 log-probs equal teacher-forced training-side scoring; sampling at temperature T follows the
+tempered softmax; a weight update switches outputs to the new version's; an interrupted request
+resumes under the new weights with per-token versions of both.
+
+The vLLM parameters need the `vllm` package. Without it they skip with a reason (the main venv);
+with TRAJFLOW_REQUIRE_VLLM=1 (set by .ci/vllm-tests) a missing vLLM fails instead. vLLM starts in
+seconds, not milliseconds, so one vLLM engine serves the whole module: each test re-targets it with
+`load_weights` (itself part of the contract), its sampling parameters and a reseed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from trajflow.engines import Generation, SamplingParams, score
+from trajflow.engines.factory import ENGINES, make_engine
+from trajflow.engines.models import build_tiny_model, save_model
+from trajflow.engines.tokenizer import EOS_ID, PAD_ID, encode_prompt
+
+TOL = 1e-4  # the contract's float32 bound (measured: < 1e-6 for both engines)
+PROMPT_TEXTS = ["12+345=", "7+8=", "reverse: abcdef ="]  # different lengths
+
+
+def require_vllm() -> None:
+    """Skip (locally) or fail (TRAJFLOW_REQUIRE_VLLM=1, CI) when vLLM is not importable."""
+    try:
+        from vllm import LLM  # noqa: F401
+    except ImportError as e:
+        reason = (f"vllm is not importable ({e}); the vLLM engine tests run in .venv-vllm via "
+                  ".ci/vllm-tests")
+        if os.environ.get("TRAJFLOW_REQUIRE_VLLM") == "1":
+            pytest.fail(f"TRAJFLOW_REQUIRE_VLLM=1 but {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny[0]
+
+
+@pytest.fixture(scope="module")
+def other_model():
+    return build_tiny_model(seed=1)[0]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    return [encode_prompt(tiny[1], t) for t in PROMPT_TEXTS]
+
+
+@pytest.fixture(scope="module")
+def shared_vllm(tiny, tmp_path_factory):
+    """One vLLM engine for the module, built from a saved local model directory."""
+    require_vllm()
+    path = tmp_path_factory.mktemp("tiny_model")
+    save_model(tiny[0], tiny[1], path)
+    engine = make_engine("vllm", path, eos_id=EOS_ID, pad_id=PAD_ID, sampling=SamplingParams(),
+                         inference_dtype="float32", seed=0, version=0, kv_cache_memory_bytes=128 << 20)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(params=ENGINES)
+def make(request):
+    """make(model, sampling, seed=, version=, eos_id=) -> an engine holding `model`'s weights."""
+    name = request.param
+    if name == "torch":
+        def _torch(model, sampling, *, seed=0, version=0, eos_id=EOS_ID):
+            return make_engine("torch", model, eos_id=eos_id, pad_id=PAD_ID, sampling=sampling,
+                               inference_dtype="float32", seed=seed, version=version)
+        return _torch
+    require_vllm()
+    engine = request.getfixturevalue("shared_vllm")
+
+    def _vllm(model, sampling, *, seed=0, version=0, eos_id=EOS_ID):
+        engine.load_weights({k: v.detach().clone() for k, v in model.state_dict().items()}, version)
+        engine.sampling = sampling
+        engine.eos_id = eos_id
+        engine.generator.manual_seed(seed)
+        return engine
+    return _vllm
+
+
+def _scored(model, prompts, gens: list[Generation], sampling) -> list[np.ndarray]:
+    return score(model, [prompts[g.prompt_index] for g in gens], [g.response_tokens for g in gens], sampling)
+
+
+def _max_abs_diff(gens: list[Generation], scored: list[np.ndarray]) -> float:
+    return max(float(np.max(np.abs(np.asarray(g.logprobs) - s))) for g, s in zip(gens, scored))
+
+
+def _check_shape(gens: list[Generation], n_prompts: int, n: int, sampling: SamplingParams) -> None:
+    assert len(gens) == n_prompts * n
+    assert [g.prompt_index for g in gens] == [i for i in range(n_prompts) for _ in range(n)]
+    for g in gens:
+        assert len(g.response_tokens) == len(g.logprobs) == len(g.versions) >= 1
+        assert g.finish_reason in ("stop", "length")
+        assert (g.finish_reason == "stop") == (g.response_tokens[-1] == EOS_ID)
+        assert EOS_ID not in g.response_tokens[:-1]
+        if g.finish_reason == "length":
+            assert len(g.response_tokens) == sampling.max_new_tokens
+
+
+SAMPLINGS = {
+    "t1": SamplingParams(temperature=1.0, max_new_tokens=10),
+    "t0.7": SamplingParams(temperature=0.7, max_new_tokens=10),
+    "t0.7_topk_topp": SamplingParams(temperature=0.7, top_k=8, top_p=0.8, max_new_tokens=10),
+    "greedy": SamplingParams(temperature=0.0, max_new_tokens=10),
+    "greedy_topk_topp": SamplingParams(temperature=0.0, top_k=6, top_p=0.5, max_new_tokens=10),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_float32_logprobs_equal_training_scoring(make, model, prompts, name):
+    sampling = SAMPLINGS[name]
+    engine = make(model, sampling, seed=1, version=3)
+    gens = engine.generate(prompts, n=3)
+    _check_shape(gens, len(prompts), 3, sampling)
+    assert all(g.versions == [3] * len(g.response_tokens) for g in gens)
+    diff = _max_abs_diff(gens, _scored(model, prompts, gens, sampling))
+    print(f"\n[contract] {type(engine).__name__} {name}: max |inference - float32 scoring| = {diff:.2e}")
+    assert diff < TOL
+    if sampling.greedy:
+        assert all(g.response_tokens == gens[3 * g.prompt_index].response_tokens for g in gens)
+
+
+def test_same_seed_reproduces(make, model, prompts):
+    sampling = SAMPLINGS["t1"]
+    a = make(model, sampling, seed=5).generate(prompts, n=2)
+    b = make(model, sampling, seed=5).generate(prompts, n=2)
+    c = make(model, sampling, seed=6).generate(prompts, n=2)
+    assert [g.response_tokens for g in a] == [g.response_tokens for g in b]
+    assert [g.response_tokens for g in a] != [g.response_tokens for g in c]
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson chi-square, categories with expected count < 5 pooled into one. -> (stat, dof)."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def test_sampling_at_temperature_matches_tempered_softmax(make, prompts):
+    peaked, _ = build_tiny_model(seed=0)
+    with torch.no_grad():
+        peaked.model.norm.weight.mul_(8.0)  # logits x8: far from uniform, so temperature matters
+    temperature, draws = 0.7, 4000
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=1)
+    gens = make(peaked, sampling, seed=0).generate([prompts[0]], n=draws)
+    counts = np.bincount([g.response_tokens[0] for g in gens], minlength=64).astype(float)
+    with torch.no_grad():
+        logits = peaked(torch.tensor([prompts[0]])).logits[0, -1].double()
+    tempered = torch.softmax(logits / temperature, -1).numpy()
+    untempered = torch.softmax(logits, -1).numpy()
+    stat, dof = _chi_square(counts, tempered)
+    threshold = dof + 10 * math.sqrt(2 * dof)  # right tail < 1e-9 for these dof
+    assert stat < threshold, f"chi2 {stat:.1f} vs tempered softmax (dof {dof}, threshold {threshold:.1f})"
+    wrong, wrong_dof = _chi_square(counts, untempered)
+    assert wrong > wrong_dof + 10 * math.sqrt(2 * wrong_dof), "test cannot tell T from 1"
+    # the recorded log-probs are the tempered ones
+    tokens = [g.response_tokens[0] for g in gens]
+    assert np.allclose([g.logprobs[0] for g in gens], np.log(tempered[tokens]), atol=TOL)
+
+
+def test_weight_update_switches_to_new_version(make, model, other_model, prompts):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    engine = make(model, greedy, version=1)
+    before = engine.generate(prompts)
+    assert engine.version == 1 and all(set(g.versions) == {1} for g in before)
+
+    engine.load_weights({k: v.detach().clone() for k, v in other_model.state_dict().items()}, version=2)
+    assert engine.version == 2
+    after = engine.generate(prompts)
+    assert all(set(g.versions) == {2} for g in after)
+    # the outputs are the new version's: its greedy continuations, scored under it
+    reference = make_engine("torch", other_model, eos_id=EOS_ID, pad_id=PAD_ID, sampling=greedy).generate(prompts)
+    assert [g.response_tokens for g in after] == [g.response_tokens for g in reference]
+    assert [g.response_tokens for g in after] != [g.response_tokens for g in before]
+    assert _max_abs_diff(after, _scored(other_model, prompts, after, greedy)) < TOL
+    assert _max_abs_diff(after, _scored(model, prompts, after, greedy)) > 1e-2
+
+
+def test_interrupted_request_resumes_under_new_version(make, model, other_model, prompts):
+    sampling = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=9)
+    new_state = {k: v.detach().clone() for k, v in other_model.state_dict().items()}
+    swap_after = 4
+    lengths: list[int] = []
+
+    def between_steps(engine, partial: list[Generation]) -> None:
+        lengths.append(max(len(g.response_tokens) for g in partial))
+        if lengths[-1] == swap_after and engine.version == 2:
+            engine.load_weights(new_state, version=7)
+
+    engine = make(model, sampling, seed=3, version=2)
+    gens = engine.generate(prompts, n=2, between_steps=between_steps)
+    assert lengths == list(range(1, len(lengths) + 1))  # called once per decode step
+    assert engine.version == 7
+    _check_shape(gens, len(prompts), 2, sampling)
+
+    old_scores = _scored(model, prompts, gens, sampling)
+    new_scores = _scored(other_model, prompts, gens, sampling)
+    spanning = 0
+    worst = 0.0
+    for g, old, new in zip(gens, old_scores, new_scores):
+        k = min(swap_after, len(g.response_tokens))
+        assert g.versions == [2] * k + [7] * (len(g.response_tokens) - k)
+        worst = max(worst, float(np.max(np.abs(np.asarray(g.logprobs[:k]) - old[:k]))))
+        if len(g.response_tokens) > k:
+            worst = max(worst, float(np.max(np.abs(np.asarray(g.logprobs[k:]) - new[k:]))))
+            spanning += 1
+        assert np.max(np.abs(old - new)) > 1e-2  # the two versions really disagree
+    print(f"\n[contract] {type(engine).__name__} interrupt: max |logprob - scoring at own version| = {worst:.2e}")
+    assert worst < TOL
+    assert spanning > 0
+
+
+def test_abort_from_between_steps(make, model, prompts):
+    def stop_at_2(engine, partial: list[Generation]) -> None:
+        if len(partial[0].response_tokens) == 2:
+            engine.abort()
+
+    gens = make(model, SAMPLINGS["t1"]).generate(prompts, between_steps=stop_at_2)
+    assert all(g.finish_reason in ("abort", "stop") and len(g.response_tokens) <= 2 for g in gens)
+    assert any(g.finish_reason == "abort" for g in gens)
+    assert all(len(g.logprobs) == len(g.versions) == len(g.response_tokens) for g in gens)
+
+
+def test_stop_token_ends_the_response(make, model, prompts):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    reference = make(model, greedy).generate(prompts)
+    assert all(g.finish_reason == "length" and EOS_ID not in g.response_tokens for g in reference)
+    fake_eos = reference[0].response_tokens[2]  # declare the 3rd greedy token of prompt 0 to be eos
+    stopped = make(model, greedy, eos_id=fake_eos).generate(prompts)
+    for g, ref in zip(stopped, reference):
+        tokens = ref.response_tokens
+        if fake_eos in tokens:
+            assert g.response_tokens == tokens[: tokens.index(fake_eos) + 1] and g.finish_reason == "stop"
+        else:
+            assert g.response_tokens == tokens and g.finish_reason == "length"
+    assert stopped[0].finish_reason == "stop"
+
+
+def test_rejects_bad_arguments(make, model, prompts):
+    engine = make(model, SAMPLINGS["t1"])
+    with pytest.raises(ValueError, match="n must be"):
+        engine.generate(prompts, n=0)
+    assert engine.generate([], n=2) == []
