@@ -27,13 +27,14 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from trajflow.schemas.io import atomic_write
 
-StateDict = dict[str, torch.Tensor]
+if TYPE_CHECKING:  # torch and safetensors load lazily: the CLI checks its inputs without them
+    import torch
+
+StateDict = dict[str, "torch.Tensor"]
 CHECKPOINT_PREFIX = "step-"
 VERSION_PREFIX = "v"
 
@@ -63,20 +64,7 @@ def _fsync_file(path: Path) -> None:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write `data` to `path` via a temp file in the same dir, fsync, rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -84,7 +72,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 # -- tensors <-> (safetensors, JSON) -------------------------------------------------------------
-def _own(t: torch.Tensor) -> torch.Tensor:
+def _own(t: "torch.Tensor") -> "torch.Tensor":
     # safetensors refuses shared storage (tied embeddings) and non-contiguous views: copy
     return t.detach().to("cpu").contiguous().clone()
 
@@ -96,6 +84,8 @@ def flatten_state(obj: Any, prefix: str = "") -> tuple[StateDict, Any]:
     that int keys (optimizer param ids) survive; tuples {"__tuple__": [...]}; non-finite floats
     {"__float__": "nan"}. Anything else (objects that would need pickle) is a TypeError.
     """
+    import torch
+
     tensors: StateDict = {}
 
     def enc(x: Any, path: str) -> Any:
@@ -148,6 +138,8 @@ def unflatten_state(tensors: StateDict, structure: Any) -> Any:
 
 
 def _save_safetensors(tensors: StateDict, path: Path) -> None:
+    from safetensors.torch import save_file
+
     save_file({k: _own(v) for k, v in tensors.items()}, str(path))
     _fsync_file(path)
 
@@ -161,6 +153,8 @@ def save_state(obj: Any, directory: Path, name: str) -> None:
 
 
 def load_state(directory: Path, name: str) -> Any:
+    from safetensors.torch import load_file
+
     tensors = load_file(str(directory / f"{name}.safetensors"))
     structure = json.loads((directory / f"{name}.json").read_text())
     return unflatten_state(tensors, structure)
@@ -169,22 +163,16 @@ def load_state(directory: Path, name: str) -> Any:
 # -- single weight files -------------------------------------------------------------------------
 def save_weights(state_dict: StateDict, path: str | os.PathLike) -> Path:
     """Weights as one safetensors file (float32 copy), written atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        save_file({k: _own(v).to(torch.float32) if v.is_floating_point() else _own(v)
-                   for k, v in state_dict.items()}, str(tmp))
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    import torch
+    from safetensors.torch import save_file
+
+    state = {k: _own(v).to(torch.float32) if v.is_floating_point() else _own(v) for k, v in state_dict.items()}
+    return atomic_write(path, lambda tmp: save_file(state, str(tmp)))
 
 
 def load_weights(path: str | os.PathLike) -> StateDict:
+    from safetensors.torch import load_file
+
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such weights file")
@@ -197,6 +185,8 @@ def load_weights(path: str | os.PathLike) -> StateDict:
 def weights_nbytes(path: str | os.PathLike, dtype_bytes: int = 4) -> int:
     """Bytes of one float32 copy of the weights in a safetensors file (or a model dir), from the
     header only (nothing is loaded)."""
+    from safetensors import safe_open
+
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     total = 0

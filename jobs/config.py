@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError
 
 from trajflow.pipelines.config import PipelineConfig
 
@@ -39,7 +39,7 @@ class JobConfig(PipelineConfig):
     name: str = Field("run", min_length=1, description="run dir name prefix")
     runs_root: Path = Field(Path("runs"), description="parent of new run dirs (when run_dir is not set)")
     run_dir: Path | None = Field(None, description="explicit run dir (must not exist yet, unless resuming)")
-    checkpoint_every: int = Field(10, ge=0, description="checkpoint every k steps (0: only the final one)")
+    checkpoint_every: int = Field(10, ge=0, description="checkpoint every k steps (0: only the final one, always written)")
     keep_checkpoints: int = Field(2, ge=1, description="retention: keep the newest k checkpoints")
     save_all_versions: bool = Field(False, description="keep the weights of every version (exact replay)")
     trajectory_log: bool = Field(True, description="log every trajectory (Parquet, partitioned by step)")
@@ -47,15 +47,6 @@ class JobConfig(PipelineConfig):
     ray_address: str | None = Field(None, description="None: embedded Ray; else ray.init(address=...)")
     dashboard: bool = Field(False, description="embedded Ray: start the dashboard (bound to 127.0.0.1)")
     status_every: int = Field(1, ge=0, description="print a status line every k steps (0: never)")
-
-    @model_validator(mode="after")
-    def _check_run_options(self) -> "JobConfig":
-        if self.checkpoint_every > self.steps:
-            raise ValueError(
-                f"checkpoint_every: {self.checkpoint_every} is more than steps ({self.steps}); "
-                "use 0 for a final checkpoint only"
-            )
-        return self
 
     def pipeline_config(self) -> PipelineConfig:
         fields = set(PipelineConfig.model_fields)

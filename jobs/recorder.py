@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajflow.engines import checkpoint as ckpt
+from trajflow.schemas.io import atomic_write
 
 STEP_DIR = "step={:06d}"
 
@@ -104,17 +105,7 @@ class RunPaths:
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:
     """pyarrow Parquet write via temp file + fsync + rename (for non-trajectory tables)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def write_state(paths: RunPaths, **fields) -> None:
@@ -245,10 +236,10 @@ class RunRecorder:
 
         paths = self.paths
         step, version = int(metrics["step"]), int(metrics["version"])
-        try:
-            metrics["trainer_node"] = ray.get_runtime_context().get_node_id()
-        except Exception:  # not inside Ray (unit use)
-            metrics["trainer_node"] = ""
+        # which node trained (get_runtime_context() would start a Ray outside of one: check first)
+        metrics["trainer_node"] = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        # the optimizer's own step count: continues across a resume (restored state), restarts without
+        metrics["optimizer_steps"] = _optimizer_steps(trainstep.optimizer)
         if self.trajectory_log:
             self._log_trajectories(paths, step, batch)
         write_table_atomic(pa.Table.from_pylist([_plain(metrics)]), paths.metrics_file(step))
@@ -277,6 +268,12 @@ class RunRecorder:
             write_table_atomic(batch.filter(pa.array(bad)), paths.quarantine / (STEP_DIR.format(step) + ".parquet"))
             batch = batch.filter(pa.array(~bad))
         write_parquet(batch, paths.trajectory_file(step))
+
+
+def _optimizer_steps(optimizer) -> int:
+    steps = [state.get("step") for state in optimizer.state_dict().get("state", {}).values()]
+    steps = [float(s) for s in steps if s is not None]
+    return int(max(steps)) if steps else 0
 
 
 def _plain(metrics: dict) -> dict:

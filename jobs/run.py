@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -20,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from trajflow.engines import checkpoint as ckpt
-from trajflow.jobs.config import JobConfig, JobConfigError, build_job_config, parse_config_text
+from trajflow.jobs.config import JobConfig, build_job_config, parse_config_text
 from trajflow.jobs.recorder import (
     RunPaths,
     RunRecorder,
@@ -82,9 +83,12 @@ def start_ray(config: JobConfig) -> None:
     runtime_env = {"env_vars": dict(WORKER_ENV)}
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, runtime_env=runtime_env, configure_logging=False, log_to_driver=True)
+        if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+            runtime_env = None  # a submitted job: Ray refuses to merge a driver env into the job's
+        ray.init(address=address, runtime_env=runtime_env, configure_logging=False)
     else:
-        kwargs = dict(include_dashboard=config.dashboard)
+        # address="local": a new Ray even if `ray start` left a cluster file in /tmp/ray
+        kwargs = dict(address="local", include_dashboard=config.dashboard)
         if config.dashboard:
             kwargs["dashboard_host"] = "127.0.0.1"
         ray.init(runtime_env=runtime_env, configure_logging=False, **kwargs)
@@ -161,8 +165,12 @@ class _TensorBoard:
 
 
 def record_placement(paths: RunPaths) -> dict[str, list[str]]:
-    """Which node each stage's actors run on (Ray state API; needs the dashboard, else {})."""
+    """Which node each stage's actors run on (Ray state API, which needs the cluster's dashboard:
+    on an embedded Ray without one this records nothing). Written to placement.json with the
+    nodes' custom resources, e.g. {"stages": {"Generate": [node]}, "nodes": {node: {...}}}."""
     import json
+
+    import ray
 
     try:
         from ray.util.state import list_actors
@@ -180,7 +188,10 @@ def record_placement(paths: RunPaths) -> dict[str, list[str]]:
         if actor.node_id and actor.node_id not in placement[stage]:
             placement[stage].append(actor.node_id)
     if placement:
-        ckpt.atomic_write_text(paths.root / "placement.json", json.dumps(placement, indent=1, sort_keys=True))
+        nodes = {n["NodeID"]: {"address": n.get("NodeManagerAddress"), "resources": n.get("Resources", {})}
+                 for n in ray.nodes() if n.get("Alive")}
+        ckpt.atomic_write_text(paths.root / "placement.json",
+                               json.dumps({"stages": placement, "nodes": nodes}, indent=1, sort_keys=True))
     return placement
 
 
@@ -299,6 +310,14 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
     bar = tqdm(total=config.steps, initial=first_step, desc=f"trajflow {config.strategy}", disable=not interactive,
                file=sys.stderr, dynamic_ncols=True)
     placement_done = False
+
+    def on_sigterm(signum, frame):  # `trajflow stop` / `ray job stop` send SIGTERM: record it, exit
+        raise SystemExit(128 + signum)
+
+    try:
+        previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread (e.g. called from a notebook worker thread)
+        previous_sigterm = None
     try:
         for row in pipeline.iter_metrics(first_step=first_step):
             bar.update(1)
@@ -316,9 +335,13 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
                     print("trajflow: placement " + ", ".join(f"{k} on {[n[:8] for n in v]}"
                                                            for k, v in sorted(placement.items())), flush=True)
     except BaseException as e:
-        write_state(paths, state="failed", error=f"{type(e).__name__}: {e}"[:500], ended=time.time())
+        stopped = isinstance(e, (KeyboardInterrupt, SystemExit))
+        write_state(paths, state="stopped" if stopped else "failed", error=f"{type(e).__name__}: {e}"[:500],
+                    ended=time.time())
         raise
     finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         bar.close()
         if tb is not None:
             tb.close()

@@ -2,7 +2,7 @@
 
 The config is validated here, before anything is sent. Paths in it (run dir, model) are made
 absolute, and the resolved config travels inline in the entrypoint
-(`python -m trajflow.jobs.cli run --config-b64 ...`), so the cluster needs trajflow installed in
+(`python -m trajflow.jobs.cli run --config-b64 ...`, zlib + base64), so the cluster needs trajflow installed in
 its Python but no copy of the config file. The run dir must be on storage the cluster's nodes can
 write (the trainer actor writes logs and checkpoints there); on one machine any local path works.
 
@@ -18,6 +18,7 @@ import base64
 import shlex
 import sys
 import time
+import zlib
 from pathlib import Path
 
 from trajflow.jobs.config import JobConfig
@@ -38,7 +39,7 @@ def entrypoint_for(config: JobConfig, python: str = "python") -> tuple[str, Path
     if config.model is not None:
         update["model"] = Path(config.model).resolve()
     resolved = config.model_copy(update=update)
-    payload = base64.urlsafe_b64encode(resolved.to_yaml().encode()).decode()
+    payload = base64.urlsafe_b64encode(zlib.compress(resolved.to_yaml().encode(), 9)).decode()
     cmd = f"{shlex.quote(python)} -m trajflow.jobs.cli run --no-progress --config-b64 {payload}"
     return cmd, run_dir.resolve()
 
@@ -55,7 +56,7 @@ def submit(config: JobConfig, address: str, *, wait: bool = True, python: str = 
     job_id = client.submit_job(
         entrypoint=entrypoint,
         submission_id=submission_id,
-        runtime_env={"env_vars": dict(WORKER_ENV)},
+        runtime_env={"env_vars": dict(WORKER_ENV)},  # the driver then adds none of its own
         metadata={"trajflow_run_dir": str(run_dir), "trajflow_strategy": config.strategy},
     )
     print(f"trajflow: submitted job {job_id} to {address} (run dir {run_dir})", flush=True)

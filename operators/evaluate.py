@@ -8,6 +8,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import decode_response, encode_prompt
 from trajflow.engines.torch_engine import TorchEngine
+from trajflow.tasks import is_environment
 
 
 def heldout_accuracy(
@@ -18,7 +19,14 @@ def heldout_accuracy(
     max_new_tokens: int,
     batch_size: int = 256,
 ) -> float:
-    """Mean reward of greedy responses on the first n held-out prompts (= accuracy for 0/1 tasks)."""
+    """Mean reward of greedy responses on the first n held-out prompts (= accuracy for 0/1 tasks).
+
+    For an environment task: the mean reward of greedy multi-turn episodes (max_new_tokens per turn).
+    """
+    if is_environment(task):
+        from trajflow.operators.episodes import heldout_success_rate
+
+        return heldout_success_rate(model, tokenizer, task, n, max_new_tokens, batch_size)
     engine = TorchEngine(
         model,
         eos_id=tokenizer.eos_token_id,

@@ -3,11 +3,18 @@
 Batch in: one row `{"id": step}`. Batch out: `prompts_per_step * group_size` trajectory rows
 (schema v1 plus the extra columns `answer` and `rollout_step`), a group's samples contiguous.
 
+For an environment task (`tasks.environments.Environment`) each row is a multi-turn episode
+(operators/episodes.py): `response_tokens` hold policy turns and environment observations,
+`loss_mask` is false on the observation tokens, `reward` is already filled in by the environment,
+and the extra column `turns` counts policy turns. Before every turn the generator takes the
+newest weights, so the turns of one episode may come from different versions.
+
 Before sampling, the actor takes an admission permit from the policy store: the rollout of
 step b starts only once version b - max_staleness exists, which bounds policy lag. With
 `mid_generation_updates` it also takes newer weights between decode steps, so one trajectory can
 span versions; for the `interrupt` strategy it first scores the prefix generated so far with the
-still-resident weights under training numerics — the exact old log-probs — then switches.
+still-resident weights under training numerics — the exact old log-probs — then switches. The
+prefix is scored with its full context (for episodes: prompt, earlier turns and observations).
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.scoring import score
 from trajflow.engines.tokenizer import encode_prompt
+from trajflow.engines.factory import make_engine
 from trajflow.engines.torch_engine import Generation, TorchEngine
+from trajflow.operators.episodes import Episode, EpisodeBatch, EpisodeView, run_episodes
 from trajflow.schemas import SamplingSemantics, conform
-from trajflow.tasks import get_task
+from trajflow.tasks import get_task, is_environment
 
 
 def step_prompts(task, seed: int, step: int, count: int) -> list:
@@ -51,6 +60,8 @@ class Generate:
         score_on_switch: bool = False,
         simulate_decode_seconds: float = 0.0,
         torch_threads: int = 1,
+        engine: str = "torch",
+        engine_kwargs: dict | None = None,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
@@ -63,15 +74,19 @@ class Generate:
         self.mid_generation_updates = mid_generation_updates
         self.score_on_switch = score_on_switch
         self.simulate_decode_seconds = simulate_decode_seconds
-        model = load_model(model_path)
-        self.engine = TorchEngine(
-            model,
+        # The torch engine copies an in-memory model; vLLM loads the directory itself. The float32
+        # model is also the scorer of prefixes at a switch (interrupt).
+        model = load_model(model_path) if (engine == "torch" or score_on_switch) else None
+        self.engine = make_engine(
+            engine,
+            model if engine == "torch" else model_path,
             eos_id=self.tokenizer.eos_token_id,
             pad_id=self.tokenizer.pad_token_id,
             sampling=sampling,
             inference_dtype=inference_dtype,
             seed=seed,
             version=-1,
+            **(engine_kwargs or {}),
         )
         # Training numerics of the resident version, for scoring prefixes at a switch (interrupt).
         self.scoring_model = model if score_on_switch else None
@@ -85,9 +100,20 @@ class Generate:
 
     def _take_newest(self, pins: set[int]) -> None:
         version, (ref,) = ray.get(self.store.get.remote(None, True))
+        if version in pins:
+            self.store.release.remote(version)  # this call already holds a pin on it
         pins.add(version)
         if version != self.engine.version:
             self._load(version, ref)
+
+    def _switch_if_newer(self, pins: set[int], views, old_logprobs) -> None:
+        """Take the newest weights if a newer version exists; for `interrupt`, first score every
+        token sampled under the resident version (`views()` gives the responses so far)."""
+        newest = ray.get(self.store.latest_version.remote())
+        if newest > self.engine.version:
+            if old_logprobs is not None:
+                self._score_resident(views(), old_logprobs)
+            self._take_newest(pins)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         step = int(batch["id"][0].as_py())
@@ -102,54 +128,80 @@ class Generate:
         prompts = step_prompts(self.task, self.seed, step, self.prompts_per_step)
         prompt_tokens = [encode_prompt(self.tokenizer, p.text) for p in prompts]
         self.engine.generator.manual_seed(self.seed * 1_000_003 + step)
-        old_logprobs: list[list[float | None]] | None = None
+        old_logprobs: list[list[float]] | None = None
         if self.mid_generation_updates and self.score_on_switch:
             old_logprobs = [[] for _ in range(len(prompts) * self.group_size)]
 
-        def hook(engine: TorchEngine, gens: list[Generation]) -> None:
-            if self.simulate_decode_seconds:
-                time.sleep(self.simulate_decode_seconds)
-            if self.mid_generation_updates:
-                newest = ray.get(self.store.latest_version.remote())
-                if newest > engine.version:
-                    if old_logprobs is not None:
-                        self._score_resident(prompt_tokens, gens, old_logprobs)
-                    self._take_newest(pins)
+        if is_environment(self.task):
+            if self.score_on_switch and old_logprobs is None:  # switches happen between turns too
+                old_logprobs = [[] for _ in range(len(prompts) * self.group_size)]
 
-        gens = self.engine.generate(prompt_tokens, n=self.group_size, between_steps=hook)
+            def before_turn(engine: TorchEngine, episodes: EpisodeBatch) -> None:
+                self._switch_if_newer(pins, episodes.current, old_logprobs)
+
+            def episode_hook(engine: TorchEngine, episodes: EpisodeBatch) -> None:
+                if self.simulate_decode_seconds:
+                    time.sleep(self.simulate_decode_seconds)
+                if self.mid_generation_updates:
+                    self._switch_if_newer(pins, episodes.current, old_logprobs)
+
+            episodes = run_episodes(self.engine, self.task, self.tokenizer, prompts, self.group_size,
+                                    before_turn=before_turn, between_steps=episode_hook)
+            rows = [EpisodeView(e.prompt_tokens, e.response_tokens, e.versions, e.loss_mask) for e in episodes]
+        else:
+            def views() -> list[EpisodeView]:
+                return [EpisodeView(prompt_tokens[g.prompt_index], g.response_tokens, g.versions,
+                                    [True] * len(g.response_tokens)) for g in gens_seen]
+
+            gens_seen: list[Generation] = []
+
+            def hook(engine: TorchEngine, gens: list[Generation]) -> None:
+                gens_seen[:] = gens
+                if self.simulate_decode_seconds:
+                    time.sleep(self.simulate_decode_seconds)
+                if self.mid_generation_updates:
+                    self._switch_if_newer(pins, views, old_logprobs)
+
+            episodes = self.engine.generate(prompt_tokens, n=self.group_size, between_steps=hook)
+            gens_seen[:] = episodes
+            rows = views()
         if old_logprobs is not None:
-            self._score_resident(prompt_tokens, gens, old_logprobs)
+            self._score_resident(rows, old_logprobs)
 
         # Release pins of versions that no generated token carries (all sequences had finished).
-        used = {v for g in gens for v in g.versions}
+        used = {v for r in rows for v in r.versions}
         for version in pins - used:
             self.store.release.remote(version)
         self.store.add_counters.remote(
             {"generate_seconds": time.perf_counter() - started - waited, "admission_wait_seconds": waited}
         )
-        return self._to_table(step, prompts, prompt_tokens, gens, old_logprobs)
+        return self._to_table(step, prompts, prompt_tokens, episodes, old_logprobs)
 
-    def _score_resident(
-        self, prompt_tokens: list[list[int]], gens: list[Generation], old_logprobs: list[list[float | None]]
-    ) -> None:
-        """Fill old log-probs of every token sampled under the resident version, with training
-        numerics (the float32 copy of the same weights): exact pi_v^train before v is replaced."""
+    def _score_resident(self, rows: list[EpisodeView], old_logprobs: list[list[float]]) -> None:
+        """Fill old log-probs of every token appended under the resident version, with training
+        numerics (the float32 copy of the same weights): exact pi_v^train before v is replaced.
+
+        Each row is scored teacher-forced on its whole response so far (prompt, earlier turns and
+        observations as context). Environment tokens (loss_mask false) get 0.0, like their
+        inference log-probs: they are never trained or counted.
+        """
         version = self.engine.version
-        todo = [i for i, g in enumerate(gens) if len(old_logprobs[i]) < len(g.response_tokens)]
+        todo = [i for i, r in enumerate(rows) if len(old_logprobs[i]) < len(r.response_tokens)]
         if not todo:
             return
         t0 = time.perf_counter()
-        scored = score(
+        needs_scoring = [i for i in todo if any(rows[i].loss_mask[len(old_logprobs[i]):])]
+        scored = dict(zip(needs_scoring, score(
             self.scoring_model,
-            [prompt_tokens[gens[i].prompt_index] for i in todo],
-            [gens[i].response_tokens for i in todo],
+            [rows[i].prompt_tokens for i in needs_scoring],
+            [rows[i].response_tokens for i in needs_scoring],
             self.sampling,
-        )
-        for i, lp in zip(todo, scored):
-            done = len(old_logprobs[i])
-            for t in range(done, len(gens[i].response_tokens)):
-                assert gens[i].versions[t] == version, "a token of an older version was left unscored"
-                old_logprobs[i].append(float(lp[t]))
+        ))) if needs_scoring else {}
+        for i in todo:
+            row, lp = rows[i], scored.get(i)
+            for t in range(len(old_logprobs[i]), len(row.response_tokens)):
+                assert row.versions[t] == version, "a token of an older version was left unscored"
+                old_logprobs[i].append(float(lp[t]) if row.loss_mask[t] else 0.0)
         self.store.add_counters.remote({"interrupt_scoring_seconds": time.perf_counter() - t0})
 
     def _to_table(self, step, prompts, prompt_tokens, gens, old_logprobs) -> pa.Table:
@@ -157,20 +209,29 @@ class Generate:
         prompt_idx = np.repeat(np.arange(len(prompts)), n)
         sample_idx = np.tile(np.arange(n), len(prompts))
         int_list, float_list = pa.list_(pa.int32()), pa.list_(pa.float32())
+        multi_turn = bool(gens) and isinstance(gens[0], Episode)
+        if multi_turn:
+            loss_mask = [g.loss_mask for g in gens]
+            reward = pa.array([g.reward for g in gens], pa.float32())
+        else:
+            loss_mask = [[True] * len(g.response_tokens) for g in gens]
+            reward = pa.nulls(len(gens), pa.float32())
         columns = {
             "trajectory_id": [f"s{step:06d}-p{p:03d}-n{j:03d}" for p, j in zip(prompt_idx, sample_idx)],
             "group_id": [f"s{step:06d}-p{p:03d}" for p in prompt_idx],
             "prompt_id": [prompts[p].prompt_id for p in prompt_idx],
             "prompt_tokens": pa.array([prompt_tokens[p] for p in prompt_idx], int_list),
             "response_tokens": pa.array([g.response_tokens for g in gens], int_list),
-            "loss_mask": pa.array([[True] * len(g.response_tokens) for g in gens], pa.list_(pa.bool_())),
+            "loss_mask": pa.array(loss_mask, pa.list_(pa.bool_())),
             "inference_logprobs": pa.array([g.logprobs for g in gens], float_list),
             "versions": pa.array([g.versions for g in gens], int_list),
             "old_logprobs": pa.array(old_logprobs if old_logprobs is not None else [None] * len(gens), float_list),
             "finish_reason": [g.finish_reason for g in gens],
-            "reward": pa.nulls(len(gens), pa.float32()),
+            "reward": reward,
             "advantage": pa.nulls(len(gens), pa.float32()),
             "answer": [prompts[p].answer for p in prompt_idx],
             "rollout_step": pa.array(np.full(len(gens), step, dtype=np.int32)),
         }
+        if multi_turn:
+            columns["turns"] = pa.array([g.turns for g in gens], pa.int32())
         return conform(pa.table(columns), self.semantics)

@@ -14,7 +14,7 @@ import pyarrow as pa
 from trajflow.engines.models import load_tokenizer
 from trajflow.engines.tokenizer import decode_response
 from trajflow.operators.columns import replace_column
-from trajflow.tasks import get_task
+from trajflow.tasks import get_task, is_environment
 
 
 class Reward:
@@ -28,6 +28,8 @@ class Reward:
         if self._tokenizer is None:  # built lazily: the instance is shipped to Ray workers
             self._tokenizer = load_tokenizer(self.model_path)
             self._task = get_task(self.task_name)
+        if is_environment(self._task):
+            return batch  # multi-turn episodes: the environment set the reward during generation
         tok = self._tokenizer
         prompts = [tok.decode(ids[1:], skip_special_tokens=True) for ids in batch["prompt_tokens"].to_pylist()]
         responses = [decode_response(tok, ids) for ids in batch["response_tokens"].to_pylist()]

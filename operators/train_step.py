@@ -59,7 +59,7 @@ class TrainStep:
         correction: CorrectionConfig,
         sampling: SamplingParams,
         max_staleness: int,
-        lr: float = 1e-4,
+        lr: float = 1.5e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.99),
         grad_clip: float | None = 1.0,

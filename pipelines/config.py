@@ -43,7 +43,7 @@ class CorrectionSettings(_Strict):
 
 
 class OptimizerConfig(_Strict):
-    lr: float = Field(1e-4, gt=0.0)
+    lr: float = Field(1.5e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float | None = Field(1.0, gt=0.0)
@@ -65,15 +65,29 @@ class ResourceConfig(_Strict):
     torch_threads: int = Field(1, ge=1)
 
 
+class VllmSettings(_Strict):
+    """Knobs of the vLLM engine (`engine: vllm`); see engines/vllm_engine.py. None = vLLM's default
+    (on CPU, a 512 MiB KV cache)."""
+
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    max_model_len: int | None = Field(None, ge=1)
+    enforce_eager: bool = True
+    tensor_parallel_size: int = Field(1, ge=1)
+    enable_prefix_caching: bool = True
+
+
 class PipelineConfig(_Strict):
     model: Path | None = Field(None, description="local HF model dir; default: the built-in warm start")
     task: str = "addition"
     strategy: Strategy = "snapshot"
     steps: int = Field(100, ge=1)
-    prompts_per_step: int = Field(16, ge=1)
+    prompts_per_step: int = Field(64, ge=1)
     group_size: int = Field(8, ge=1)
     max_staleness: int = Field(0, ge=0)
     inference_dtype: Literal["float32", "bfloat16", "fp8"] = "float32"
+    engine: Literal["torch", "vllm"] = Field("torch", description="generation engine (vllm: optional extra)")
+    vllm: VllmSettings = Field(default_factory=VllmSettings)
     partial_rollout: bool = Field(
         False, description="take new weights between decode steps (always on for `interrupt`)"
     )
@@ -102,6 +116,8 @@ class PipelineConfig(_Strict):
     def _check_combinations(self) -> "PipelineConfig":
         if self.model is not None and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model} is not a local model directory (no config.json)")
+        if self.engine != "vllm" and self.vllm != VllmSettings():
+            raise ValueError("vllm: settings given but engine is not vllm")
         if self.strategy == "interrupt" and self.num_generators != 1:
             raise ValueError("num_generators: the interrupt strategy needs exactly one generator")
         rows = self.rows_per_step

@@ -35,12 +35,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trajflow.algorithms import CorrectionConfig
 from trajflow.engines import checkpoint as ckpt
-from trajflow.engines.models import WARM_START_DIR
-from trajflow.engines.sampling import SamplingParams
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.schemas import read_parquet
+
+# torch, transformers and ray load lazily: every input is checked before they are needed
 
 log = logging.getLogger("trajflow")
 
@@ -198,7 +197,11 @@ class Replay:
             raise ReplayError(f"unknown strategy {unknown or self.strategies}; choose from {', '.join(ALL_STRATEGIES)}")
         if self.mode == "train" and len(self.strategies) != 1:
             raise ReplayError("--train replays one strategy at a time")
-        self.model_path = str(self.model_path or self.config.model or WARM_START_DIR)
+        if self.model_path is None and self.config.model is None:
+            from trajflow.engines.models import WARM_START_DIR
+
+            self.model_path = WARM_START_DIR
+        self.model_path = str(self.model_path or self.config.model)
         checkpoints = Path(self.checkpoints)
         if not checkpoints.is_dir():
             raise ReplayError(f"--checkpoints {checkpoints}: no such directory")
@@ -221,7 +224,9 @@ class Replay:
             )
 
     # -- execution --------------------------------------------------------------------------------
-    def _correction(self) -> CorrectionConfig:
+    def _correction(self):
+        from trajflow.algorithms import CorrectionConfig
+
         c = self.config
         return CorrectionConfig(**c.correction.model_dump(), loss_norm_tokens=c.sampling.max_new_tokens)
 
@@ -246,11 +251,13 @@ class Replay:
         import ray
         from ray.data import ActorPoolStrategy, DataContext, TaskPoolStrategy
 
+        from trajflow.engines.sampling import SamplingParams
         from trajflow.operators.advantage import Advantage
         from trajflow.operators.diagnose import Diagnose
         from trajflow.operators.filter import Filter
         from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
         from trajflow.operators.train_step import TrainStep
+        from trajflow.pipelines.rl_loop import Fused
 
         c = self.config
         ctx = DataContext.get_current()
@@ -260,7 +267,7 @@ class Replay:
         ds = ray.data.from_arrow([_prepare(t) for _, t in sorted(self.steps.items())])
         # One task at a time: every step is available at once, and each new task worker would
         # import torch (seconds and ~350 MB each) for a millisecond of numpy.
-        ds = ds.map_batches(_Fused([Advantage(c.advantage), Filter(c.drop_zero_variance_groups)]), batch_size=rows,
+        ds = ds.map_batches(Fused([Advantage(c.advantage), Filter(c.drop_zero_variance_groups)]), batch_size=rows,
                             batch_format="pyarrow", num_cpus=c.light_stage_cpus, zero_copy_batch=True,
                             compute=TaskPoolStrategy(size=1))
 
@@ -314,13 +321,3 @@ class Replay:
     def run(self) -> pl.DataFrame:
         rows = list(self.iter_rows())
         return pl.from_dicts(rows, infer_schema_length=None) if rows else pl.DataFrame()
-
-
-class _Fused:
-    def __init__(self, fns) -> None:
-        self.fns = fns
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        for fn in self.fns:
-            batch = fn(batch)
-        return batch

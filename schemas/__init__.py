@@ -1,6 +1,6 @@
 """trajflow.schemas: the trajectory record (schema v1), its validation, Parquet I/O and polars views."""
 
-from .io import read_parquet, write_parquet
+from .io import atomic_write, read_parquet, write_parquet
 from .trajectory import (
     COLUMNS,
     FINISH_REASONS,
@@ -46,4 +46,5 @@ __all__ = [
     "trajectory_view",
     "validate",
     "write_parquet",
+    "atomic_write",
 ]

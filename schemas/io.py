@@ -4,12 +4,35 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .trajectory import SchemaError, conform, validate
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Run `write(tmp)` on a temp file beside `path`, fsync it, rename it over `path`, fsync the
+    directory. A failure (or a kill) leaves `path` as it was and no temp file behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
 
 
 def write_parquet(table: pa.Table, path: str | os.PathLike) -> Path:
@@ -19,19 +42,7 @@ def write_parquet(table: pa.Table, path: str | os.PathLike) -> Path:
     """
     validate(table)
     table = conform(table)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def read_parquet(path: str | os.PathLike) -> pa.Table:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from trajflow.tasks.addition import AdditionTask
 from trajflow.tasks.base import Task
+from trajflow.tasks.environments import CalculatorEnv
 from trajflow.tasks.reverse import ReverseTask
 
 _REGISTRY: dict[str, Callable[..., Task]] = {}
@@ -39,3 +40,4 @@ def registered_tasks() -> list[str]:
 
 register_task("addition", AdditionTask)
 register_task("reverse", ReverseTask)
+register_task("calc", CalculatorEnv)

@@ -57,6 +57,26 @@ def test_bfloat16_from_in_memory_model(tiny, prompts):
     assert not tmp.exists()
 
 
+def test_weight_update_through_a_safetensors_dir(tiny, prompts):
+    """The tensor-parallel route (workers in other processes read a safetensors file), exercised
+    in-process on CPU: same outputs as an engine started from the new weights."""
+    other, tok = build_tiny_model(seed=1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    engine = make_engine("vllm", tiny[0], eos_id=EOS_ID, pad_id=PAD_ID, sampling=greedy,
+                         kv_cache_memory_bytes=64 << 20, max_model_len=64)
+    try:
+        engine._weights_via_path = True
+        before = engine.generate(prompts)
+        engine.load_weights(other.state_dict(), version=4)  # tied embedding: saved untied
+        after = engine.generate(prompts)
+        reference = make_engine("torch", other, eos_id=EOS_ID, pad_id=PAD_ID, sampling=greedy).generate(prompts)
+        assert [g.response_tokens for g in after] == [g.response_tokens for g in reference]
+        assert [g.response_tokens for g in after] != [g.response_tokens for g in before]
+        assert all(set(g.versions) == {4} for g in after)
+    finally:
+        engine.close()
+
+
 def test_fp8_and_tensor_parallel_need_cuda(tiny):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: fp8 and tensor parallelism are available")

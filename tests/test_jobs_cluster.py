@@ -1,0 +1,130 @@
+"""`trajflow submit` to a real two-node Ray cluster on 127.0.0.1 (Ray Jobs API).
+
+The head node offers the custom resource `gen_node`, the second node (a second raylet on the same
+machine, its own ports) offers `train_node`. The quickstart is submitted with
+`generator.resources={gen_node: 0.1}` and `trainer.resources={train_node: 0.1}`; the test checks
+the job SUCCEEDED and that generation and training ran on different nodes — from the run dir's
+placement.json (Ray state API, per stage) and the trainer's own node id in every metrics row.
+
+The cluster gets its own temp dir, ports and auth token; at the end (also on failure) exactly
+its processes are killed, by pid. (`ray stop` is not used: it would stop every Ray on the
+machine, including other sessions'.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+pytest.importorskip("aiohttp", reason="the Ray Jobs API needs ray[default] (the `dev`/`cluster` extras)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_ports() -> list[str]:
+    names = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+             "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
+    return [f"--{name}={_free_port()}" for name in names]
+
+
+def _cluster_processes(temp_dir: str):
+    import psutil
+
+    me = os.getpid()
+    found = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != me and any(temp_dir in arg for arg in (p.info["cmdline"] or [])):
+                found.add(p)
+                found.update(p.children(recursive=True))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _kill_cluster(temp_dir: str) -> None:
+    import psutil
+
+    for _ in range(3):  # workers started while we kill get a second pass
+        procs = _cluster_processes(temp_dir)
+        if not procs:
+            return
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(list(procs), timeout=15)
+
+
+@pytest.fixture
+def two_node_cluster():
+    ray_bin = Path(sys.executable).with_name("ray")
+    if not ray_bin.exists():
+        pytest.skip("no `ray` executable beside the test's Python")
+    temp_dir = tempfile.mkdtemp(prefix="tfray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_USAGE_STATS_ENABLED="0",
+               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    gcs_port, dashboard_port = _free_port(), _free_port()
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    head = [str(ray_bin), "start", "--head", f"--port={gcs_port}", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard_port}", '--resources={"gen_node": 1}',
+            f"--ray-client-server-port={_free_port()}", *common, *_node_ports()]
+    worker = [str(ray_bin), "start", f"--address=127.0.0.1:{gcs_port}", '--resources={"train_node": 1}',
+              *common, *_node_ports()]
+    try:
+        for cmd in (head, worker):
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+            assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        yield {"address": f"http://127.0.0.1:{dashboard_port}", "env": env}
+    finally:
+        _kill_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_submit_places_generation_and_training_on_different_nodes(two_node_cluster, tmp_path):
+    address, env = two_node_cluster["address"], two_node_cluster["env"]
+    run_dir = tmp_path / "submitted"
+    cmd = [sys.executable, "-m", "trajflow.jobs.cli", "submit", "quickstart", "--address", address,
+           "--run-dir", str(run_dir), "--python", sys.executable, "--submission-id", "trajflow-two-nodes",
+           "--set", "steps=4", "--set", "checkpoint_every=2", "--set", "save_all_versions=false",
+           "--set", "generator.resources={gen_node: 0.1}", "--set", "trainer.resources={train_node: 0.1}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    explain = f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, explain
+    assert "trajflow: job trajflow-two-nodes SUCCEEDED" in proc.stdout, explain
+    assert "step 4/4 |" in proc.stdout  # the job's logs were streamed back
+
+    status = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", "status", "trajflow-two-nodes",
+                             "--address", address], env=env, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and status.stdout.startswith("trajflow-two-nodes: SUCCEEDED"), status.stdout
+
+    placement = json.loads((run_dir / "placement.json").read_text())
+    stages, nodes = placement["stages"], placement["nodes"]
+    assert len(nodes) == 2
+    (gen_node,) = stages["Generate"]
+    (train_node,) = stages["TrainStep"]
+    assert gen_node != train_node
+    assert nodes[gen_node]["resources"].get("gen_node") == 1
+    assert nodes[train_node]["resources"].get("train_node") == 1
+    # the trainer reports its own node in every metrics row
+    metrics = pl.read_parquet(run_dir / "metrics.parquet")
+    assert metrics["step"].to_list() == [0, 1, 2, 3]
+    assert set(metrics["trainer_node"].to_list()) == {train_node}

@@ -1,0 +1,178 @@
+"""Job configs and checkpoints, without Ray: validation messages, --set parsing, the bundled
+configs, and the pickle-free checkpoint format (atomic writes, retention, optimizer round trip)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trajflow.engines import checkpoint as ckpt
+from trajflow.jobs.config import (
+    JobConfig,
+    JobConfigError,
+    build_job_config,
+    bundled_configs,
+    load_job_config,
+)
+
+
+@pytest.mark.parametrize(
+    "data, overrides, expected",
+    [
+        ({}, ["optimizer.lr=-1"], "config error: optimizer.lr: Input should be greater than 0"),
+        ({"optimizer": {"lr": 0}}, [], "config error: optimizer.lr: Input should be greater than 0"),
+        ({"optimiser": {"lr": 1e-3}}, [], "config error: optimiser: unknown key"),
+        ({"sampling": {"temprature": 1.0}}, [], "config error: sampling.temprature: unknown key"),
+        ({"strategy": "exactish"}, [], "config error: strategy: Input should be 'snapshot'"),
+        ({"steps": "many"}, [], "config error: steps: Input should be a valid integer"),
+        ({"model": "/no/such/model"}, [], "config error: model: /no/such/model is not a local model directory"),
+        ({"prompts_per_step": 3, "group_size": 2, "optimizer": {"minibatches_per_step": 4}}, [],
+         "config error: optimizer.minibatches_per_step: 4 does not divide the 6 rows"),
+        ({"keep_checkpoints": 0}, [], "config error: keep_checkpoints: Input should be greater than or equal to 1"),
+        ({}, ["steps"], "config error: --set 'steps': expected key=value"),
+        ({"sampling": {"temperature": 1.0}}, ["sampling.temperature.x=1"],
+         "config error: sampling.temperature: is not a mapping"),
+    ],
+)
+def test_bad_configs_fail_with_one_line_naming_the_key(data, overrides, expected):
+    with pytest.raises(JobConfigError) as info:
+        build_job_config(data, overrides)
+    message = str(info.value)
+    assert message.startswith(expected), message
+    assert "\n" not in message
+
+
+def test_set_values_are_yaml_never_eval(tmp_path):
+    config = build_job_config(
+        {},
+        ["generator.resources={gen_node: 0.1}", "optimizer.lr=1.0e-3", "sampling.max_new_tokens=4",
+         "ray_address=null", "name=__import__('os')"],
+    )
+    assert config.generator.resources == {"gen_node": 0.1}
+    assert config.optimizer.lr == 1e-3 and config.sampling.max_new_tokens == 4
+    assert config.ray_address is None
+    assert config.name == "__import__('os')"  # a string, not evaluated
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("steps: 3\noptimizer: {lr: [1,\n")
+    with pytest.raises(JobConfigError, match=r"config error: .*broken.yaml: invalid YAML at line \d+"):
+        load_job_config(path)
+    path.write_text("- a\n- b\n")
+    with pytest.raises(JobConfigError, match="top level must be a mapping"):
+        load_job_config(path)
+
+
+def test_bundled_configs_validate_and_cover_every_strategy():
+    strategies = ("snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior", "loglinear")
+    assert {"quickstart", *strategies} <= set(bundled_configs())
+    for name in strategies:  # one config per strategy, each valid on this machine
+        assert load_job_config(name).strategy == name
+    quick = load_job_config("quickstart")
+    assert quick.steps <= 30 and quick.rows_per_step <= 64  # a ~1 minute run on 2 cores
+    # the resolved config round-trips through YAML
+    again = build_job_config(__import__("yaml").safe_load(quick.to_yaml()))
+    assert again == quick
+    assert isinstance(quick.pipeline_config(), type(quick).__mro__[1])
+
+
+def test_cli_config_error_is_one_line_before_anything_starts(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 4\noptimizer:\n  lr: -1\n")
+    run_dir = tmp_path / "never"
+    proc = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", "run", str(bad), "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "trajflow: config error: optimizer.lr: Input should be greater than 0"
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not run_dir.exists()
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].weight = torch.nn.Parameter(model[1].weight)  # plain params
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
+    for _ in range(3):
+        loss = model(torch.randn(5, 4)).pow(2).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def test_optimizer_state_round_trips_without_pickle(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    saved = ckpt.save_checkpoint(tmp_path, 3, model.state_dict(), optimizer_state=optimizer.state_dict(),
+                                 meta={"note": "x"})
+    files = sorted(p.name for p in saved.path.iterdir())
+    assert files == ["meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors"]
+    structure = json.loads((saved.path / "optimizer.json").read_text())  # plain JSON, tensors by key
+    assert "__dict__" in structure
+
+    loaded = ckpt.latest_checkpoint(tmp_path)
+    assert loaded.version == 3 and loaded.meta["note"] == "x"
+    model2, optimizer2 = _model_and_optimizer()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)
+    model2.load_state_dict(loaded.model_state())
+    optimizer2.load_state_dict(loaded.optimizer_state())
+    # the same next step from both
+    x = torch.randn(5, 4)
+    for m, o in ((model, optimizer), (model2, optimizer2)):
+        o.zero_grad()
+        m(x).pow(2).sum().backward()
+        o.step()
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    assert optimizer2.param_groups[0]["betas"] == (0.9, 0.99)
+
+
+def test_flatten_refuses_objects_that_need_pickle():
+    with pytest.raises(TypeError, match="without pickle"):
+        ckpt.flatten_state({"fn": object()})
+    state = {"a": {1: torch.ones(2), "b": (1, 2.5, float("inf"), None, True)}}
+    tensors, structure = ckpt.flatten_state(state)
+    back = ckpt.unflatten_state(tensors, json.loads(json.dumps(structure)))
+    assert torch.equal(back["a"][1], torch.ones(2))
+    assert back["a"]["b"] == (1, 2.5, float("inf"), None, True)
+
+
+def test_partial_checkpoints_are_ignored_and_retention_keeps_the_newest(tmp_path):
+    weights = {"w": torch.arange(4.0)}
+    for v in (2, 4, 6):
+        ckpt.save_checkpoint(tmp_path, v, weights)
+    # a writer killed mid-way: a temp dir, and a dir without meta.json
+    (tmp_path / ".tmp-step-000008-dead").mkdir()
+    (tmp_path / "step-000008").mkdir()
+    (tmp_path / "step-000008" / "model.safetensors").write_bytes(b"partial")
+    assert [c.version for c in ckpt.list_checkpoints(tmp_path)] == [2, 4, 6]
+    assert ckpt.latest_checkpoint(tmp_path).version == 6
+    assert ckpt.prune_checkpoints(tmp_path, keep=2) == [2]
+    assert [c.version for c in ckpt.list_checkpoints(tmp_path)] == [4, 6]
+    ckpt.clean_partial(tmp_path)
+    assert not (tmp_path / ".tmp-step-000008-dead").exists()
+    # rewriting an existing version swaps it atomically
+    ckpt.save_checkpoint(tmp_path, 6, {"w": torch.zeros(4)})
+    assert torch.equal(ckpt.latest_checkpoint(tmp_path).model_state()["w"], torch.zeros(4))
+
+
+def test_tied_weights_and_version_files(tmp_path):
+    shared = torch.randn(3, 2)
+    state = {"embed.weight": shared, "lm_head.weight": shared}  # tied: same storage
+    path = ckpt.save_weights(state, ckpt.version_file(tmp_path, 7))
+    assert path.name == "v000007.safetensors"
+    back = ckpt.load_weights(path)
+    assert torch.equal(back["embed.weight"], shared) and torch.equal(back["lm_head.weight"], shared)
+    assert ckpt.weights_nbytes(path) == 2 * 6 * 4
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 3)
+    with pytest.raises(ckpt.CheckpointError, match="not a readable safetensors"):
+        ckpt.load_weights(tmp_path / "bad.safetensors")

@@ -1,0 +1,127 @@
+"""RunRecorder (the trainer-side hooks that write a run dir) and resume truncation, without Ray:
+a stand-in trainer with a real optimizer and EWMA state."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from trajflow.algorithms.ewma import EwmaProximal
+from trajflow.engines import checkpoint as ckpt
+from trajflow.jobs.recorder import RunPaths, RunRecorder, logged_steps, read_metrics, truncate_after
+from trajflow.schemas import from_rows, read_parquet
+
+
+class FakeTrainer:
+    """What the hooks touch on a TrainStep: version, strategy, optimizer, ewma, _state_dict()."""
+
+    def __init__(self, version: int = 0, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = torch.nn.Linear(3, 2)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.ewma = EwmaProximal(self._state_dict(), beta=0.5)
+        self.version = version
+        self.strategy = "ewma"
+
+    def _state_dict(self):
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def train(self) -> None:
+        loss = self.model(torch.randn(4, 3)).pow(2).sum()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.ewma.update(self._state_dict())
+        self.version += 1
+
+
+def _batch(step: int, n: int = 4) -> pa.Table:
+    rows = [{
+        "trajectory_id": f"s{step:06d}-p000-n{i:03d}", "group_id": f"s{step:06d}-p000", "prompt_id": "p",
+        "prompt_tokens": [1, 4], "response_tokens": [5, 2], "loss_mask": [True, True],
+        "inference_logprobs": [-0.1, -0.2], "versions": [step, step], "old_logprobs": None,
+        "finish_reason": "stop", "reward": 1.0, "advantage": 0.0, "rollout_step": step, "filter_reason": None,
+    } for i in range(n)]
+    return from_rows(rows)
+
+
+def _recorder(run_dir, **kw) -> RunRecorder:
+    args = dict(run_dir=str(run_dir), steps=6, checkpoint_every=2, keep_checkpoints=2, save_all_versions=True,
+                trajectory_log=True)
+    args.update(kw)
+    return RunRecorder(**args)
+
+
+def _step(recorder: RunRecorder, trainer: FakeTrainer) -> dict:
+    step = trainer.version
+    trainer.train()
+    metrics = {"step": step, "version": trainer.version, "reward_mean": 0.5, "rows_trained": 4}
+    recorder.on_step(trainer, _batch(step), metrics)
+    return metrics
+
+
+def test_steps_write_logs_checkpoints_and_versions(tmp_path):
+    recorder, trainer = _recorder(tmp_path), FakeTrainer()
+    recorder.on_start(trainer)
+    metrics = [_step(recorder, trainer) for _ in range(5)]
+    paths = RunPaths(tmp_path)
+    assert logged_steps(paths) == [0, 1, 2, 3, 4]
+    assert read_metrics(paths)["optimizer_steps"].to_list() == [1, 2, 3, 4, 5]
+    assert [m.get("checkpoint") for m in metrics] == [None, 2, None, 4, None]
+    assert metrics[0]["trainer_node"] == ""  # outside Ray
+    part = read_parquet(paths.trajectory_file(3))
+    assert part["trainer_version"].to_pylist() == [3] * 4
+    assert [c.version for c in ckpt.list_checkpoints(paths.checkpoints)] == [2, 4]
+    assert sorted(p.name for p in paths.versions.iterdir()) == [f"v{v:06d}.safetensors" for v in range(6)]
+    # non-finite rows go to quarantine, the partition stays schema-valid
+    bad = _batch(5)
+    lp = bad["inference_logprobs"].to_pylist()
+    lp[1] = [float("nan"), -0.2]
+    bad = bad.set_column(bad.schema.get_field_index("inference_logprobs"), "inference_logprobs",
+                         pa.array(lp, pa.list_(pa.float32())))
+    trainer.train()
+    recorder.on_step(trainer, bad, {"step": 5, "version": 6})
+    assert read_parquet(paths.trajectory_file(5)).num_rows == 3
+    assert (paths.quarantine / "step=000005.parquet").is_file()
+    assert [c.version for c in ckpt.list_checkpoints(paths.checkpoints)] == [4, 6]  # final one + retention
+
+
+def test_resume_restores_optimizer_and_ewma_and_truncates_later_steps(tmp_path):
+    recorder, trainer = _recorder(tmp_path), FakeTrainer()
+    recorder.on_start(trainer)
+    for _ in range(3):  # steps 0..2, checkpoint 2; step 2's logs exist beyond the checkpoint
+        _step(recorder, trainer)
+    paths = RunPaths(tmp_path)
+    (paths.checkpoints / ".tmp-step-000004-x").mkdir()  # a checkpoint write killed mid-way
+    latest = ckpt.latest_checkpoint(paths.checkpoints)
+    assert latest.version == 2
+
+    removed = truncate_after(paths, latest.version)
+    assert removed == [2] and logged_steps(paths) == [0, 1]
+    assert not paths.trajectory_file(2).exists() and not ckpt.version_file(paths.versions, 3).exists()
+    assert not (paths.checkpoints / ".tmp-step-000004-x").exists()
+
+    resumed = FakeTrainer(version=2, seed=1)
+    resumed.model.load_state_dict(latest.model_state())
+    _recorder(tmp_path, resume_from=str(latest.path)).on_start(resumed)
+    saved_ewma = latest.ewma_state()
+    assert resumed.ewma.norm == pytest.approx(saved_ewma["norm"]) and resumed.ewma.steps_since_reset == 2
+    for k, v in saved_ewma["weights"].items():
+        assert torch.equal(resumed.ewma.weights[k], v)
+    opt = resumed.optimizer.state_dict()["state"]
+    assert {float(s["step"]) for s in opt.values()} == {2.0}
+
+    with pytest.raises(RuntimeError, match="starts at version 3"):
+        _recorder(tmp_path, resume_from=str(latest.path)).on_start(FakeTrainer(version=3))
+
+
+def test_recorder_is_picklable_for_the_trainer_actor(tmp_path):
+    import pickle
+
+    recorder = _recorder(tmp_path)
+    assert pickle.loads(pickle.dumps(recorder)) == recorder
+    assert math.isfinite(float(np.float32(1)))

@@ -1,0 +1,26 @@
+"""The ablation notebook runs clean (small config) and saves its plot."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "ablations.ipynb"
+
+
+@pytest.mark.slow
+def test_ablation_notebook_executes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAJFLOW_NOTEBOOK_STEPS", "4")
+    monkeypatch.setenv("TRAJFLOW_NOTEBOOK_PROMPTS", "4")
+    monkeypatch.setenv("TRAJFLOW_NOTEBOOK_OUT", str(tmp_path))
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
+    assert (tmp_path / "ablation.png").stat().st_size > 10_000
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "recompute" in text and "snapshot" in text

@@ -1,0 +1,117 @@
+"""Offline replay's input checks, without Ray: reading and grouping a logged trajectory dataset,
+which version weights a replay needs, and the errors for bad logs and missing versions.
+(The end-to-end replays of a real logged run are in test_jobs_run.py.)"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from trajflow.engines import checkpoint as ckpt
+from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.replay import (
+    Replay,
+    ReplayError,
+    format_versions,
+    load_trajectories,
+    locate_versions,
+    required_versions,
+)
+from trajflow.schemas import SchemaError, from_rows, write_parquet
+
+
+def _rows(step: int, n: int, versions: list[int]) -> pa.Table:
+    rows = []
+    for i in range(n):
+        rows.append({
+            "trajectory_id": f"s{step:06d}-p{i // 2:03d}-n{i % 2:03d}",
+            "group_id": f"s{step:06d}-p{i // 2:03d}",
+            "prompt_id": f"addition/train/{i // 2}",
+            "prompt_tokens": [1, 5, 6],
+            "response_tokens": [7, 8, 2],
+            "loss_mask": [True, True, True],
+            "inference_logprobs": [-0.5, -0.25, -0.1],
+            "versions": versions,
+            "old_logprobs": [-0.5, -0.25, -0.1],
+            "finish_reason": "stop",
+            "reward": float(i % 2),
+            "advantage": 0.0,
+            "answer": "1",
+            "rollout_step": step,
+            "filter_reason": None,
+            "trainer_version": step,
+        })
+    table = from_rows(rows)
+    return table.set_column(table.schema.get_field_index("rollout_step"), "rollout_step",
+                            table["rollout_step"].cast(pa.int32()))
+
+
+def _log(tmp_path, steps=(0, 1, 2), n=4):
+    root = tmp_path / "run" / "trajectories"
+    for s in steps:
+        write_parquet(_rows(s, n, [max(0, s - 1), s, s]), root / f"step={s:06d}" / "part-0.parquet")
+    return root
+
+
+def _config(n=4):
+    return PipelineConfig(prompts_per_step=n // 2, group_size=2, max_staleness=1)
+
+
+def test_load_groups_by_step_and_checks_ids(tmp_path):
+    root = _log(tmp_path)
+    steps = load_trajectories(root)
+    assert sorted(steps) == [0, 1, 2] and all(t.num_rows == 4 for t in steps.values())
+    assert load_trajectories(root.parent).keys() == steps.keys()  # a run dir works too
+    # the same partition twice: duplicate trajectory ids are refused
+    write_parquet(_rows(1, 4, [0, 1, 1]), root / "step=000001" / "part-1.parquet")
+    with pytest.raises(ReplayError, match="step 1: duplicate trajectory_id"):
+        load_trajectories(root)
+
+
+def test_required_and_located_versions(tmp_path):
+    steps = load_trajectories(_log(tmp_path))
+    assert required_versions(steps, ["snapshot"], "diagnose") == {0, 1, 2}
+    assert required_versions(steps, ["behavior"], "diagnose") == {0, 1, 2}
+    assert required_versions(steps, ["ewma"], "diagnose") == {0, 1, 2, 3}
+    assert required_versions(steps, ["behavior"], "train") == {0}
+    assert required_versions(steps, ["snapshot"], "train") == {0, 1, 2}
+
+    run = tmp_path / "run"
+    ckpt.save_weights({"w": torch.zeros(1)}, ckpt.version_file(run / "versions", 0))
+    ckpt.save_checkpoint(run / "checkpoints", 2, {"w": torch.ones(1)})
+    found, missing = locate_versions(run, [0, 1, 2, 3])
+    assert sorted(found) == [0, 2] and missing == [1, 3]
+    assert found[2].parent.name == "step-000002"
+    assert format_versions([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+
+
+def test_missing_versions_are_reported_by_number_before_any_work(tmp_path):
+    root = _log(tmp_path, steps=(0, 1, 2, 3, 4))
+    run = tmp_path / "run"
+    for v in (0, 1, 4):
+        ckpt.save_weights({"w": torch.zeros(1)}, ckpt.version_file(run / "versions", v))
+    with pytest.raises(ReplayError) as info:
+        Replay(_config(), root, run, ["snapshot"], "diagnose")
+    assert "weights of 2 version(s) missing" in str(info.value) and ": 2-3 " in str(info.value)
+    with pytest.raises(ReplayError, match="one strategy at a time"):
+        Replay(_config(), root, run, ["snapshot", "behavior"], "train")
+    with pytest.raises(ReplayError, match="unknown strategy"):
+        Replay(_config(), root, run, ["exactish"], "diagnose")
+    with pytest.raises(ReplayError, match="step 0 holds 4 rows, the config's rows_per_step is 8"):
+        Replay(_config(8), root, run, ["behavior"], "diagnose")
+
+
+def test_bad_parquet_is_a_schema_error_naming_file_and_column(tmp_path):
+    root = _log(tmp_path, steps=(0,))
+    file = root / "step=000000" / "part-0.parquet"
+    table = pq.read_table(file)
+    bad = table.set_column(table.schema.get_field_index("reward"), "reward", table["reward"].cast(pa.string()))
+    pq.write_table(bad, file)
+    with pytest.raises(SchemaError, match=r"part-0.parquet: column 'reward'"):
+        load_trajectories(root)
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SchemaError, match="not a readable Parquet file"):
+        load_trajectories(root)
