@@ -48,11 +48,11 @@ def main() -> None:
                         + table([{k: v for k, v in r.items()}]))
         print(sections[-1], flush=True)
     if "async_vs_sync" in a.only:
-        r = async_vs_sync.run(steps=8 if q else 40)
+        r = async_vs_sync.run(steps=12 if q else 40)
         sections.append("## 2. Async vs sync (snapshot, same steps and samples)\n\n" + table([r]))
         print(sections[-1], flush=True)
     if "overhead" in a.only:
-        rows = strategy_overhead.run(steps=8 if q else 30)
+        rows = strategy_overhead.run(steps=12 if q else 30)
         sections.append("## 3. Strategy overhead relative to `behavior` (max_staleness 2, bf16)\n\n" + table(rows))
         print(sections[-1], flush=True)
     if "quality" in a.only:

@@ -249,7 +249,7 @@ class Replay:
 
     def dataset(self, stores: dict):
         import ray
-        from ray.data import ActorPoolStrategy, DataContext, TaskPoolStrategy
+        from ray.data import DataContext, TaskPoolStrategy
 
         from trajflow.engines.sampling import SamplingParams
         from trajflow.operators.advantage import Advantage
@@ -257,7 +257,7 @@ class Replay:
         from trajflow.operators.filter import Filter
         from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
         from trajflow.operators.train_step import TrainStep
-        from trajflow.pipelines.rl_loop import Fused
+        from trajflow.pipelines.rl_loop import Fused, in_order_pool
 
         c = self.config
         ctx = DataContext.get_current()
@@ -274,7 +274,7 @@ class Replay:
         def actor(ds, fn, kwargs, res):
             extra = {"resources": res.resources} if res.resources else {}
             return ds.map_batches(fn, fn_constructor_kwargs=kwargs, batch_size=rows, batch_format="pyarrow",
-                                  compute=ActorPoolStrategy(size=1), num_cpus=res.num_cpus,
+                                  compute=in_order_pool(1), num_cpus=res.num_cpus,
                                   num_gpus=res.num_gpus or None, **extra)
 
         if any(s in EXACT_STRATEGIES for s in self.strategies):

@@ -82,6 +82,16 @@ class Fused:
         return batch
 
 
+def in_order_pool(size: int) -> ActorPoolStrategy:
+    """An actor pool that hands each actor one batch at a time.
+
+    Ray Data otherwise queues several batches per actor and may start them in any order. The
+    generator blocks on its admission permit, so step b+1 starting before step b on the same actor
+    deadlocks (measured here); and the trainer must see steps in order.
+    """
+    return ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1)
+
+
 def ensure_ray(**init_kwargs) -> None:
     """Start an embedded Ray unless one is running (dashboard off; services bind to 127.0.0.1)."""
     if not ray.is_initialized():
@@ -211,7 +221,7 @@ class RLPipeline:
             pending.clear()
             return ds.map_batches(Fused, fn_constructor_kwargs={"fns": fns}, batch_size=rows,
                                   batch_format="pyarrow", num_cpus=c.light_stage_cpus, zero_copy_batch=True,
-                                  compute=ActorPoolStrategy(size=1))
+                                  compute=in_order_pool(1))
 
         for stage in self.stages:
             if not stage.is_actor:
@@ -226,7 +236,7 @@ class RLPipeline:
                                        **(self.train_step_kwargs if stage.fn is TrainStep else {})},
                 batch_size=1 if stage.fn is Generate else rows,
                 batch_format="pyarrow",
-                compute=ActorPoolStrategy(size=stage.pool_size),
+                compute=in_order_pool(stage.pool_size),
                 num_cpus=res.num_cpus,
                 num_gpus=res.num_gpus or None,
                 **ray_args,

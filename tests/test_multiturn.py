@@ -227,22 +227,31 @@ def test_exact_strategies_on_episodes_spanning_versions(ray_session, tmp_path, s
     assert m["staleness/max"].max() >= 1
     assert m["over_stale_tokens_dropped"].sum() == 0
 
-    batches = pa.concat_tables([pq.read_table(p) for p in sorted(Path(tmp_path).glob("*.parquet"))],
-                               promote_options="permissive")
+    files = sorted(Path(tmp_path).glob("step*.parquet"))
+    batches = pa.concat_tables([pq.read_table(p) for p in files], promote_options="permissive")
     assert batches.num_rows == config.steps * config.rows_per_step
-    spanning = 0
-    for row in batches.to_pylist():
+    trainer_versions = np.repeat([int(p.stem[4:]) for p in files], config.rows_per_step)
+    spanning, env_old_nonzero = 0, 0
+    for row, trainer_version in zip(batches.to_pylist(), trainer_versions):
         mask = np.asarray(row["loss_mask"])
         versions = np.asarray(row["versions"])
         inference = np.asarray(row["inference_logprobs"], dtype=np.float64)
         assert (inference[~mask] == 0.0).all()
+        # the staleness bound, token by token: 0 <= trainer version - token version <= S
+        lag = trainer_version - versions[mask]
+        assert (lag >= 0).all() and (lag <= max_staleness).all()
         if row["filter_reason"] is None:
             old = np.asarray(row["old_logprobs"], dtype=np.float64)
             assert np.abs(old[mask] - inference[mask]).max() < 1e-5
+            env_old_nonzero += int((np.abs(old[~mask]) > 1e-3).sum())
         # the versions of the policy tokens: several turns, several versions
         spanning += len(set(versions[mask].tolist())) > 1
         assert row["turns"] >= 1
         if row["reward"] == 1.0:
             assert row["finish_reason"] == "stop"
     assert spanning > 0
+    if strategy == "snapshot":
+        # The snapshot operator scores environment tokens too (real log-probs, far from their 0.0
+        # inference entries), yet max|log r_d| above is ~0: they are in no ratio or diagnostic.
+        assert env_old_nonzero > 0
     assert pl.from_arrow(batches.select(["turns"]))["turns"].max() >= 2
