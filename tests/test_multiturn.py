@@ -189,8 +189,7 @@ def test_heldout_accuracy_dispatches_to_episode_success(warm, env):
 # -- the pipeline on Ray ---------------------------------------------------------------------------
 
 MULTI = dict(task="calc", model=CALC_WARM_START, steps=6, prompts_per_step=4, group_size=4,
-             drop_zero_variance_groups=False, seed=1, sampling={"max_new_tokens": TURN_TOKENS},
-             optimizer={"lr": 1e-3})
+             drop_zero_variance_groups=False, seed=1, sampling={"max_new_tokens": TURN_TOKENS})
 
 
 def _log_batches(directory: str):
@@ -211,8 +210,9 @@ def test_exact_strategies_on_episodes_spanning_versions(ray_session, tmp_path, s
     from trajflow.pipelines.rl_loop import RLPipeline
 
     max_staleness = 1
+    # Slow decoding so that publishes land between (and inside) the turns of a rollout.
     config = PipelineConfig(**MULTI, strategy=strategy, max_staleness=max_staleness,
-                            simulate_decode_seconds=0.01)
+                            simulate_decode_seconds=0.03)
     pipe = RLPipeline(config)
     pipe.train_step_kwargs = {"on_step": _log_batches(str(tmp_path))}
     m = pipe.run(progress=False)
