@@ -116,6 +116,9 @@ class RLPipeline:
                 return i
         raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
 
+    def stage(self, name: str) -> Stage:
+        return self.stages[self._index(name)]
+
     def insert_after(self, name: str, stage: Stage) -> "RLPipeline":
         self.stages.insert(self._index(name) + 1, stage)
         return self
@@ -233,8 +236,8 @@ class RLPipeline:
             ds = ds.map_batches(
                 stage.fn,
                 fn_constructor_kwargs={"store": self.store, **stage.kwargs,
-                                       **(self.train_step_kwargs if stage.fn is TrainStep else {})},
-                batch_size=1 if stage.fn is Generate else rows,
+                                       **(self.train_step_kwargs if issubclass(stage.fn, TrainStep) else {})},
+                batch_size=1 if issubclass(stage.fn, Generate) else rows,
                 batch_format="pyarrow",
                 compute=in_order_pool(stage.pool_size),
                 num_cpus=res.num_cpus,

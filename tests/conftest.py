@@ -19,3 +19,40 @@ def ray_session():
     DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def publish_inside_rollouts():
+    """Make "a rollout spans two weight versions" deterministic instead of a timing race.
+
+    Returns `apply(pipe)`, which swaps the pipeline's generate stage for a subclass that, whenever
+    it runs ahead of the trainer (rollout step > resident version), waits once per rollout, after
+    the first sampled token, for the trainer's next publish and then lets the normal switch logic
+    take it. Safe from deadlock: the trainer's next version needs only batches the (single,
+    in-order) generator has already emitted. Everything else is the real pipeline on real Ray.
+    """
+    import dataclasses
+
+    import ray
+
+    from trajflow.operators.generate import Generate
+
+    class GenerateWithPublishInsideRollout(Generate):
+        def __call__(self, batch):
+            self._rollout_step = int(batch["id"][0].as_py())
+            self._waited_this_rollout = False
+            return super().__call__(batch)
+
+        def _switch_if_newer(self, pins, views, old_logprobs) -> None:
+            ahead = self._rollout_step > self.engine.version
+            sampled = any(len(row.response_tokens) for row in views())
+            if ahead and sampled and not self._waited_this_rollout:
+                self._waited_this_rollout = True
+                ray.get(self.store.wait_for_version.remote(self.engine.version + 1))
+            super()._switch_if_newer(pins, views, old_logprobs)
+
+    def apply(pipe):
+        generate = dataclasses.replace(pipe.stage("generate"), fn=GenerateWithPublishInsideRollout)
+        return pipe.replace("generate", generate)
+
+    return apply

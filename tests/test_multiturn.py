@@ -202,7 +202,7 @@ def _log_batches(directory: str):
 
 
 @pytest.mark.parametrize("strategy", ["snapshot", "interrupt"])
-def test_exact_strategies_on_episodes_spanning_versions(ray_session, tmp_path, strategy):
+def test_exact_strategies_on_episodes_spanning_versions(ray_session, publish_inside_rollouts, tmp_path, strategy):
     import polars as pl
     import pyarrow.parquet as pq
 
@@ -210,10 +210,10 @@ def test_exact_strategies_on_episodes_spanning_versions(ray_session, tmp_path, s
     from trajflow.pipelines.rl_loop import RLPipeline
 
     max_staleness = 1
-    # Slow decoding so that publishes land between (and inside) the turns of a rollout.
-    config = PipelineConfig(**MULTI, strategy=strategy, max_staleness=max_staleness,
-                            simulate_decode_seconds=0.03)
-    pipe = RLPipeline(config)
+    config = PipelineConfig(**MULTI, strategy=strategy, max_staleness=max_staleness)
+    # A publish lands between the turns (snapshot) or inside a turn (interrupt) of every rollout
+    # that runs ahead of the trainer.
+    pipe = publish_inside_rollouts(RLPipeline(config))
     pipe.train_step_kwargs = {"on_step": _log_batches(str(tmp_path))}
     m = pipe.run(progress=False)
     print(f"\ncalc {strategy} S={max_staleness}: max|log r_d|={m['mismatch/max_abs_log_rd'].max():.2e} "

@@ -20,12 +20,11 @@ TOL = 1e-4
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["snapshot", "interrupt"])
-def test_exact_strategies_recover_inference_logprobs_with_vllm(ray_session, strategy):
+def test_exact_strategies_recover_inference_logprobs_with_vllm(ray_session, publish_inside_rollouts, strategy):
     max_staleness = 1
     config = PipelineConfig(**SMALL, strategy=strategy, max_staleness=max_staleness, engine="vllm",
-                            vllm={"kv_cache_memory_bytes": 64 << 20},
-                            simulate_decode_seconds=0.01 if strategy == "interrupt" else 0.0)
-    m = RLPipeline(config).run(progress=False)
+                            vllm={"kv_cache_memory_bytes": 64 << 20})
+    m = publish_inside_rollouts(RLPipeline(config)).run(progress=False)
     print(f"\n[vllm pipeline] {strategy} S={max_staleness}: max|log r_d|={m['mismatch/max_abs_log_rd'].max():.2e} "
           f"max lag={m['staleness/max'].max()} spanning rows={m['rows_spanning_versions'].sum()}")
     assert m["mismatch/max_abs_log_rd"].max() < TOL
