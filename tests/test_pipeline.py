@@ -51,6 +51,8 @@ def test_exact_strategies_recover_inference_logprobs(ray_session, publish_inside
     # Staleness actually occurred when allowed.
     if max_staleness >= 1:
         assert m["staleness/max"].max() >= 1
+    # (interrupt's generator pauses at every publish to score its prefixes, so it does not outrun
+    # the trainer here; its proof of staleness is lag >= 1 plus trajectories spanning versions.)
     if max_staleness == 3 and strategy != "interrupt":
         assert m["staleness/max"].max() >= 2, "the generator never ran two versions ahead"
     if strategy == "interrupt" and max_staleness >= 1:
