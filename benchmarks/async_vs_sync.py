@@ -8,13 +8,13 @@ from benchmarks.common import ensure_ray, run_pipeline
 
 def run(steps: int = 40, max_staleness: int = 2, decode_seconds: float = 0.0) -> dict:
     ensure_ray()
-    common = dict(strategy="snapshot", steps=steps, prompts_per_step=16, group_size=8,
+    common = dict(strategy="snapshot", steps=steps, prompts_per_step=64, group_size=8,
                   simulate_decode_seconds=decode_seconds)
     sync = run_pipeline(max_staleness=0, **common)
     async_ = run_pipeline(max_staleness=max_staleness, **common)
     return {
         "steps": steps,
-        "samples per step": 128,
+        "samples per step": 64 * 8,
         "sync s/step": sync.seconds_per_step(),
         "async s/step": async_.seconds_per_step(),
         "speedup (sync/async)": sync.seconds_per_step() / async_.seconds_per_step(),

@@ -21,26 +21,60 @@ def machine() -> str:
 
 
 class ActorMemory:
-    """Peak RSS per Ray actor role, sampled from the process titles (`ray::MapWorker(MapBatches(X))`)."""
+    """Peak RSS of the pipeline's own actors (the Ray Data operator actors and the policy store).
+
+    Only this driver's descendants count (not other Ray sessions on the machine), minus processes
+    that already held a pipeline role at `__enter__` (a previous run's lingering actors); Ray's
+    internal actors and idle workers are skipped. Process titles
+    change with the running method (`ray::MapWorker(MapBatches(Generate)).submit`), so peaks are
+    kept per PID and summed per role (`Generate`, `PolicyStore`, ...).
+    """
 
     def __init__(self, interval: float = 0.5) -> None:
         self.interval = interval
-        self.peaks_mb: dict[str, float] = {}
+        self._peaks: dict[int, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    @staticmethod
+    def role(title: str) -> str | None:
+        name = title.split()[0].removeprefix("ray::") if title.startswith("ray::") else ""
+        if name.startswith("MapWorker(MapBatches("):
+            return name.removeprefix("MapWorker(MapBatches(").split(")")[0]
+        if name.split(".")[0] == "PolicyStore":
+            return "PolicyStore"
+        return None
+
+    def _role_of(self, proc: psutil.Process) -> str | None:
+        try:
+            return self.role(" ".join(proc.cmdline()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
     def _run(self) -> None:
+        me = psutil.Process()
         while not self._stop.is_set():
-            for proc in psutil.process_iter(["cmdline", "memory_info"]):
-                cmd = " ".join(proc.info["cmdline"] or [])
-                if not cmd.startswith("ray::"):
+            for proc in me.children(recursive=True):
+                if proc.pid in self._before:
                     continue
-                role = cmd.split()[0].removeprefix("ray::").removeprefix("MapWorker(MapBatches(").rstrip(")")
-                rss = proc.info["memory_info"].rss / 2**20 if proc.info["memory_info"] else 0.0
-                self.peaks_mb[role] = max(self.peaks_mb.get(role, 0.0), rss)
+                role = self._role_of(proc)
+                try:
+                    rss = proc.memory_info().rss / 2**20
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                if role is not None:
+                    self._peaks[proc.pid] = (role, max(rss, self._peaks.get(proc.pid, (role, 0.0))[1]))
             self._stop.wait(self.interval)
 
+    @property
+    def peaks_mb(self) -> dict[str, float]:
+        per_role: dict[str, float] = {}
+        for role, rss in self._peaks.values():
+            per_role[role] = per_role.get(role, 0.0) + rss
+        return per_role
+
     def __enter__(self) -> "ActorMemory":
+        self._before = {p.pid for p in psutil.Process().children(recursive=True) if self._role_of(p)}
         self._thread.start()
         return self
 
@@ -84,10 +118,10 @@ def ensure_ray() -> None:
     DataContext.get_current().enable_progress_bars = False
 
 
-def mean_std(values: list[float]) -> str:
+def mean_std(values: list[float], digits: int = 3) -> str:
     import numpy as np
 
     values = [v for v in values if v is not None]
     if not values:
         return "n/a"
-    return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+    return f"{np.mean(values):.{digits}f} ± {np.std(values):.{digits}f}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.torch_engine import TorchEngine
 
 EngineName = Literal["torch", "vllm"]
@@ -19,37 +18,22 @@ ENGINES: tuple[str, ...] = ("torch", "vllm")
 Engine = Union[TorchEngine, "VllmEngine"]  # noqa: F821 (imported lazily: vllm is optional)
 
 
-def make_engine(
-    name: str,
-    model: Any,
-    *,
-    eos_id: int,
-    pad_id: int,
-    sampling: SamplingParams,
-    inference_dtype: str = "float32",
-    seed: int = 0,
-    version: int = 0,
-    **engine_kwargs: Any,
-) -> Engine:
-    """Build the named engine.
+def make_engine(name: str, model: Any, **kwargs: Any) -> Engine:
+    """Build the named engine: `TorchEngine(model, **kwargs)` or `VllmEngine(model, **kwargs)`.
 
     `model`: a `PreTrainedModel` or a local Hugging Face model directory (either engine).
-    `engine_kwargs` are engine-specific knobs: none for "torch"; for "vllm" see `VllmEngine`
-    (gpu_memory_utilization, kv_cache_memory_bytes, max_model_len, enforce_eager,
-    tensor_parallel_size, enable_prefix_caching, max_logprobs, llm_kwargs).
+    `kwargs`: the shared contract (eos_id, pad_id, sampling, inference_dtype, seed, version), and
+    for "vllm" its own knobs (see `VllmEngine`); an option the engine does not take is a TypeError
+    that names it.
     """
-    common = dict(eos_id=eos_id, pad_id=pad_id, sampling=sampling, inference_dtype=inference_dtype,
-                  seed=seed, version=version)
     if name == "torch":
-        if engine_kwargs:
-            raise TypeError(f"the torch engine takes no engine options, got {sorted(engine_kwargs)}")
         if isinstance(model, (str, Path)):
             from trajflow.engines.models import load_model
 
             model = load_model(model)
-        return TorchEngine(model, **common)
+        return TorchEngine(model, **kwargs)
     if name == "vllm":
         from trajflow.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(model, **common, **engine_kwargs)
+        return VllmEngine(model, **kwargs)
     raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(ENGINES)}")

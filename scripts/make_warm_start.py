@@ -137,13 +137,15 @@ def _take(stream: Iterator[Prompt], n: int) -> list[Prompt]:
     return [next(stream) for _ in range(n)]
 
 
-def train_until_band(task: Task, *, seed: int = 0, band: tuple[float, float] = (0.25, 0.40),
-                     batch_size: int = 64, lr: float = 1e-3, warmup: int = 50,
-                     eval_every: int = 50, eval_n: int = 1000, max_steps: int = 20000,
-                     log: Callable[[str], None] = print) -> tuple[torch.nn.Module, object, dict]:
-    """SFT the tiny model on ``task`` until held-out greedy accuracy first enters ``band``.
+def sft_until_band(next_batch: Callable[[object], dict[str, torch.Tensor]],
+                   score: Callable[[torch.nn.Module, object], float], *, metric: str, seed: int,
+                   band: tuple[float, float], lr: float, warmup: int, eval_every: int, max_steps: int,
+                   log: Callable[[str], None] = print) -> tuple[torch.nn.Module, object, dict]:
+    """SFT ``build_tiny_model(seed)`` on ``next_batch(tokenizer)`` until ``score(model, tokenizer)``
+    (named ``metric``) first enters ``band``; on overshooting, roll back to the last evaluated state
+    and evaluate twice as often. Shared by every warm-start script.
 
-    Returns (model, tokenizer, info) where info has steps, the accuracy and the eval history.
+    Returns (model, tokenizer, info) where info has steps, examples, the metric and the history.
     Raises RuntimeError if the band is not reached within ``max_steps``.
     """
     torch.set_num_threads(2)
@@ -153,9 +155,6 @@ def train_until_band(task: Task, *, seed: int = 0, band: tuple[float, float] = (
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    heldout = task.heldout(eval_n)
-    reward: Reward = task.reward
-    stream = task.prompts("train", seed)
     history: list[dict] = []
     step, interval, examples = 0, eval_every, 0
     saved = None  # (step, model state, optimizer state, scheduler state) at the last eval below the band
@@ -164,7 +163,7 @@ def train_until_band(task: Task, *, seed: int = 0, band: tuple[float, float] = (
         model.train()
         target = step + interval
         while step < target:
-            batch = make_batch(tokenizer, _take(stream, batch_size))
+            batch = next_batch(tokenizer)
             loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -172,18 +171,16 @@ def train_until_band(task: Task, *, seed: int = 0, band: tuple[float, float] = (
             optimizer.step()
             schedule.step()
             step += 1
-            examples += batch_size
-        acc = greedy_accuracy(model, tokenizer, heldout, reward)
-        last_loss = loss.item()
-        history.append({"step": step, "loss": round(last_loss, 4), "heldout_accuracy": acc})
-        log(f"step {step:5d}  loss {last_loss:.4f}  heldout greedy acc {acc:.3f} (n={eval_n})  "
-            f"{time.perf_counter() - start:6.1f}s")
-        if low <= acc <= high:
-            return model, tokenizer, {"steps": step, "examples": examples, "heldout_accuracy": acc,
-                                      "history": history}
-        if acc > high:
+            examples += len(batch["input_ids"])
+        model.eval()
+        value = score(model, tokenizer)
+        history.append({"step": step, "loss": round(loss.item(), 4), metric: value})
+        log(f"step {step:5d}  loss {loss.item():.4f}  {metric} {value:.3f}  {time.perf_counter() - start:6.1f}s")
+        if low <= value <= high:
+            return model, tokenizer, {"steps": step, "examples": examples, metric: value, "history": history}
+        if value > high:
             if saved is None or interval == 1:
-                raise RuntimeError(f"overshot the band {band} at step {step} (acc {acc:.3f}); "
+                raise RuntimeError(f"overshot the band {band} at step {step} ({metric} {value:.3f}); "
                                    "lower --lr or --eval-every")
             step, model_state, opt_state, sched_state = saved
             model.load_state_dict(model_state)
@@ -195,6 +192,20 @@ def train_until_band(task: Task, *, seed: int = 0, band: tuple[float, float] = (
         saved = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()),
                  copy.deepcopy(schedule.state_dict()))
     raise RuntimeError(f"band {band} not reached in {max_steps} steps")
+
+
+def train_until_band(task: Task, *, seed: int = 0, band: tuple[float, float] = (0.25, 0.40),
+                     batch_size: int = 64, lr: float = 1e-3, warmup: int = 50,
+                     eval_every: int = 50, eval_n: int = 1000, max_steps: int = 20000,
+                     log: Callable[[str], None] = print) -> tuple[torch.nn.Module, object, dict]:
+    """SFT the tiny model on ``task`` until held-out greedy accuracy first enters ``band``."""
+    heldout = task.heldout(eval_n)
+    stream = task.prompts("train", seed)
+    return sft_until_band(
+        lambda tokenizer: make_batch(tokenizer, _take(stream, batch_size)),
+        lambda model, tokenizer: greedy_accuracy(model, tokenizer, heldout, task.reward),
+        metric="heldout_accuracy", seed=seed, band=band, lr=lr, warmup=warmup, eval_every=eval_every,
+        max_steps=max_steps, log=log)
 
 
 def _accuracy_by_answer_len(prompts: Sequence[Prompt], correct: Sequence[bool]) -> dict[str, float]:

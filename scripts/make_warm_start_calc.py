@@ -23,7 +23,6 @@ CPU, 2 threads, deterministic given ``--seed``.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import shlex
 import sys
@@ -40,6 +39,8 @@ from trajflow.engines.torch_engine import TorchEngine
 from trajflow.operators.episodes import heldout_success_rate, run_episodes
 from trajflow.tasks import Prompt, get_task
 from trajflow.tasks.environments import CalculatorEnv
+
+from make_warm_start import sft_until_band  # noqa: E402 (the sibling script, on sys.path when run)
 
 TURN_TOKENS = 8  # per-turn limit (sampling.max_new_tokens) used in evaluation and in jobs/configs/calc.yaml
 
@@ -103,51 +104,12 @@ def evaluate(model, tokenizer, env, n: int, seed: int) -> dict:
 
 def train_until_band(env, *, seed: int, band: tuple[float, float], batch_size: int, lr: float,
                      warmup: int, eval_every: int, eval_n: int, max_steps: int, log=print):
-    torch.set_num_threads(2)
-    torch.use_deterministic_algorithms(True)
-    low, high = band
-    model, tokenizer = build_tiny_model(seed)
-    torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     stream = env.prompts("train", seed)
-    history: list[dict] = []
-    step, interval, examples = 0, eval_every, 0
-    saved = None
-    start = time.perf_counter()
-    while step < max_steps:
-        model.train()
-        target = step + interval
-        while step < target:
-            batch = make_batch(env, tokenizer, [next(stream) for _ in range(batch_size)])
-            loss = model(**batch).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            step += 1
-            examples += batch_size
-        model.eval()
-        rate = heldout_success_rate(model, tokenizer, env, eval_n, TURN_TOKENS)
-        history.append({"step": step, "loss": round(loss.item(), 4), "heldout_success_rate": rate})
-        log(f"step {step:5d}  loss {loss.item():.4f}  heldout greedy success {rate:.3f} (n={eval_n})  "
-            f"{time.perf_counter() - start:6.1f}s")
-        if low <= rate <= high:
-            return model, tokenizer, {"steps": step, "examples": examples, "history": history}
-        if rate > high:
-            if saved is None or interval == 1:
-                raise RuntimeError(f"overshot the band {band} at step {step} ({rate:.3f}); lower --lr")
-            step, model_state, opt_state, sched_state = saved
-            model.load_state_dict(model_state)
-            optimizer.load_state_dict(opt_state)
-            schedule.load_state_dict(sched_state)
-            interval = max(1, interval // 2)
-            log(f"  above the band: back to step {step}, evaluating every {interval} steps")
-            continue
-        saved = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()),
-                 copy.deepcopy(schedule.state_dict()))
-    raise RuntimeError(f"band {band} not reached in {max_steps} steps")
+    return sft_until_band(
+        lambda tokenizer: make_batch(env, tokenizer, [next(stream) for _ in range(batch_size)]),
+        lambda model, tokenizer: heldout_success_rate(model, tokenizer, env, eval_n, TURN_TOKENS),
+        metric="heldout_success_rate", seed=seed, band=band, lr=lr, warmup=warmup, eval_every=eval_every,
+        max_steps=max_steps, log=log)
 
 
 def main(argv: list[str] | None = None) -> int:
