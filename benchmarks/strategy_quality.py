@@ -15,18 +15,26 @@ import numpy as np
 from benchmarks.common import ensure_ray, mean_std, run_pipeline
 
 STRATEGIES = ["snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior", "loglinear"]
-STEPS, PROMPTS, GROUP, LR = 50, 32, 8, 1.5e-4
+STEPS, PROMPTS, GROUP, LR = 40, 32, 8, 1.5e-4
 SAMPLES = PROMPTS * GROUP
 EVAL_EVERY, EVAL_PROMPTS = 10, 200
 WARM_START_ACCURACY = 0.275  # greedy, on the same first 200 held-out prompts (heldout_accuracy)
-TARGET = 0.38  # warm start + 10.5 points
+TARGET = 0.36  # warm start + 8.5 points
+# At max_staleness 0 these four are one algorithm (old = pi_v^train of the trainer's own version v,
+# scored exactly), so it runs once and its row stands for all four.
+SAME_AT_SYNC = ("snapshot", "dedicated", "interrupt", "recompute")
 
 
 def run(steps: int, seeds: int, staleness: list[int], strategies: list[str] = STRATEGIES) -> list[dict]:
     ensure_ray()
-    rows, done, total, started = [], 0, len(staleness) * len(strategies) * seeds, time.time()
+    rows, done, started, sync_exact = [], 0, time.time(), None
+    repeats = max(0, len(set(SAME_AT_SYNC) & set(strategies)) - 1) if 0 in staleness else 0
+    total = (len(staleness) * len(strategies) - repeats) * seeds
     for s in staleness:
         for strategy in strategies:
+            if s == 0 and strategy in SAME_AT_SYNC and sync_exact is not None:
+                rows.append({**sync_exact, "strategy": f"{strategy} (= {sync_exact['strategy']} at S=0)"})
+                continue
             finals, to_target, masks, clips = [], [], [], []
             for seed in range(seeds):
                 result = run_pipeline(strategy=strategy, max_staleness=s, inference_dtype="bfloat16", steps=steps,
@@ -52,6 +60,8 @@ def run(steps: int, seeds: int, staleness: list[int], strategies: list[str] = ST
                 + f" ({len(reached)}/{seeds} reached)",
                 "mask_kept": f"{np.mean(masks):.3f}", "clip_frac": f"{np.mean(clips):.3f}",
             })
+            if s == 0 and strategy in SAME_AT_SYNC:
+                sync_exact = rows[-1]
     return rows
 
 
