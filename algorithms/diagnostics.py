@@ -4,6 +4,11 @@ All fractions are over loss tokens (loss_mask true) unless the key says seq.
 
     mask/token_kept_frac   loss tokens kept by the r_d mask
     mask/seq_kept_frac     sequences (with >= 1 loss token) that keep >= 1 token
+    mask/kept_frac_pos_adv, mask/kept_frac_neg_adv   token_kept_frac among A > 0 / A < 0 tokens
+                           (when advantages are given). Unequal values mean the mask selects by
+                           advantage sign: with a drifting proxy as "old", the sequences the policy
+                           has learnt to like (A > 0) drift most and are masked, leaving a
+                           negative-only gradient.
     clip/low_frac          A < 0 and r_s < 1 - eps_low
     clip/high_frac         A > 0 and r_s > 1 + eps_high
     clip/dual_frac         A < 0 and r_s > dual_clip_c
@@ -75,6 +80,7 @@ def correction_diagnostics(
     trainer_version: int | None = None,
     ewma_age: float | None = None,
     ewma_reset_count: int | None = None,
+    advantages: Tensor | None = None,
 ) -> dict[str, float]:
     """Diagnostics of one batch from the loss bookkeeping (see the module docstring for keys)."""
     m = out.loss_mask
@@ -95,6 +101,10 @@ def correction_diagnostics(
         "is/ess": effective_sample_size(out.log_rd.exp(), m),
         "loss_tokens": float(m.sum()),
     }
+    if advantages is not None:
+        sign = advantages.reshape(-1, *([1] * (m.dim() - 1))).expand_as(m)
+        d["mask/kept_frac_pos_adv"] = _frac(out.discrepancy_mask, m & (sign > 0))
+        d["mask/kept_frac_neg_adv"] = _frac(out.discrepancy_mask, m & (sign < 0))
     if versions is not None:
         if trainer_version is None:
             raise ValueError("staleness diagnostics need trainer_version along with versions")

@@ -167,7 +167,7 @@ class Diagnose:
             else:
                 raise ValueError(f"unknown strategy {strategy!r}")
             result = decoupled_loss(current, old, inference, advantages, loss_mask, self.correction)
-            diagnostics = correction_diagnostics(result, versions=versions, trainer_version=k)
+            diagnostics = correction_diagnostics(result, versions=versions, trainer_version=k, advantages=advantages)
             diagnostics["loss"] = float(result.loss.item())
             out[strategy] = diagnostics
         return out

@@ -229,7 +229,8 @@ class TrainStep:
                 self.ewma.update(self._state_dict())
 
         merged = _merge_outputs(outputs, t["loss_mask"].shape)
-        diagnostics = correction_diagnostics(merged, versions=t["versions"], trainer_version=trainer_version)
+        diagnostics = correction_diagnostics(merged, versions=t["versions"], trainer_version=trainer_version,
+                                             advantages=t["advantages"])
         diagnostics["loss"] = float(sum(out.loss.item() for _, out in outputs) / len(outputs))
         if self.ewma is not None:
             fired = self.ewma.maybe_reset(diagnostics["active_frac"], self._state_dict())

@@ -58,6 +58,18 @@ def test_sequence_mask_fraction():
     assert d["mask/token_kept_frac"] == pytest.approx(2 / 5)
 
 
+def test_kept_fraction_by_advantage_sign():
+    # token mask (c = 2.5): seq 0 (A = +1) keeps both loss tokens; seq 1 (A = -1) loses its ln 3 token
+    d = correction_diagnostics(batch_output(), advantages=ADV)
+    assert d["mask/kept_frac_pos_adv"] == 1.0
+    assert d["mask/kept_frac_neg_adv"] == pytest.approx(2 / 3)
+    # sequence level, c = 1.42: only seq 0 survives -> the mask kept every A > 0 token, no A < 0 token
+    out = decoupled_loss(CUR, OLD, INF, ADV, MASK, CorrectionConfig(mask_level="sequence", mask_c_seq=1.42))
+    d = correction_diagnostics(out, advantages=ADV)
+    assert (d["mask/kept_frac_pos_adv"], d["mask/kept_frac_neg_adv"]) == (1.0, 0.0)
+    assert "mask/kept_frac_pos_adv" not in correction_diagnostics(out)
+
+
 def test_dual_clip_fraction():
     cur = OLD + torch.tensor([[0.0, 0.0, 0.0], [ln(5.0), 0.0, 0.0]])
     out = decoupled_loss(cur, OLD, INF, ADV, MASK, CorrectionConfig(mask_level="none", dual_clip_c=3.0))
