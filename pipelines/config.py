@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Strategy = Literal["snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior", "loglinear"]
 # Strategies whose old log-probs are computed by an operator before the train step.
@@ -78,7 +78,9 @@ class VllmSettings(_Strict):
 
 
 class PipelineConfig(_Strict):
-    model: Path | None = Field(None, description="local HF model dir; default: the built-in warm start")
+    model: Path | None = Field(None, description="local HF model dir (a relative path that is not under the "
+                               "working directory is tried under the repository root, where the built-in warm "
+                               "starts live); default: the built-in warm start")
     task: str = "addition"
     strategy: Strategy = "snapshot"
     steps: int = Field(100, ge=1)
@@ -111,6 +113,15 @@ class PipelineConfig(_Strict):
     scorer: ResourceConfig = Field(default_factory=lambda: ResourceConfig(num_cpus=0.25))
     trainer: ResourceConfig = Field(default_factory=ResourceConfig)
     light_stage_cpus: float = Field(0.1, gt=0.0, description="CPUs of reward/advantage/filter tasks")
+
+    @field_validator("model")
+    @classmethod
+    def _resolve_model(cls, model: Path | None) -> Path | None:
+        from trajflow.engines.models import REPO_ROOT
+
+        if model is not None and not model.is_absolute() and not model.exists() and (REPO_ROOT / model).exists():
+            return REPO_ROOT / model
+        return model
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "PipelineConfig":

@@ -176,3 +176,14 @@ def test_tied_weights_and_version_files(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 3)
     with pytest.raises(ckpt.CheckpointError, match="not a readable safetensors"):
         ckpt.load_weights(tmp_path / "bad.safetensors")
+
+
+def test_relative_model_paths_fall_back_to_the_repository_root(tmp_path, monkeypatch):
+    from trajflow.engines.models import REPO_ROOT
+
+    monkeypatch.chdir(tmp_path)  # not the repository root: the bundled calc config still loads
+    calc = load_job_config("calc")
+    assert calc.model == REPO_ROOT / "artifacts" / "warm_start" / "calc"
+    (tmp_path / "artifacts" / "warm_start" / "calc").mkdir(parents=True)  # a local dir wins, if it is a model
+    with pytest.raises(JobConfigError, match="model: artifacts/warm_start/calc is not a local model directory"):
+        load_job_config("calc")

@@ -13,7 +13,9 @@ NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "ablations.ipy
 
 
 @pytest.mark.slow
-def test_ablation_notebook_executes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("config", ["", "calc"])  # the built-in task, and the multi-turn environment
+def test_ablation_notebook_executes(tmp_path, monkeypatch, config):
+    monkeypatch.setenv("TRAJFLOW_NOTEBOOK_CONFIG", config)
     monkeypatch.setenv("TRAJFLOW_NOTEBOOK_STEPS", "4")
     monkeypatch.setenv("TRAJFLOW_NOTEBOOK_PROMPTS", "4")
     monkeypatch.setenv("TRAJFLOW_NOTEBOOK_OUT", str(tmp_path))
@@ -24,3 +26,4 @@ def test_ablation_notebook_executes(tmp_path, monkeypatch):
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "recompute" in text and "snapshot" in text
+    assert f"task {config or 'addition'}" in text
