@@ -39,7 +39,7 @@ from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.scoring import response_logprobs
-from trajflow.operators.columns import filter_reasons, mark_filtered, padded, replace_column
+from trajflow.operators.columns import apply_staleness_bound, padded, step_metrics
 
 EXACT_STRATEGIES = ("snapshot", "dedicated", "interrupt")
 
@@ -90,18 +90,9 @@ class Diagnose:
         if len(versions_here) != 1:
             raise RuntimeError(f"a diagnose batch must hold exactly one train step, got {versions_here.tolist()}")
         k = int(versions_here[0])
-        batch, trained, stale_tokens = self._apply_staleness_bound(batch, k)
-        base = {
-            "step": k,
-            "rollout_step": int(batch["rollout_step"][0].as_py()) if "rollout_step" in batch.column_names else k,
-            "rows": batch.num_rows,
-            "rows_trained": len(trained),
-            "over_stale_tokens_dropped": stale_tokens,
-            "reward_mean": float(np.nanmean(batch["reward"].to_numpy(zero_copy_only=False))),
-        }
-        reasons = filter_reasons(batch)
-        for reason in sorted({r for r in reasons if r is not None}):
-            base[f"filtered/{reason}"] = int((reasons == reason).sum())
+        batch, trained, stale_tokens = apply_staleness_bound(batch, k, self.max_staleness)
+        rollout_step = int(batch["rollout_step"][0].as_py()) if "rollout_step" in batch.column_names else k
+        base = step_metrics(batch, k, rollout_step, trained, stale_tokens)
         if "ewma" in self.strategies and self.ewma is None:  # as TrainStep: EWMA starts at the first version
             self.ewma = EwmaProximal(self._weights(k), self.ewma_beta, tau=self.ewma_tau)
         rows = []
@@ -116,21 +107,6 @@ class Diagnose:
             rows.append({**base, "strategy": strategy, **results[strategy],
                          "diagnose_seconds": time.perf_counter() - started})
         return pa.Table.from_pylist(rows)
-
-    def _apply_staleness_bound(self, batch: pa.Table, k: int) -> tuple[pa.Table, np.ndarray, int]:
-        """As TrainStep: tokens older than max_staleness leave the loss; rows left empty are over_stale."""
-        width = max(1, max((len(v) for v in batch["versions"].to_pylist()), default=1))
-        versions = padded(batch["versions"], width, k, np.int64)
-        loss_mask = padded(batch["loss_mask"], width, False, bool)
-        over = loss_mask & (k - versions > self.max_staleness)
-        stale_tokens = int(over.sum())
-        if stale_tokens:
-            kept = loss_mask & ~over
-            new_masks = [row[: len(v)].tolist() for row, v in zip(kept, batch["versions"].to_pylist())]
-            batch = replace_column(batch, "loss_mask", pa.array(new_masks, pa.list_(pa.bool_())))
-            batch = mark_filtered(batch, ~kept.any(axis=1) & loss_mask.any(axis=1), "over_stale")
-        trained = np.flatnonzero(filter_reasons(batch) == None)  # noqa: E711
-        return batch, trained, stale_tokens
 
     @torch.no_grad()
     def _diagnose(self, batch: pa.Table, k: int) -> dict[str, dict]:

@@ -34,7 +34,7 @@ from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.scoring import response_logprobs
-from trajflow.operators.columns import FILTER_REASON, filter_reasons, mark_filtered, padded, replace_column
+from trajflow.operators.columns import apply_staleness_bound, padded, replace_column, step_metrics
 from trajflow.operators.evaluate import heldout_accuracy
 from trajflow.schemas import conform
 from trajflow.tasks import get_task
@@ -120,19 +120,9 @@ class TrainStep:
         if len(steps) != 1:
             raise RuntimeError(f"a train batch must hold exactly one rollout step, got steps {steps.tolist()}")
         trainer_version = self.version
-        batch, trained, stale_tokens = self._apply_staleness_bound(batch)
-        metrics: dict = {
-            "step": trainer_version,
-            "rollout_step": int(steps[0]),
-            "strategy": self.strategy,
-            "rows": batch.num_rows,
-            "rows_trained": len(trained),
-            "over_stale_tokens_dropped": stale_tokens,
-            "reward_mean": float(np.nanmean(batch["reward"].to_numpy(zero_copy_only=False))),
-        }
-        reasons = filter_reasons(batch)
-        for reason in sorted({r for r in reasons if r is not None}):
-            metrics[f"filtered/{reason}"] = int((reasons == reason).sum())
+        batch, trained, stale_tokens = apply_staleness_bound(batch, trainer_version, self.max_staleness)
+        metrics = step_metrics(batch, trainer_version, int(steps[0]), trained, stale_tokens)
+        metrics["strategy"] = self.strategy
 
         if len(trained):
             diagnostics, old_used = self._optimize(batch.take(pa.array(trained)), trainer_version)
@@ -165,21 +155,6 @@ class TrainStep:
         if self.on_step is not None:
             self.on_step(self, conform(batch), metrics)
         return pa.Table.from_pylist([metrics])
-
-    def _apply_staleness_bound(self, batch: pa.Table) -> tuple[pa.Table, np.ndarray, int]:
-        width = max(1, max((len(v) for v in batch["versions"].to_pylist()), default=1))
-        versions = padded(batch["versions"], width, self.version, np.int64)
-        loss_mask = padded(batch["loss_mask"], width, False, bool)
-        over = loss_mask & (self.version - versions > self.max_staleness)
-        stale_tokens = int(over.sum())
-        if stale_tokens:
-            kept_mask = loss_mask & ~over
-            rows_left = kept_mask.any(axis=1)
-            new_masks = [row[: len(v)].tolist() for row, v in zip(kept_mask, batch["versions"].to_pylist())]
-            batch = replace_column(batch, "loss_mask", pa.array(new_masks, pa.list_(pa.bool_())))
-            batch = mark_filtered(batch, ~rows_left & loss_mask.any(axis=1), "over_stale")
-        trained = np.flatnonzero(filter_reasons(batch) == None)  # noqa: E711
-        return batch, trained, stale_tokens
 
     def _tensors(self, batch: pa.Table) -> dict[str, torch.Tensor]:
         width = max(len(r) for r in batch["response_tokens"].to_pylist())

@@ -21,6 +21,31 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from intra-op threads, and on a loaded 2-core machine two threads
+    made each linear ~50x slower. Test-only; library code leaves threads to the caller."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The built-in tiny model and tokenizer, randomly initialised (seed 0)."""
+    from trajflow.engines.models import build_tiny_model
+
+    return build_tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny[0]
+
+
 @pytest.fixture(scope="session")
 def publish_inside_rollouts():
     """Make "a rollout spans two weight versions" deterministic instead of a timing race.

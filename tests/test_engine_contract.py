@@ -40,22 +40,7 @@ def require_vllm() -> None:
         pytest.skip(reason)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def model(tiny):
-    return tiny[0]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # fixtures: tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,7 @@
-"""Engines: sampling semantics, teacher-forced scoring, the torch engine, inference numerics."""
+"""Engines: sampling semantics, teacher-forced scoring, the torch engine, inference numerics.
+
+What every engine must do (seeded reproducibility, the tempered distribution, abort, versions)
+is in tests/test_engine_contract.py, parametrised over the torch and vLLM engines."""
 
 from __future__ import annotations
 
@@ -27,24 +30,7 @@ TOL = 1e-5
 PROMPT_TEXTS = ["12+345=", "7+8=", "reverse: abcdef ="]  # different lengths -> left padding
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny matmuls gain nothing from intra-op threads, and on a loaded 2-core machine two threads
-    # made each linear ~50x slower. Test-only; library code leaves threads to the caller.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def model(tiny):
-    return tiny[0]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # fixtures: tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -136,53 +122,8 @@ def test_generation_logprobs_match_scoring_float32(model, prompts, name):
         assert all(g.response_tokens == gens[3 * g.prompt_index].response_tokens for g in gens)
 
 
-def test_generation_is_reproducible_with_seed(model, prompts):
-    sp = SAMPLINGS["t1"]
-    a = _engine(model, sp, seed=5).generate(prompts, n=2)
-    b = _engine(model, sp, seed=5).generate(prompts, n=2)
-    c = _engine(model, sp, seed=6).generate(prompts, n=2)
-    assert [g.response_tokens for g in a] == [g.response_tokens for g in b]
-    assert [g.response_tokens for g in a] != [g.response_tokens for g in c]
-
-
 # ---------------------------------------------------------------------------------------------
 # sampling distribution
-
-
-def _chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
-    """Pearson chi-square, categories with expected count < 5 pooled into one. -> (stat, dof)."""
-    n = counts.sum()
-    expected = probs * n
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
-
-
-def test_sampling_matches_tempered_softmax(prompts):
-    peaked, _ = build_tiny_model(seed=0)
-    with torch.no_grad():
-        peaked.model.norm.weight.mul_(8.0)  # logits x8: far from uniform, so temperature matters
-    temperature, draws = 0.7, 4000
-    sampling = SamplingParams(temperature=temperature, max_new_tokens=1)
-    gens = _engine(peaked, sampling, seed=0).generate([prompts[0]], n=draws)
-    counts = np.bincount([g.response_tokens[0] for g in gens], minlength=64).astype(float)
-    with torch.no_grad():
-        logits = peaked(torch.tensor([prompts[0]])).logits[0, -1].double()
-    tempered = torch.softmax(logits / temperature, -1).numpy()
-    untempered = torch.softmax(logits, -1).numpy()
-
-    stat, dof = _chi_square(counts, tempered)
-    # dof + 10 * sd of chi2(dof): a right-tail probability below 1e-9 for these dof.
-    threshold = dof + 10 * math.sqrt(2 * dof)
-    assert stat < threshold, f"chi2 {stat:.1f} vs tempered softmax (dof {dof}, threshold {threshold:.1f})"
-    wrong, wrong_dof = _chi_square(counts, untempered)
-    assert wrong > wrong_dof + 10 * math.sqrt(2 * wrong_dof), "test cannot tell T from 1"
-    # recorded log-probs are the tempered ones
-    lp = np.array([g.logprobs[0] for g in gens])
-    tokens = [g.response_tokens[0] for g in gens]
-    assert np.allclose(lp, np.log(tempered[tokens]), atol=TOL)
 
 
 def test_sampling_respects_top_k_top_p(model, prompts):
@@ -231,16 +172,6 @@ def test_weight_swap_between_steps(model, prompts):
     assert checked_after > 0
     # the caller's model is untouched by the engine
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-
-def test_abort_from_between_steps(model, prompts):
-    def stop_at_2(engine: TorchEngine, partial: list[Generation]) -> None:
-        if len(partial[0].response_tokens) == 2:
-            engine.abort()
-
-    gens = _engine(model, SAMPLINGS["t1"], seed=0).generate(prompts, between_steps=stop_at_2)
-    assert all(g.finish_reason in ("abort", "stop") and len(g.response_tokens) <= 2 for g in gens)
-    assert any(g.finish_reason == "abort" for g in gens)
 
 
 # ---------------------------------------------------------------------------------------------
