@@ -65,12 +65,19 @@ class PolicyStore:
         self.changed = asyncio.Condition()
 
     async def publish(self, wrapped_ref: list[ray.ObjectRef], nbytes: int, version: int | None = None) -> int:
-        """Register new weights; returns their version (latest + 1 unless given, e.g. on resume)."""
+        """Register new weights; returns their version (latest + 1 unless given, e.g. on resume).
+
+        The store re-puts the weights so that it owns them: an object is lost with the process that
+        put it, and Ray Data tears the train-step actor down as soon as the stream ends, before a
+        reader of the last version (replay's final weights) gets to it. Cost: one copy of the
+        weights per publish inside the object store.
+        """
+        owned = ray.put(await wrapped_ref[0])  # before the version check: nothing awaits after it
         version = self.latest + 1 if version is None else version
         if version <= self.latest:
             raise ValueError(f"version {version} is not newer than the latest published {self.latest}")
         async with self.changed:
-            self.versions[version] = _Version(wrapped_ref[0], nbytes)
+            self.versions[version] = _Version(owned, nbytes)
             self.latest = version
             self._evict()
             self.changed.notify_all()
