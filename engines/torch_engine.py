@@ -181,3 +181,9 @@ class TorchEngine:
 
         self._abort_requested = False
         return gens
+
+
+def greedy_engine(model: PreTrainedModel, tokenizer, max_new_tokens: int) -> TorchEngine:
+    """A float32 greedy engine for evaluation (held-out accuracy, episode success)."""
+    return TorchEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                       sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))

@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import decode_response, encode_prompt
-from trajflow.engines.torch_engine import Generation, TorchEngine
+from trajflow.engines.torch_engine import Generation, TorchEngine, greedy_engine
 from trajflow.tasks.base import Prompt
 from trajflow.tasks.environments import EnvEpisode, Environment
 
@@ -176,12 +175,7 @@ def heldout_success_rate(
     For the built-in 0/1 environments this is the success rate. `max_new_tokens` is the per-turn
     limit, as in training.
     """
-    engine = TorchEngine(
-        model,
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-        sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
-    )
+    engine = greedy_engine(model, tokenizer, max_new_tokens)
     prompts = env.heldout(n)
     rewards: list[float] = []
     with torch.no_grad():

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import decode_response, encode_prompt
-from trajflow.engines.torch_engine import TorchEngine
+from trajflow.engines.torch_engine import greedy_engine
 from trajflow.tasks import is_environment
 
 
@@ -27,12 +26,7 @@ def heldout_accuracy(
         from trajflow.operators.episodes import heldout_success_rate
 
         return heldout_success_rate(model, tokenizer, task, n, max_new_tokens, batch_size)
-    engine = TorchEngine(
-        model,
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-        sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
-    )
+    engine = greedy_engine(model, tokenizer, max_new_tokens)
     prompts = task.heldout(n)
     rewards = []
     for start in range(0, len(prompts), batch_size):

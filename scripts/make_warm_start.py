@@ -225,6 +225,28 @@ def evaluate(model, tokenizer, task: Task, n: int, seed: int) -> dict:
     return report
 
 
+def write_record(out: Path, script: str, argv: list[str], args: argparse.Namespace, info: dict, report: dict,
+                 train_seconds: float, *, task: str, task_repr: str, **settings) -> None:
+    """`out/warm_start.json`: how the checkpoint was made (command, settings, history) and its report."""
+    record = {
+        "task": task,
+        "task_repr": task_repr,
+        "seed": args.seed,
+        "steps": info["steps"],
+        "train_examples": info["examples"],
+        "band": list(args.band),
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        **settings,
+        **report,
+        "train_seconds": round(train_seconds, 1),
+        "torch_version": torch.__version__,
+        "command": " ".join(["python", f"scripts/{script}", *map(shlex.quote, argv)]),
+        "history": info["history"],
+    }
+    (out / "warm_start.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -257,22 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     train_seconds = time.perf_counter() - start
     report = evaluate(model, tokenizer, task, args.eval_n, args.seed)
     save_model(model, tokenizer, out)
-    record = {
-        "task": args.task,
-        "task_repr": repr(task),
-        "seed": args.seed,
-        "steps": info["steps"],
-        "train_examples": info["examples"],
-        "band": list(args.band),
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        **report,
-        "train_seconds": round(train_seconds, 1),
-        "torch_version": torch.__version__,
-        "command": " ".join(["python", "scripts/make_warm_start.py", *map(shlex.quote, argv)]),
-        "history": info["history"],
-    }
-    (out / "warm_start.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_record(out, "make_warm_start.py", argv, args, info, report, train_seconds, task=args.task,
+                 task_repr=repr(task))
     print(f"saved {out}: heldout greedy accuracy {report['heldout_accuracy']:.3f} on {args.eval_n} prompts "
           f"after {info['steps']} steps ({train_seconds:.0f}s); "
           f"pass@8 (T=1) {report['pass_at_8_t1']:.3f}")

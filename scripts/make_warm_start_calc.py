@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from collections import Counter
@@ -40,7 +39,7 @@ from trajflow.operators.episodes import heldout_success_rate, run_episodes
 from trajflow.tasks import Prompt, get_task
 from trajflow.tasks.environments import CalculatorEnv
 
-from make_warm_start import sft_until_band  # noqa: E402 (the sibling script, on sys.path when run)
+from make_warm_start import sft_until_band, write_record  # noqa: E402 (the sibling script, on sys.path when run)
 
 TURN_TOKENS = 8  # per-turn limit (sampling.max_new_tokens) used in evaluation and in jobs/configs/calc.yaml
 
@@ -140,23 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     report = evaluate(model, tokenizer, env, args.eval_n, args.seed)
     save_model(model, tokenizer, args.out)
-    record = {
-        "task": "calc",
-        "task_repr": repr(env),
-        "seed": args.seed,
-        "steps": info["steps"],
-        "train_examples": info["examples"],
-        "band": list(args.band),
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "turn_tokens": TURN_TOKENS,
-        **report,
-        "train_seconds": round(train_seconds, 1),
-        "torch_version": torch.__version__,
-        "command": " ".join(["python", "scripts/make_warm_start_calc.py", *map(shlex.quote, argv)]),
-        "history": info["history"],
-    }
-    (args.out / "warm_start.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_record(args.out, "make_warm_start_calc.py", argv, args, info, report, train_seconds, task="calc",
+                 task_repr=repr(env), turn_tokens=TURN_TOKENS)
     print(f"saved {args.out}: heldout greedy success {report['heldout_success_rate']:.3f} on {args.eval_n} "
           f"prompts after {info['steps']} steps ({train_seconds:.0f}s); sampled (T=1) "
           f"{report['sample_success_t1']:.3f}, pass@8 {report['pass_at_8_t1']:.3f}")
