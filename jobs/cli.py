@@ -5,10 +5,14 @@
     trajflow submit CONFIG --address http://HOST:8265   the same job on a Ray cluster (Ray Jobs)
     trajflow status JOB_ID --address ...  /  trajflow stop JOB_ID --address ...
     trajflow replay TRAJECTORIES --checkpoints DIR --strategy NAME [--diagnose | --train]
+    trajflow report RUN_DIR  /  trajflow compare RUN_DIR...   summary table and a PNG of the curves
     trajflow generate / trajflow eval               quick looks at a model (no Ray)
 
 CONFIG is a YAML file or the name of a bundled one (`trajflow configs` lists them). Bad input
-(config, Parquet, missing weights) ends with one `trajflow: ...` line and exit status 2.
+(a command-line argument, a config key, a Parquet file, missing weights, an unreachable cluster)
+ends with one `trajflow: ...` line that names the problem and exit status 2, before anything is
+written or started. `--verbose` shows what a normal run keeps quiet (Ray's own notices, weight
+loading bars).
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from trajflow.engines.tokenizer import decode_response, encode_prompt
     from trajflow.tasks import get_task
 
+    model_dir = _checked_model_dir(args.model, WARM_START_DIR)
+    task = get_task(_checked_task(args.task))
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    model_dir = Path(args.model or WARM_START_DIR)
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
-    task = get_task(args.task)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     engine = TorchEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, sampling=sampling,
                          inference_dtype=args.inference_dtype, seed=args.seed)
@@ -74,16 +78,52 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from trajflow.operators.evaluate import heldout_accuracy
     from trajflow.tasks import get_task
 
+    model_dir = _checked_model_dir(args.model, WARM_START_DIR)
+    task = get_task(_checked_task(args.task))
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    model_dir = Path(args.model or WARM_START_DIR)
-    accuracy = heldout_accuracy(load_model(model_dir), load_tokenizer(model_dir), get_task(args.task), args.n,
-                                args.max_new_tokens)
+    accuracy = heldout_accuracy(load_model(model_dir), load_tokenizer(model_dir), task, args.n, args.max_new_tokens)
     print(f"{args.task}: greedy accuracy {accuracy:.1%} on {args.n} held-out prompts ({model_dir})")
     return 0
 
 
 class UsageError(ValueError):
     """Bad command-line input; reported as one line."""
+
+
+def _checked_model_dir(model: str | None, default: Path) -> Path:
+    from trajflow.pipelines.config import check_model_dir
+
+    path = Path(model) if model else default
+    try:
+        check_model_dir(path)
+    except ValueError as e:
+        raise UsageError(f"--model: {e}") from None
+    return path
+
+
+def _checked_task(task: str) -> str:
+    from trajflow.pipelines.config import check_task
+
+    try:
+        return check_task(task)
+    except ValueError as e:
+        raise UsageError(f"--task: {e}") from None
+
+
+def _checked_address(address: str) -> str:
+    """The Ray dashboard's URL (http(s)://HOST:PORT). Without a scheme Ray would read the address
+    as a GCS address and spend ~50 s trying to connect before trying another one."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(address)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"--address {address!r}: give the Ray dashboard's URL with its scheme, "
+                         f"e.g. http://{address if '://' not in address else '127.0.0.1:8265'}")
+    try:
+        parts.port
+    except ValueError:
+        raise UsageError(f"--address {address!r}: the port is not a number from 0 to 65535") from None
+    return address
 
 
 def _cmd_configs(args: argparse.Namespace) -> int:
@@ -100,32 +140,38 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if args.resume:
         if args.config or args.config_b64:
-            raise UsageError("run: give either CONFIG or --resume RUN_DIR, not both")
+            raise UsageError("give either CONFIG or --resume RUN_DIR, not both")
+        if args.run_dir:
+            raise UsageError("--resume continues RUN_DIR in place; --run-dir does not apply")
         from trajflow.jobs.run import resume_job
 
-        resume_job(args.resume, args.set, progress=not args.no_progress)
+        resume_job(args.resume, args.set, progress=not args.no_progress, verbose=args.verbose)
         return 0
     if args.config_b64:
         import base64
         import zlib
 
-        text = zlib.decompress(base64.urlsafe_b64decode(args.config_b64.encode())).decode()
+        try:
+            text = zlib.decompress(base64.urlsafe_b64decode(args.config_b64.encode())).decode()
+        except (ValueError, zlib.error):
+            raise UsageError("--config-b64 is not a config written by `trajflow submit`") from None
         config = build_job_config(parse_config_text(text, "--config-b64"), args.set)
     elif args.config:
         config = load_job_config(args.config, args.set)
     else:
-        raise UsageError("run: a CONFIG (file or bundled name, e.g. quickstart) or --resume RUN_DIR is required")
+        raise UsageError("a CONFIG (file or bundled name, e.g. quickstart) or --resume RUN_DIR is required")
     if args.run_dir:
         config = config.model_copy(update={"run_dir": Path(args.run_dir)})
     from trajflow.jobs.run import run_job  # imported after validation: torch loads only for a valid config
 
-    run_job(config, progress=not args.no_progress)
+    run_job(config, progress=not args.no_progress, verbose=args.verbose)
     return 0
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     from trajflow.jobs.config import load_job_config
 
+    _checked_address(args.address)
     config = load_job_config(args.config, args.set)
     if args.run_dir:
         config = config.model_copy(update={"run_dir": Path(args.run_dir)})
@@ -138,13 +184,13 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from trajflow.jobs.submit import status
 
-    return status(args.job_id, args.address)
+    return status(args.job_id, _checked_address(args.address))
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
     from trajflow.jobs.submit import stop
 
-    return stop(args.job_id, args.address)
+    return stop(args.job_id, _checked_address(args.address))
 
 
 def _find_run_config(trajectories: Path) -> Path | None:
@@ -158,51 +204,72 @@ def _find_run_config(trajectories: Path) -> Path | None:
 def _cmd_replay(args: argparse.Namespace) -> int:
     import time
 
-    import polars as pl
-
     from trajflow.engines import checkpoint as ckpt
     from trajflow.jobs.config import JobConfigError, load_job_config
+    from trajflow.jobs.console import filtered_stderr, format_table
     from trajflow.jobs.recorder import write_table_atomic
     from trajflow.jobs.run import quiet_ray_data, start_ray
-    from trajflow.pipelines.replay import Replay
+    from trajflow.pipelines.replay import Replay, format_versions
+    from trajflow.schemas import LOGPROB_COLUMNS, SchemaError, nonfinite_rows
 
     trajectories = Path(args.trajectories)
+    if not trajectories.exists():
+        raise UsageError(f"{trajectories}: no such file or directory")
     config_path = Path(args.config) if args.config else _find_run_config(trajectories)
     if config_path is None:
         raise JobConfigError(f"config error: no config.yaml found beside {trajectories}; pass --config FILE")
     config = load_job_config(config_path, args.set)
     strategies = [s for item in args.strategy for s in item.split(",") if s]
     mode = "train" if args.train else "diagnose"
-    replay = Replay(config.pipeline_config(), trajectories, args.checkpoints, strategies, mode)  # checks all inputs
-
     run_root = config_path.parent
     out = Path(args.out) if args.out else run_root / "replay" / f"{mode}-{'+'.join(strategies)}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"replay: --out {out} already exists and is not empty")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} already exists and is not an empty directory")
+    try:  # checks every input before Ray starts
+        replay = Replay(config.pipeline_config(), trajectories, args.checkpoints, strategies, mode,
+                        quarantine_nonfinite=args.quarantine_nonfinite)
+    except SchemaError as e:
+        if e.column in LOGPROB_COLUMNS and "non-finite" in str(e):
+            where = str(e).rsplit(" (", 1)[0]
+            raise UsageError(f"{where}; --quarantine-nonfinite replays the log without such rows (counted)") from None
+        raise
     print(f"trajflow: replay ({mode}) of {len(replay.steps)} steps under {', '.join(strategies)}; "
-          f"{len(replay.weights)} versions from {args.checkpoints}", flush=True)
-    start_ray(config)
-    quiet_ray_data()
-    metrics = replay.run()
+          f"{len(replay.weights)} versions", flush=True)
+    if replay.quarantined:
+        print(f"trajflow: quarantined {sum(replay.quarantined.values())} rows with NaN/inf log-probs "
+              f"(steps {format_versions(replay.quarantined)}): not trained, not in the diagnostics", flush=True)
+    start_ray(config, args.verbose)
+    with filtered_stderr(enabled=not args.verbose):
+        quiet_ray_data()
+        metrics = replay.run()
 
     # everything is written into a temp dir and renamed at the end: no half-written output
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     write_table_atomic(metrics.to_arrow(), tmp / "metrics.parquet")
     ckpt.atomic_write_text(tmp / "config.yaml", config.to_yaml())
+    if replay.quarantined:
+        import pyarrow as pa
+
+        bad = pa.concat_tables([t.filter(pa.array(nonfinite_rows(t))) for t in replay.steps.values()],
+                               promote_options="permissive")
+        write_table_atomic(bad.filter(pa.array(nonfinite_rows(bad))), tmp / "quarantine.parquet")
     if mode == "train":
         ckpt.save_weights(replay.final_weights, tmp / "model.safetensors")
     if out.exists():
         out.rmdir()
     tmp.rename(out)
 
-    keys = [k for k in ("step", "strategy", "rows_trained", "mask/token_kept_frac", "clip/frac", "active_frac",
-                        "mismatch/k3", "is/ess", "staleness/mean", "loss") if k in metrics.columns]
-    with pl.Config(tbl_rows=40, tbl_cols=-1, tbl_width_chars=200, float_precision=4,
-                   tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
-        print(metrics.select(keys))
-        means = [c for c in keys if c not in ("step", "strategy")]
-        print(metrics.group_by("strategy", maintain_order=True).agg([pl.col(c).mean() for c in means]))
+    columns = [("step", "step", "{:d}"), ("strategy", "strategy", "{}"), ("trained", "rows_trained", "{:d}"),
+               ("mask", "mask/token_kept_frac", "{:.3f}"), ("clip", "clip/frac", "{:.3f}"),
+               ("active", "active_frac", "{:.3f}"), ("k3", "mismatch/k3", "{:.1e}"), ("ess", "is/ess", "{:.3f}"),
+               ("stale", "staleness/mean", "{:.2f}"), ("loss", "loss", "{:+.4f}")]
+    rows = metrics.to_dicts()
+    print(format_table(rows[:40], columns))
+    if len(strategies) > 1 or len(rows) > 40:
+        means = metrics.group_by("strategy", maintain_order=True).mean().to_dicts()
+        print("mean over steps:")
+        print(format_table(means, [c for c in columns if c[0] != "step"]))
     _compare_with_logged(metrics, run_root, config.strategy, mode)
     print(f"trajflow: replay written to {out}")
     return 0
@@ -227,38 +294,111 @@ def _compare_with_logged(metrics, run_root: Path, logged_strategy: str, mode: st
     for k in keys:
         diff = (joined[k] - joined[f"{k}_logged"]).abs().max()
         worst = max(worst, float(diff or 0.0))
-    print(f"trajflow: {logged_strategy} replay vs the run's logged diagnostics over {joined.height} steps, "
-          f"{len(keys)} keys: max |difference| {worst:.2e}")
+    print(f"trajflow: {logged_strategy} replay vs the logged run: {joined.height} steps, {len(keys)} keys, "
+          f"max |difference| {worst:.2e}")
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    default = Path(args.run_dir) / "report.png"  # the run's own report: regenerated in place
+    out = Path(args.out) if args.out else default
+    return _report_runs([args.run_dir], out, replace=args.overwrite or out == default, smooth=args.smooth)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import time
+
+    out = Path(args.out) if args.out else _unique_path(Path(f"compare-{time.strftime('%Y%m%d-%H%M%S')}.png"))
+    return _report_runs(args.run_dirs, out, replace=args.overwrite, smooth=args.smooth)
+
+
+def _unique_path(path: Path) -> Path:
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
+def _report_runs(run_dirs: list[str], out: Path, *, replace: bool, smooth: int) -> int:
+    from trajflow.jobs.report import comparison_table, load_runs, plot_runs, print_table
+
+    if out.suffix.lower() != ".png":
+        raise UsageError(f"--out {out}: the plots are a PNG file; give a name ending in .png")
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give a file name ending in .png")
+    existed = out.exists()
+    if existed and not replace:
+        raise UsageError(f"--out {out} already exists (--overwrite replaces it)")
+    runs = load_runs(run_dirs)  # every run dir is read before anything is written
+    print_table(comparison_table(runs))
+    path = plot_runs(runs, out, smooth=smooth)
+    print(f"trajflow: plots written to {path}" + (" (replaced the previous file)" if existed else ""))
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is one `trajflow: ...` line on stderr and exit status 2 (argparse
+    would print the whole usage first)."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("trajflow").strip()
+        hint = f" (trajflow {command} --help)" if command else " (trajflow --help)"
+        self.exit(2, f"trajflow: {command + ': ' if command else ''}{message}{hint}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trajflow", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="trajflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true",
+                        help="show what a normal run keeps quiet (Ray's notices, weight loading bars)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
-    gen = sub.add_parser("generate", help="generate and score a batch with a model; print a table")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common])
+
+    gen = command("generate", "generate and score a batch with a model; print a table (no Ray)")
     gen.add_argument("--model", help="local model dir (default: the built-in warm start)")
     gen.add_argument("--task", default="addition")
-    gen.add_argument("--prompts", type=int, default=4)
-    gen.add_argument("--n", type=int, default=4, help="samples per prompt")
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--max-new-tokens", type=int, default=6)
+    gen.add_argument("--prompts", type=_positive_int, default=4)
+    gen.add_argument("--n", type=_positive_int, default=4, help="samples per prompt")
+    gen.add_argument("--temperature", type=_non_negative_float, default=1.0)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=6)
     gen.add_argument("--inference-dtype", default="bfloat16", choices=["float32", "bfloat16", "fp8"])
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_cmd_generate)
 
-    ev = sub.add_parser("eval", help="greedy accuracy on held-out prompts")
+    ev = command("eval", "greedy accuracy on held-out prompts (no Ray)")
     ev.add_argument("--model", help="local model dir (default: the built-in warm start)")
     ev.add_argument("--task", default="addition")
-    ev.add_argument("--n", type=int, default=1000)
-    ev.add_argument("--max-new-tokens", type=int, default=6)
+    ev.add_argument("--n", type=_positive_int, default=1000)
+    ev.add_argument("--max-new-tokens", type=_positive_int, default=6)
     ev.set_defaults(func=_cmd_eval)
 
     def add_set(p: argparse.ArgumentParser) -> None:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key (dotted path; the value is parsed as YAML), repeatable")
 
-    run = sub.add_parser("run", help="run a job on an embedded Ray (or continue one with --resume)")
+    run = command("run", "run a job on an embedded Ray (or continue one with --resume)")
     run.add_argument("config", nargs="?", help="YAML job config, or a bundled name (quickstart, snapshot, ...)")
     add_set(run)
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last checkpoint")
@@ -267,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config-b64", help=argparse.SUPPRESS)  # inline config (used by `submit`)
     run.set_defaults(func=_cmd_run)
 
-    sb = sub.add_parser("submit", help="submit a job to a Ray cluster (Ray Jobs API), stream its logs")
+    sb = command("submit", "submit a job to a Ray cluster (Ray Jobs API), stream its logs")
     sb.add_argument("config")
     add_set(sb)
     sb.add_argument("--address", required=True, help="the cluster's dashboard, e.g. http://127.0.0.1:8265")
@@ -277,17 +417,17 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--submission-id", help="job id to use (default: generated)")
     sb.set_defaults(func=_cmd_submit)
 
-    st = sub.add_parser("status", help="status of a submitted job")
+    st = command("status", "status of a submitted job")
     st.add_argument("job_id")
-    st.add_argument("--address", required=True)
+    st.add_argument("--address", required=True, help="the cluster's dashboard, e.g. http://127.0.0.1:8265")
     st.set_defaults(func=_cmd_status)
 
-    sp = sub.add_parser("stop", help="stop a submitted job")
+    sp = command("stop", "stop a submitted job")
     sp.add_argument("job_id")
-    sp.add_argument("--address", required=True)
+    sp.add_argument("--address", required=True, help="the cluster's dashboard, e.g. http://127.0.0.1:8265")
     sp.set_defaults(func=_cmd_stop)
 
-    rp = sub.add_parser("replay", help="replay a logged trajectory dataset under a strategy")
+    rp = command("replay", "replay a logged trajectory dataset under a strategy")
     rp.add_argument("trajectories", help="a run dir, its trajectories/ dir, or Parquet file(s)")
     rp.add_argument("--checkpoints", required=True,
                     help="dir with the versions' weights (a run dir, its versions/ or checkpoints/)")
@@ -299,38 +439,31 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--config", help="job config (default: the run's config.yaml beside the log)")
     add_set(rp)
     rp.add_argument("--out", help="output dir (default: RUN/replay/MODE-STRATEGY-TIME)")
+    rp.add_argument("--quarantine-nonfinite", action="store_true",
+                    help="replay a log holding NaN/inf log-probs: such rows are counted, written to "
+                         "OUT/quarantine.parquet, never trained (default: refuse the log)")
     rp.set_defaults(func=_cmd_replay)
 
-    cf = sub.add_parser("configs", help="list the bundled job configs")
+    cf = command("configs", "list the bundled job configs")
     cf.set_defaults(func=_cmd_configs)
 
-    rep = sub.add_parser("report", help="summary table and PNG plots of one run")
+    def add_plot_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--smooth", type=_positive_int, default=1, metavar="N",
+                       help="also draw an N-step rolling mean over the raw values (default: raw only)")
+        p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
+    rep = command("report", "summary table and PNG plots of one run")
     rep.add_argument("run_dir")
-    rep.add_argument("--out", help="PNG path (default: RUN_DIR/report.png)")
+    rep.add_argument("--out", help="PNG path (default: RUN_DIR/report.png, regenerated)")
+    add_plot_options(rep)
     rep.set_defaults(func=_cmd_report)
 
-    cmp_ = sub.add_parser("compare", help="side-by-side table and PNG plots of several runs")
+    cmp_ = command("compare", "side-by-side table and PNG plots of several runs")
     cmp_.add_argument("run_dirs", nargs="+")
-    cmp_.add_argument("--out", default="compare.png", help="PNG path (default: compare.png)")
+    cmp_.add_argument("--out", help="PNG path (default: a new compare-TIME.png in the current directory)")
+    add_plot_options(cmp_)
     cmp_.set_defaults(func=_cmd_compare)
     return parser
-
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    return _report_runs([args.run_dir], args.out or str(Path(args.run_dir) / "report.png"))
-
-
-def _cmd_compare(args: argparse.Namespace) -> int:
-    return _report_runs(args.run_dirs, args.out)
-
-
-def _report_runs(run_dirs: list[str], out: str) -> int:
-    from trajflow.jobs.report import comparison_table, load_run, plot_runs, print_table
-
-    runs = dict(load_run(d) for d in run_dirs)
-    print_table(comparison_table(runs))
-    print(f"plots: {plot_runs(runs, out)}")
-    return 0
 
 
 def _one_line(error: BaseException) -> str:
@@ -341,11 +474,13 @@ _BAD_INPUT = (
     ("trajflow.jobs.cli", "UsageError"),
     ("trajflow.jobs.config", "JobConfigError"),
     ("trajflow.jobs.run", "RunError"),
+    ("trajflow.jobs.report", "ReportError"),
     ("trajflow.pipelines.replay", "ReplayError"),
     ("trajflow.schemas.trajectory", "SchemaError"),
     ("trajflow.engines.checkpoint", "CheckpointError"),
-    ("builtins", "FileNotFoundError"),
 )
+# a path the user gave that cannot be used: `trajflow: PATH: reason`
+_BAD_PATH = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
 
 
 def _is_bad_input(error: BaseException) -> bool:
@@ -358,24 +493,51 @@ def _is_bad_input(error: BaseException) -> bool:
     return False
 
 
+def _bad_input_line(command: str, error: BaseException) -> str | None:
+    """The one line for an error the user can fix, or None for a bug (which keeps its traceback)."""
+    from pydantic import ValidationError
+
+    if isinstance(error, UsageError):
+        return f"{command}: {_one_line(error)}"
+    if _is_bad_input(error):
+        return _one_line(error)
+    if isinstance(error, ValidationError):  # a config built outside load_job_config
+        from trajflow.jobs.config import format_validation_error
+
+        return f"config error: {format_validation_error(error)}"
+    if isinstance(error, _BAD_PATH) and error.filename is not None:
+        return f"{error.filename}: {error.strerror}"
+    if command in ("submit", "status", "stop"):
+        auth = getattr(sys.modules.get("ray.exceptions"), "AuthenticationError", None)
+        if auth is not None and isinstance(error, auth):
+            return (f"{command}: the cluster refused the authentication token (set RAY_AUTH_TOKEN to the "
+                    f"cluster's token): {_one_line(error).split('. ')[0]}")
+        if isinstance(error, ConnectionError):
+            return f"{command}: {_one_line(error)} (is the cluster's dashboard running there?)"
+        if isinstance(error, RuntimeError) and "status code 404" in str(error):
+            return f"{command}: no such job on the cluster"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    if args.command in ("generate", "eval", "configs"):
-        return args.func(args)
+    # before transformers is imported: its weight-loading bars follow this variable
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "0" if args.verbose else "1")
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("trajflow: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if _is_bad_input(e):
-            print(f"trajflow: {_one_line(e)}", file=sys.stderr)
-            return 2
-        if args.command in ("submit", "status", "stop") and isinstance(e, (ConnectionError, RuntimeError)):
-            print(f"trajflow: {args.command}: {_one_line(e)}", file=sys.stderr)  # the cluster said no
-            return 1
-        raise
+        line = _bad_input_line(args.command, e)
+        if line is None:
+            if args.command in ("submit", "status", "stop") and isinstance(e, RuntimeError):
+                print(f"trajflow: {args.command}: {_one_line(e)}", file=sys.stderr)  # the cluster said no
+                return 1
+            raise
+        print(f"trajflow: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ validated before Ray starts. `load_job_config(path, ["optimizer.lr=1e-3", ...])`
 overrides (each value parsed as YAML: `generator.resources={gen_node: 0.1}`, never eval'd) and
 turns any problem into one `JobConfigError` line that names the key, e.g.
 
-    config error: optimizer.lr: Input should be greater than 0
+    config error: optimizer.lr: Input should be greater than 0 (got -1)
+
+YAML is read with safe_load semantics (plain data only), except that a key given twice in one
+mapping is an error (PyYAML would keep the last value silently); a file must be UTF-8 and hold at
+least one key.
 """
 
 from __future__ import annotations
@@ -62,16 +66,56 @@ def _loc(loc: tuple) -> str:
 
 
 def format_validation_error(error: ValidationError) -> str:
-    """One line: `key.path: message` for each error, joined with '; '."""
+    """One line: `key.path: message (got VALUE)` for each error, joined with '; '."""
     parts = []
     for e in error.errors():
         key = _loc(e.get("loc", ()))
         msg = str(e.get("msg", "invalid"))
-        if e.get("type") == "extra_forbidden":
+        kind = e.get("type", "")
+        if kind == "extra_forbidden":
             msg = "unknown key"
+        elif kind != "value_error" and isinstance(e.get("input"), (str, int, float)) and len(repr(e["input"])) < 40:
+            msg += f" (got {e['input']!r})"
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         parts.append(f"{key}: {msg}" if key else msg)
     return "; ".join(parts).replace("\n", " ")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load semantics (plain data only, never an object), but a key given twice in one
+    mapping is an error instead of the last value silently winning."""
+
+
+def _mapping_without_duplicates(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    first_line: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden: not a duplicate
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given at line {first_line[key] + 1})",
+                    key_node.start_mark)
+            first_line[key] = key_node.start_mark.line
+        except TypeError:  # an unhashable key: construct_mapping reports it
+            break
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"{problem}{where}"
+
+
+def safe_yaml(text: str):
+    """YAML text -> plain data (safe_load semantics; duplicate keys are an error)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _set_key(data: dict, assignment: str) -> None:
@@ -80,10 +124,9 @@ def _set_key(data: dict, assignment: str) -> None:
     if not sep or not key:
         raise JobConfigError(f"config error: --set {assignment!r}: expected key=value (e.g. optimizer.lr=1e-3)")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = safe_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise JobConfigError(f"config error: {key}: --set value {raw!r} is not valid YAML ({problem})") from None
+        raise JobConfigError(f"config error: {key}: --set value {raw!r} is not valid YAML ({_yaml_problem(e)})") from None
     parts = key.split(".")
     node = data
     for i, part in enumerate(parts[:-1]):
@@ -113,17 +156,27 @@ def bundled_configs() -> list[str]:
 
 def parse_config_text(text: str, source: str = "<config>") -> dict:
     try:
-        data = yaml.safe_load(text)
+        data = safe_yaml(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise JobConfigError(f"config error: {source}: invalid YAML{where}: {problem}") from None
-    if data is None:
-        data = {}
+        raise JobConfigError(f"config error: {source}: invalid YAML: {_yaml_problem(e)}") from None
+    if data is None:  # an empty file (or only comments) would silently run every default
+        raise JobConfigError(f"config error: {source}: the file holds no keys (write at least one, e.g. `steps: 20`)")
     if not isinstance(data, dict):
         raise JobConfigError(f"config error: {source}: the top level must be a mapping of keys, got {type(data).__name__}")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise JobConfigError(f"config error: {source}: key {bad[0]!r} is not a string")
     return data
+
+
+def decode_config_bytes(data: bytes, source: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise JobConfigError(f"config error: {source}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}, "
+                             f"column {column})") from None
 
 
 def build_job_config(data: dict[str, Any], overrides: list[str] | None = None) -> JobConfig:
@@ -134,7 +187,7 @@ def build_job_config(data: dict[str, Any], overrides: list[str] | None = None) -
         return JobConfig(**data)
     except ValidationError as e:
         raise JobConfigError(f"config error: {format_validation_error(e)}") from None
-    except TypeError as e:  # e.g. non-string keys in the YAML
+    except TypeError as e:  # e.g. non-string keys in a nested mapping
         raise JobConfigError(f"config error: {e}") from None
 
 
@@ -142,7 +195,7 @@ def load_job_config(path: str | os.PathLike, overrides: list[str] | None = None)
     """Read, override and validate a job config; any problem is one JobConfigError line."""
     resolved = resolve_config_path(path)
     try:
-        text = resolved.read_text()
+        data = resolved.read_bytes()
     except OSError as e:
         raise JobConfigError(f"config error: {path}: cannot read ({e.strerror})") from None
-    return build_job_config(parse_config_text(text, str(path)), overrides)
+    return build_job_config(parse_config_text(decode_config_bytes(data, str(path)), str(path)), overrides)

@@ -2,7 +2,8 @@
 
     RUN/
       config.yaml                       the resolved job config
-      run.json                          state (running / finished / failed), pid, host, times
+      run.json                          state (running / finished / failed), pid, host, times, and
+                                        one entry per session (the first run, each resume)
       metrics/step=000012.parquet       one row per train step (written by the trainer, atomically)
       metrics.parquet                   all steps in one file (rewritten at the end)
       trajectories/step=000012/part-0.parquet   every trajectory of train step 12, schema v1 +
@@ -240,6 +241,7 @@ class RunRecorder:
         metrics["trainer_node"] = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         # the optimizer's own step count: continues across a resume (restored state), restarts without
         metrics["optimizer_steps"] = _optimizer_steps(trainstep.optimizer)
+        metrics["time/step_end"] = time.time()  # wall clock: report's seconds_per_step is its difference
         if self.trajectory_log:
             self._log_trajectories(paths, step, batch)
         write_table_atomic(pa.Table.from_pylist([_plain(metrics)]), paths.metrics_file(step))

@@ -1,104 +1,272 @@
-"""`trajflow report` and `trajflow compare`: terminal tables and PNG plots of run metrics.
+"""`trajflow report` and `trajflow compare`: a summary table and one PNG of a run's (or several
+runs') per-step metrics.
 
-The same curves for every run, side by side: reward (and held-out accuracy when evaluated),
-train-infer mask fraction, clip fraction and staleness. Works on run directories written by
-`trajflow run` (their per-step metrics) and on metrics DataFrames from a notebook.
+    runs = load_runs(["a/quick", "b/quick"])      # labels "a/quick", "b/quick": runs are paths
+    print_table(comparison_table(runs))
+    plot_runs(runs, "compare.png", smooth=5)
+
+A run is identified by its resolved path, and labelled by the shortest tail of that path that
+tells the runs apart. The plots draw the raw per-step values (an N-step rolling mean is an extra,
+dashed line, only when asked for), with units on every y axis, a title naming the config(s) and
+strategy(ies), and one legend. Also works on metrics DataFrames from a notebook
+(`{"snapshot": df, ...}`), which have no path, config or timing.
+
+Steps are the pipeline's step index (0-based, as in the metrics). `seconds_per_step` is the wall
+time per step: the mean time between consecutive steps' metrics rows within a session (resumes
+excluded), from `time/step_end`; `seconds_to_first_step` is the start-up of the first session.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
+import yaml
 
-from trajflow.jobs.recorder import RunPaths, read_metrics
+from trajflow.jobs.console import WIDTH
+from trajflow.jobs.recorder import RunPaths, read_metrics, read_state
 
+# (metrics key, panel title, y-axis label)
 CURVES = [
-    ("reward_mean", "mean reward (train batch)"),
-    ("heldout_accuracy", "held-out greedy accuracy"),
-    ("mask/token_kept_frac", "train-infer mask: tokens kept"),
-    ("clip/frac", "PPO clip fraction"),
-    ("active_frac", "active fraction (kept, unclipped)"),
-    ("staleness/mean", "staleness (versions, mean per token)"),
+    ("reward_mean", "mean reward of the train batch", "reward"),
+    ("heldout_accuracy", "held-out greedy accuracy", "accuracy (fraction)"),
+    ("mask/token_kept_frac", "train-infer mask: tokens kept", "fraction of tokens"),
+    ("clip/frac", "PPO clip fraction", "fraction of tokens"),
+    ("staleness/mean", "staleness (mean per token)", "versions behind"),
+    ("seconds_per_step", "wall time per step", "seconds"),
 ]
-SUMMARY = ["steps", "final_reward", "best_heldout_accuracy", "final_heldout_accuracy", "mask_kept", "clip_frac",
-           "mean_staleness", "max_staleness", "seconds_per_step"]
+FINAL_FRACTION = 5  # final_reward: the mean over the last fifth of the steps (at least 1)
 
 
-def load_run(run_dir: str | Path) -> tuple[str, pl.DataFrame]:
-    """(label, metrics) of a run directory; the label is strategy@staleness plus the dir name."""
-    run_dir = Path(run_dir)
-    metrics = read_metrics(RunPaths(run_dir))
-    if metrics.is_empty() and (run_dir / "metrics.parquet").is_file():
-        metrics = pl.read_parquet(run_dir / "metrics.parquet")
+class ReportError(ValueError):
+    """A run dir cannot be reported; the message is one line naming it."""
+
+
+@dataclass
+class Run:
+    metrics: pl.DataFrame
+    path: Path | None = None  # resolved run dir (None: metrics from a notebook)
+    config: dict = field(default_factory=dict)  # the run's config.yaml as plain data
+    state: dict = field(default_factory=dict)  # its run.json
+
+    @property
+    def strategy(self) -> str:
+        if "strategy" in self.metrics.columns and self.metrics.height:
+            return str(self.metrics["strategy"][0])
+        return str(self.config.get("strategy", "?"))
+
+    def session_starts(self) -> list[int]:
+        return [int(s.get("first_step", 0)) for s in self.state.get("sessions", [])]
+
+
+def load_run(run_dir: str | Path) -> Run:
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise ReportError(f"{run_dir}: no such run directory")
+    metrics = read_metrics(RunPaths(root))
+    if metrics.is_empty() and (root / "metrics.parquet").is_file():
+        metrics = pl.read_parquet(root / "metrics.parquet")
     if metrics.is_empty():
-        raise FileNotFoundError(f"{run_dir}: no metrics found (is it a trajflow run directory?)")
-    return f"{run_dir.name}", metrics
+        raise ReportError(f"{run_dir}: no metrics found (is it a trajflow run directory?)")
+    try:
+        config = yaml.safe_load((root / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        config = {}
+    return Run(metrics, root.resolve(), config if isinstance(config, dict) else {}, read_state(RunPaths(root)))
 
 
-def summarize(label: str, m: pl.DataFrame) -> dict:
+def short_labels(paths: list[Path]) -> list[str]:
+    """The shortest path tails that tell the paths apart: [a/x, b/x, b/y] -> [a/x, b/x, y]."""
+    labels = []
+    for path in paths:
+        depth = 1
+        while depth < len(path.parts) and sum(p.parts[-depth:] == path.parts[-depth:] for p in paths) > 1:
+            depth += 1
+        labels.append("/".join(path.parts[-depth:]))
+    return labels
+
+
+def load_runs(run_dirs: list[str | Path]) -> dict[str, Run]:
+    """{label: Run}, every dir read before anything is drawn; the same dir twice is an error."""
+    runs = [load_run(d) for d in run_dirs]
+    seen: dict[Path, str] = {}
+    for run, given in zip(runs, run_dirs):
+        if run.path in seen:
+            raise ReportError(f"{given}: the same run as {seen[run.path]} (given twice)")
+        seen[run.path] = str(given)
+    return dict(zip(short_labels([r.path for r in runs]), runs))
+
+
+def _as_runs(runs: dict[str, Run | pl.DataFrame]) -> dict[str, Run]:
+    return {label: r if isinstance(r, Run) else Run(r) for label, r in runs.items()}
+
+
+def step_seconds(run: Run) -> pl.DataFrame:
+    """(step, seconds_per_step): wall time from the previous step's end to this one's, within a
+    session; empty without `time/step_end` (runs from a notebook, or from before it was logged)."""
+    m = run.metrics
+    if "time/step_end" not in m.columns:
+        return pl.DataFrame({"step": [], "seconds_per_step": []}, schema={"step": pl.Int64, "seconds_per_step": pl.Float64})
+    starts = set(run.session_starts())
+    m = m.select("step", "time/step_end").drop_nulls().sort("step")
+    diffs = m.with_columns(seconds_per_step=pl.col("time/step_end").diff(),
+                           consecutive=pl.col("step").diff() == 1)
+    return diffs.filter(pl.col("consecutive") & ~pl.col("step").is_in(list(starts))).select("step", "seconds_per_step")
+
+
+def summarize(label: str, run: Run | pl.DataFrame) -> dict:
+    run = run if isinstance(run, Run) else Run(run)
+    m = run.metrics
+
     def col(name: str) -> pl.Series:
         return m[name].drop_nulls() if name in m.columns else pl.Series([], dtype=pl.Float64)
 
+    def mean(name: str, digits: int):
+        values = col(name)
+        return round(float(values.mean()), digits) if len(values) else None
+
     acc = col("heldout_accuracy")
-    tail = m.tail(max(1, m.height // 5))  # the last fifth of training, for noisy batch rewards
+    tail = m.tail(max(1, m.height // FINAL_FRACTION))
+    seconds = step_seconds(run)["seconds_per_step"]
+    first_session = (run.state.get("sessions") or [{}])[0]
+    first_end = m.filter(pl.col("step") == first_session.get("first_step", 0))
+    to_first = None
+    if first_session.get("started") and "time/step_end" in m.columns and first_end.height:
+        to_first = round(float(first_end["time/step_end"][0]) - float(first_session["started"]), 1)
     return {
         "run": label,
-        "strategy": m["strategy"][0] if "strategy" in m.columns else "?",
+        "path": str(run.path) if run.path else None,
+        "config": run.config.get("name"),
+        "strategy": run.strategy,
         "steps": m.height,
         "final_reward": round(float(tail["reward_mean"].mean()), 3),
+        "final_reward_steps": tail.height,
         "best_heldout_accuracy": round(float(acc.max()), 3) if len(acc) else None,
         "final_heldout_accuracy": round(float(acc[-1]), 3) if len(acc) else None,
-        "mask_kept": round(float(col("mask/token_kept_frac").mean()), 4) if len(col("mask/token_kept_frac")) else None,
-        "clip_frac": round(float(col("clip/frac").mean()), 4) if len(col("clip/frac")) else None,
-        "mean_staleness": round(float(col("staleness/mean").mean()), 2) if len(col("staleness/mean")) else None,
+        "mask_kept": mean("mask/token_kept_frac", 4),
+        "clip_frac": mean("clip/frac", 4),
+        "mean_staleness": mean("staleness/mean", 2),
         "max_staleness": int(col("staleness/max").max()) if len(col("staleness/max")) else None,
-        "seconds_per_step": round(float(col("train_seconds").mean()), 3) if len(col("train_seconds")) else None,
+        "seconds_per_step": round(float(seconds.mean()), 3) if len(seconds) else None,
+        "seconds_to_first_step": to_first,
     }
 
 
-def comparison_table(runs: dict[str, pl.DataFrame]) -> pl.DataFrame:
+def comparison_table(runs: dict[str, Run | pl.DataFrame]) -> pl.DataFrame:
     """One summary row per run; the best final held-out accuracy (else reward) first."""
-    table = pl.DataFrame([summarize(label, m) for label, m in runs.items()])
+    table = pl.DataFrame([summarize(label, r) for label, r in _as_runs(runs).items()])
     key = "final_heldout_accuracy" if table["final_heldout_accuracy"].null_count() < table.height else "final_reward"
     return table.sort(key, descending=True, nulls_last=True)
 
 
-def plot_runs(runs: dict[str, pl.DataFrame], path: str | Path, smooth: int = 5) -> Path:
-    """A grid of the CURVES for every run, one line per run; saved as PNG."""
+# (row label, column of the comparison table, format) of the printed table
+PRINTED = [
+    ("strategy", "strategy", "{}"),
+    ("steps", "steps", "{:d}"),
+    ("final reward", "final_reward", "{:.3f}"),
+    ("  = mean of last N steps, N", "final_reward_steps", "{:d}"),
+    ("held-out accuracy, best", "best_heldout_accuracy", "{:.3f}"),
+    ("held-out accuracy, final", "final_heldout_accuracy", "{:.3f}"),
+    ("mask: tokens kept (mean)", "mask_kept", "{:.4f}"),
+    ("clip fraction (mean)", "clip_frac", "{:.4f}"),
+    ("staleness, mean (versions)", "mean_staleness", "{:.2f}"),
+    ("staleness, max (versions)", "max_staleness", "{:d}"),
+    ("wall time per step (s)", "seconds_per_step", "{:.2f}"),
+    ("start to first step (s)", "seconds_to_first_step", "{:.1f}"),
+]
+
+
+def print_table(table: pl.DataFrame) -> None:
+    """Runs as columns, quantities as rows, in blocks of runs that fit WIDTH columns; then each
+    run's path."""
+    rows = table.to_dicts()
+    head = max(len(label) for label, _, _ in PRINTED)
+    printed = [(label, key, fmt) for label, key, fmt in PRINTED if any(r.get(key) is not None for r in rows)]
+
+    def cell(value, fmt: str) -> str:
+        return "-" if value is None else fmt.format(value)
+
+    widths = [max(len(r["run"]), *(len(cell(r.get(k), f)) for _, k, f in printed)) for r in rows]
+    block: list[int] = []
+    blocks = []
+    for i, w in enumerate(widths):
+        if block and head + sum(widths[j] + 2 for j in block) + w + 2 > WIDTH:
+            blocks.append(block)
+            block = []
+        block.append(i)
+    blocks.append(block)
+    for n, block in enumerate(blocks):
+        if n:
+            print()
+        print(" " * head + "".join("  " + rows[i]["run"][-widths[i]:].rjust(widths[i]) for i in block))
+        for label, key, fmt in printed:
+            print(label.ljust(head) + "".join("  " + cell(rows[i].get(key), fmt).rjust(widths[i]) for i in block))
+    for r in rows:
+        if r.get("path"):
+            print(f"{r['run']}: {r['path']}")
+
+
+def _title(runs: dict[str, Run]) -> str:
+    configs = sorted({str(r.config["name"]) for r in runs.values() if r.config.get("name")})
+    strategies = list(dict.fromkeys(r.strategy for r in runs.values()))
+    parts = [f"config {', '.join(configs)}"] if configs else []
+    parts.append(f"strategy {', '.join(strategies)}")
+    return " | ".join(parts)
+
+
+def plot_runs(runs: dict[str, Run | pl.DataFrame], path: str | Path, smooth: int = 1) -> Path:
+    """One panel per curve (CURVES), one line per run (raw values; with smooth > 1 also a dashed
+    rolling mean), one legend for the figure; saved as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = [(c, t) for c, t in CURVES if any(c in m.columns and m[c].drop_nulls().len() for m in runs.values())]
+    runs = _as_runs(runs)
+    data = {label: run.metrics.join(step_seconds(run), on="step", how="left") for label, run in runs.items()}
     cols = 3
-    rows = (len(curves) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)
-    for ax, (column, title) in zip(axes.flat, curves):
-        for label, m in runs.items():
-            if column not in m.columns:
+    rows = (len(CURVES) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows + 1.0), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    handles = {}
+    for ax, (column, title, unit) in zip(axes.flat, CURVES):
+        missing = []
+        for i, (label, m) in enumerate(data.items()):
+            values = m.select("step", column).drop_nulls() if column in m.columns else pl.DataFrame()
+            if values.is_empty():
+                missing.append(label)
                 continue
-            data = m.select("step", column).drop_nulls()
-            values = data[column]
-            if column != "heldout_accuracy" and smooth > 1:
-                values = values.rolling_mean(smooth, min_samples=1)
-            ax.plot(data["step"].to_list(), values.to_list(), label=label,
-                    marker="o" if column == "heldout_accuracy" else None)
-        ax.set_title(title)
+            steps, ys = values["step"].to_list(), values[column].to_list()
+            color = colors[i % len(colors)]
+            few = len(steps) <= 40
+            (line,) = ax.plot(steps, ys, color=color, lw=1.2, marker="o" if few else None, ms=2.5, label=label)
+            handles[label] = line
+            if smooth > 1 and len(steps) > smooth:
+                ax.plot(steps, values[column].rolling_mean(smooth, min_samples=1).to_list(), color=color, lw=2.2,
+                        ls="--", alpha=0.8)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("train step")
+        ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(curves):]:
+        if len(missing) == len(data):
+            reason = {"heldout_accuracy": "evaluation off (eval_every: 0)",
+                      "seconds_per_step": "no step timestamps\n(runs from a notebook or older runs)"}
+            ax.text(0.5, 0.5, reason.get(column, "no data"), ha="center", va="center", transform=ax.transAxes,
+                    color="0.35")
+            ax.set_xticks([])
+            ax.set_yticks([])
+        elif missing:
+            ax.text(0.02, 0.02, "none for: " + ", ".join(missing), transform=ax.transAxes, fontsize=7, color="0.35")
+    for ax in list(axes.flat)[len(CURVES):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
+    subtitle = "raw per-step values" + (f"; dashed: rolling mean over {smooth} steps" if smooth > 1 else "")
+    fig.suptitle(f"{_title(runs)}\n{subtitle}", fontsize=11)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 4), fontsize=9,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.07 if len(handles) <= 4 else 0.12, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def print_table(table: pl.DataFrame) -> None:
-    with pl.Config(tbl_rows=table.height, tbl_cols=-1, tbl_width_chars=200, tbl_hide_dataframe_shape=True):
-        print(table)

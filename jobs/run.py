@@ -4,15 +4,24 @@
     resume_job(run_dir)             continue a killed run from its last complete checkpoint
 
 The config is validated and the run dir prepared before Ray starts. The driver shows a progress
-bar and a short status line per step; the durable record (trajectories, metrics, checkpoints) is
+bar and a status line per step; the durable record (trajectories, metrics, checkpoints) is
 written by the trainer actor itself (RunRecorder), so it does not depend on the driver surviving.
-At the end the per-step metrics are gathered into metrics.parquet and a summary table is printed.
+At the end the per-step metrics are gathered into metrics.parquet and a summary is printed.
+
+Steps are numbered from 0 everywhere (status lines, the summary, metrics, TensorBoard, trajectory
+partitions): step s trains on weight version s and publishes version s + 1. A checkpoint holds a
+version: `checkpoints/step-000005/` is version 5, the state before step 5, from which `--resume`
+continues with step 5. Output lines fit 100 columns.
+
+run.json keeps the run's state and one entry per session (a first run, then each resume): when
+it started and ended, by which process, the steps it trained and how it ended.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -22,9 +31,11 @@ from pathlib import Path
 
 from trajflow.engines import checkpoint as ckpt
 from trajflow.jobs.config import JobConfig, build_job_config, parse_config_text
+from trajflow.jobs.console import WIDTH, format_table, wrap
 from trajflow.jobs.recorder import (
     RunPaths,
     RunRecorder,
+    logged_steps,
     pid_alive,
     read_metrics,
     read_state,
@@ -33,31 +44,33 @@ from trajflow.jobs.recorder import (
     write_state,
     write_table_atomic,
 )
+from trajflow.pipelines.local_ray import WORKER_ENV, quiet_ray, start_local_ray
 
 log = logging.getLogger("trajflow")
 
-# Environment for every Ray worker of a job: offline hub, no per-worker progress bars.
-WORKER_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-}
-
+# (label, metrics key, format) of a status line, in the order they are dropped last to first
 STATUS_KEYS = (
     ("reward", "reward_mean", "{:.3f}"),
     ("mask", "mask/token_kept_frac", "{:.3f}"),
     ("clip", "clip/frac", "{:.3f}"),
-    ("active", "active_frac", "{:.3f}"),
     ("k3", "mismatch/k3", "{:.1e}"),
     ("stale", "staleness/mean", "{:.2f}"),
     ("loss", "loss", "{:+.4f}"),
 )
 
-SUMMARY_COLUMNS = [
-    "step", "reward_mean", "rows_trained", "mask/token_kept_frac", "clip/frac", "active_frac",
-    "mismatch/k3", "staleness/mean", "staleness/max", "loss", "train_seconds",
-]
+# (header, metrics key, format) of the summary table
+SUMMARY_COLUMNS = (
+    ("step", "step", "{:d}"),
+    ("reward", "reward_mean", "{:.3f}"),
+    ("trained", "rows_trained", "{:d}"),
+    ("mask", "mask/token_kept_frac", "{:.3f}"),
+    ("clip", "clip/frac", "{:.3f}"),
+    ("k3", "mismatch/k3", "{:.1e}"),
+    ("stale", "staleness/mean", "{:.2f}"),
+    ("stale max", "staleness/max", "{:.0f}"),
+    ("loss", "loss", "{:+.4f}"),
+    ("train s", "train_seconds", "{:.2f}"),
+)
 
 
 class RunError(RuntimeError):
@@ -74,24 +87,22 @@ def default_run_dir(config: JobConfig) -> Path:
     return path
 
 
-def start_ray(config: JobConfig) -> None:
-    """Embedded Ray (dashboard off, or on 127.0.0.1), or connect to `ray_address`/RAY_ADDRESS."""
+def start_ray(config: JobConfig, verbose: bool = False) -> None:
+    """The embedded Ray (pipelines/local_ray.py: 127.0.0.1 only, ended with this process), or a
+    connection to `ray_address` / RAY_ADDRESS."""
     import ray
 
     if ray.is_initialized():
         return
-    runtime_env = {"env_vars": dict(WORKER_ENV)}
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
-            runtime_env = None  # a submitted job: Ray refuses to merge a driver env into the job's
-        ray.init(address=address, runtime_env=runtime_env, configure_logging=False)
-    else:
-        # address="local": a new Ray even if `ray start` left a cluster file in /tmp/ray
-        kwargs = dict(address="local", include_dashboard=config.dashboard)
-        if config.dashboard:
-            kwargs["dashboard_host"] = "127.0.0.1"
-        ray.init(runtime_env=runtime_env, configure_logging=False, **kwargs)
+    if not address:
+        start_local_ray(dashboard=config.dashboard, verbose=verbose)
+        return
+    quiet_ray(verbose)
+    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        runtime_env = None  # a submitted job: Ray refuses to merge a driver env into the job's
+    ray.init(address=address, runtime_env=runtime_env, configure_logging=False)
 
 
 def quiet_ray_data() -> None:
@@ -107,13 +118,6 @@ def quiet_ray_data() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def size_estimate(config: JobConfig, model_path: Path) -> str:
-    nbytes = ckpt.weights_nbytes(model_path)
-    versions = config.steps + 1
-    return (f"save_all_versions: {versions} versions x {_human(nbytes)} = {_human(nbytes * versions)} "
-            f"of weights under versions/")
-
-
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1024 or unit == "TB":
@@ -122,30 +126,48 @@ def _human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def status_line(row: dict, steps: int) -> str:
-    parts = [f"step {int(row['step']) + 1:>{len(str(steps))}}/{steps}", f"v{row.get('version')}",
-             f"trained {row.get('rows_trained', 0)}/{row.get('rows', 0)}"]
-    for label, key, fmt in STATUS_KEYS:
-        value = row.get(key)
-        if value is not None:
-            parts.append(f"{label} {fmt.format(value)}")
-    if row.get("train_seconds") is not None:
-        parts.append(f"{row['train_seconds']:.2f}s")
-    if row.get("checkpoint") is not None:
-        parts.append(f"ckpt {row['checkpoint']}")
-    return " | ".join(parts)
+def check_version_space(config: JobConfig, model_path: Path, root: Path) -> str:
+    """The disk space save_all_versions will take; RunError if the run dir's disk lacks it."""
+    nbytes = ckpt.weights_nbytes(model_path)
+    versions = config.steps + 1
+    total = nbytes * versions
+    estimate = f"save_all_versions: {versions} versions x {_human(nbytes)} = {_human(total)} of weights"
+    free = shutil.disk_usage(root).free
+    if total > free:
+        raise RunError(f"{estimate}, but only {_human(free)} is free under {root} "
+                       "(set save_all_versions: false, or fewer steps)")
+    return estimate + " under versions/"
+
+
+def status_line(row: dict, steps: int, seconds: float | None = None) -> str:
+    """`step 4 (25%) | reward 0.219 | rows 16/32 | mask ... | 1.2s` within WIDTH columns: the
+    step index, the share of the run done, the step's numbers, the wall time since the previous
+    line (for the first line: since the run started, so it shows the start-up)."""
+    step = int(row["step"])
+    parts = [f"step {step:>{len(str(steps - 1))}} ({100 * (step + 1) // steps:>3}%)"]
+    fields = [f"reward {row['reward_mean']:.3f}"] if row.get("reward_mean") is not None else []
+    fields.append(f"rows {row.get('rows_trained', 0)}/{row.get('rows', 0)}")
+    fields += [f"{label} {fmt.format(row[key])}" for label, key, fmt in STATUS_KEYS[1:] if row.get(key) is not None]
+    if seconds is not None:
+        fields.insert(2, f"{seconds:.1f}s")
+    line = parts[0]
+    for field in fields:
+        if len(line) + 3 + len(field) > WIDTH:
+            break
+        line += " | " + field
+    return line
 
 
 class _TensorBoard:
-    """Scalars of each metrics row, if tensorboard is installed (the `plots` extra)."""
+    """Scalars of each metrics row (global step = the step index)."""
 
     def __init__(self, logdir: Path, purge_step: int | None) -> None:
         self.writer = None
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            print("trajflow: tensorboard is not installed (pip install 'trajflow[plots]'); "
-                  "skipping event files", file=sys.stderr)
+            print("trajflow: tensorboard is not installed (pip install tensorboard); skipping event files",
+                  file=sys.stderr)
             return
         self.writer = SummaryWriter(str(logdir), purge_step=purge_step, flush_secs=10)
 
@@ -195,43 +217,84 @@ def record_placement(paths: RunPaths) -> dict[str, list[str]]:
     return placement
 
 
-def summary_table(paths: RunPaths, started: float, steps: int, first_step: int) -> str:
-    import polars as pl
-
+def summary_table(paths: RunPaths, steps: int, first_step: int, session_seconds: float,
+                  step_seconds: list[float]) -> str:
+    """Every step of a short run, or about 10 evenly spaced ones and the last; then the reward
+    at both ends, the time per step, the checkpoints and the run dir."""
     metrics = read_metrics(paths)
     if metrics.is_empty():
         return "no steps were trained"
-    cols = [c for c in SUMMARY_COLUMNS if c in metrics.columns]
-    shown = metrics.select(cols)
-    if shown.height > 12:
-        idx = sorted(set(list(range(0, shown.height, max(1, shown.height // 10))) + [shown.height - 1]))
-        shown = shown[idx]
-    with pl.Config(tbl_rows=20, tbl_cols=-1, tbl_width_chars=200, float_precision=4,
-                   tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
-        table = str(shown)
+    rows = metrics.to_dicts()
+    shown = rows if len(rows) <= 12 else [rows[i] for i in sorted({*range(0, len(rows), len(rows) // 10), len(rows) - 1})]
     rewards = metrics["reward_mean"]
-    head, tail = rewards.head(min(5, len(rewards))).mean(), rewards.tail(min(5, len(rewards))).mean()
-    checkpoints = [c.version for c in ckpt.list_checkpoints(paths.checkpoints)]
+    n = min(5, len(rewards))
+    checkpoints = [c.path.name for c in ckpt.list_checkpoints(paths.checkpoints)]
+    timing = f"this session: steps {first_step}..{steps - 1} in {session_seconds:.1f}s"
+    if step_seconds:
+        timing += f" ({step_seconds[0]:.1f}s to the first step"
+        if len(step_seconds) > 1:
+            rest = step_seconds[1:]
+            timing += f", then {sum(rest) / len(rest):.2f}s per step"
+        timing += ")"
     lines = [
-        table,
-        f"steps logged {metrics.height}/{steps} (this session: {first_step}..{steps - 1}) | "
-        f"reward first-5 {head:.3f} -> last-5 {tail:.3f} | wall {time.time() - started:.1f}s",
-        f"checkpoints kept: {checkpoints} | run dir: {paths.root}",
+        format_table(shown, list(SUMMARY_COLUMNS)),
+        f"steps logged: {metrics.height} of {steps} | reward: mean of the first {n} steps "
+        f"{rewards.head(n).mean():.3f}, of the last {n} {rewards.tail(n).mean():.3f}",
+        timing,
+        f"checkpoints kept: {', '.join(checkpoints) or 'none'}",
+        f"run dir: {paths.root}",
     ]
     return "\n".join(lines)
 
 
+# -- run.json: state and sessions -----------------------------------------------------------------
+def _begin_session(paths: RunPaths, first_step: int, steps: int) -> None:
+    state = read_state(paths)
+    sessions = state.get("sessions")
+    if sessions is None:  # a run dir written before sessions were recorded: keep what it said
+        sessions = [{k: state[k] for k in ("started", "ended", "pid", "host", "first_step", "state", "error")
+                     if k in state}] if state else []
+    session = {"started": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "first_step": first_step,
+               "steps": steps, "state": "running"}
+    write_state(paths, state="running", pid=session["pid"], host=session["host"], started=session["started"],
+                first_step=first_step, steps=steps, ended=None, error=None, sessions=[*sessions, session])
+
+
+def _end_session(paths: RunPaths, state: str, error: str | None = None) -> None:
+    current = read_state(paths)
+    sessions = current.get("sessions") or [{}]
+    ended = time.time()
+    done = logged_steps(paths)
+    first = sessions[-1].get("first_step", 0)
+    sessions[-1].update(state=state, ended=ended, error=error,
+                        steps_trained=len([s for s in done if s >= first]))
+    write_state(paths, state=state, ended=ended, error=error, sessions=sessions)
+
+
 # -- the run -------------------------------------------------------------------------------------
-def prepare_new_run(config: JobConfig) -> RunPaths:
+def resolved_model_path(config: JobConfig) -> Path:
+    from trajflow.engines.models import WARM_START_DIR
+
+    return Path(config.model or WARM_START_DIR).resolve()
+
+
+def prepare_new_run(config: JobConfig) -> tuple[RunPaths, JobConfig]:
+    """Check the run dir and the disk, then write config.yaml (run dir and model path resolved)."""
     root = Path(config.run_dir) if config.run_dir is not None else default_run_dir(config)
     if root.exists() and any(root.iterdir()):
         raise RunError(f"run dir {root} already exists and is not empty (use --resume {root} to continue it)")
+    if root.exists() and not root.is_dir():
+        raise RunError(f"run dir {root} exists and is not a directory")
     root = root.resolve()
+    resolved = config.model_copy(update={"run_dir": root, "model": resolved_model_path(config)})
+    existing = next((p for p in [root, *root.parents] if p.exists()), Path("/"))
+    estimate = check_version_space(resolved, resolved.model, existing) if config.save_all_versions else None
     paths = RunPaths(root)
     root.mkdir(parents=True, exist_ok=True)
-    resolved = config.model_copy(update={"run_dir": root})
     ckpt.atomic_write_text(paths.config, resolved.to_yaml())
-    return paths
+    if estimate:
+        print(f"trajflow: {estimate}", flush=True)
+    return paths, resolved
 
 
 def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> JobConfig:
@@ -241,15 +304,17 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> JobCon
     return build_job_config(parse_config_text(paths.config.read_text(), str(paths.config)), overrides)
 
 
-def run_job(config: JobConfig, *, progress: bool = True) -> Path:
+def run_job(config: JobConfig, *, progress: bool = True, verbose: bool = False) -> Path:
     """Start a new run; returns its run dir."""
-    paths = prepare_new_run(config)
-    _execute(config, paths, first_step=0, checkpoint=None, progress=progress)
+    paths, config = prepare_new_run(config)
+    _execute(config, paths, first_step=0, checkpoint=None, progress=progress, verbose=verbose)
     return paths.root
 
 
-def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *, progress: bool = True) -> Path:
-    """Continue a killed run from its last complete checkpoint (a fresh start if it has none)."""
+def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *, progress: bool = True,
+               verbose: bool = False) -> Path:
+    """Continue a killed run from its last complete checkpoint (a fresh start if it has none).
+    A finished run is left untouched."""
     root = Path(run_dir).resolve()
     paths = RunPaths(root)
     config = load_run_config(root, overrides)
@@ -259,57 +324,71 @@ def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *
         raise RunError(f"{root}: the run is still active (pid {state['pid']}); stop it before resuming")
     latest = ckpt.latest_checkpoint(paths.checkpoints)
     first_step = latest.version if latest is not None else 0
+    if first_step >= config.steps and state.get("state") == "finished":
+        sessions = len(state.get("sessions") or [state])
+        print(f"trajflow: {root} already finished all {config.steps} steps ({sessions} session"
+              f"{'s' if sessions > 1 else ''}); nothing to do (to train longer: --set steps=N)")
+        return root
     if overrides:
         ckpt.atomic_write_text(paths.config, config.model_copy(update={"run_dir": root}).to_yaml())
     removed = truncate_after(paths, first_step)
     where = f"checkpoint {latest.path.name}" if latest is not None else "the start (no checkpoint)"
-    print(f"trajflow: resuming {root} from {where}: steps {first_step}..{config.steps - 1}"
+    print(f"trajflow: resuming from {where}: steps {first_step}..{config.steps - 1}"
           + (f" (discarded partial logs of steps {removed[0]}..{removed[-1]})" if removed else ""), flush=True)
-    _execute(config, paths, first_step=first_step, checkpoint=latest, progress=progress)
+    _execute(config, paths, first_step=first_step, checkpoint=latest, progress=progress, verbose=verbose)
     return root
 
 
 def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ckpt.Checkpoint | None,
-             progress: bool) -> None:
+             progress: bool, verbose: bool = False) -> None:
     from tqdm.auto import tqdm
 
-    from trajflow.engines.models import WARM_START_DIR
-    from trajflow.pipelines.rl_loop import RLPipeline
+    from trajflow.jobs.console import filtered_stderr
 
     started = time.time()
-    model_path = Path(config.model or WARM_START_DIR)
-    if config.save_all_versions:
-        print(f"trajflow: {size_estimate(config, model_path)}", flush=True)
-    write_state(paths, state="running", pid=os.getpid(), host=socket.gethostname(), started=started,
-                first_step=first_step, steps=config.steps)
-    if first_step >= config.steps:
-        print(f"trajflow: all {config.steps} steps are done")
-        _finish(config, paths, started, first_step)
+    _begin_session(paths, first_step, config.steps)
+    if first_step >= config.steps:  # killed after its last checkpoint, before the summary
+        print(f"trajflow: all {config.steps} steps are trained; writing the summary")
+        _finish(config, paths, first_step, started, [])
         return
-
-    start_ray(config)
-    quiet_ray_data()
-    pipeline = RLPipeline(config.pipeline_config(), model_path=model_path)
-    recorder = RunRecorder(
-        run_dir=str(paths.root),
-        steps=config.steps,
-        checkpoint_every=config.checkpoint_every,
-        keep_checkpoints=config.keep_checkpoints,
-        save_all_versions=config.save_all_versions,
-        trajectory_log=config.trajectory_log,
-        resume_from=str(checkpoint.path) if checkpoint is not None else None,
-    )
-    pipeline.train_step_kwargs.update(on_start=recorder.on_start, on_step=recorder.on_step)
-    weights = checkpoint.model_state() if checkpoint is not None else None
-    pipeline.start_store(initial_version=first_step, initial_weights=weights)
-    print(pipeline.describe(), flush=True)
-    print(f"trajflow: run dir {paths.root}", flush=True)
-
-    tb = _TensorBoard(paths.tensorboard, purge_step=first_step if first_step else None) if config.tensorboard else None
     interactive = progress and sys.stderr.isatty()
+    step_seconds: list[float] = []
+    try:
+        start_ray(config, verbose)  # before the filter: Ray's own processes keep the real stderr
+        with filtered_stderr(enabled=not verbose):
+            from trajflow.pipelines.rl_loop import RLPipeline
+
+            quiet_ray_data()
+            pipeline = RLPipeline(config.pipeline_config(), model_path=resolved_model_path(config))
+            recorder = RunRecorder(
+                run_dir=str(paths.root),
+                steps=config.steps,
+                checkpoint_every=config.checkpoint_every,
+                keep_checkpoints=config.keep_checkpoints,
+                save_all_versions=config.save_all_versions,
+                trajectory_log=config.trajectory_log,
+                resume_from=str(checkpoint.path) if checkpoint is not None else None,
+            )
+            pipeline.train_step_kwargs.update(on_start=recorder.on_start, on_step=recorder.on_step)
+            weights = checkpoint.model_state() if checkpoint is not None else None
+            pipeline.start_store(initial_version=first_step, initial_weights=weights)
+            print(wrap(pipeline.describe()), flush=True)
+            print(f"trajflow: run dir {paths.root}", flush=True)
+            _stream(config, paths, pipeline, first_step, started, interactive, step_seconds, tqdm)
+    except BaseException as e:
+        stopped = isinstance(e, (KeyboardInterrupt, SystemExit))
+        _end_session(paths, "stopped" if stopped else "failed", f"{type(e).__name__}: {e}"[:500])
+        raise
+    _finish(config, paths, first_step, started, step_seconds)
+
+
+def _stream(config, paths, pipeline, first_step, started, interactive, step_seconds, tqdm) -> None:
+    tb = _TensorBoard(paths.tensorboard, purge_step=first_step if first_step else None) if config.tensorboard else None
     bar = tqdm(total=config.steps, initial=first_step, desc=f"trajflow {config.strategy}", disable=not interactive,
-               file=sys.stderr, dynamic_ncols=True)
+               file=sys.stderr, dynamic_ncols=True, leave=False)
+    say = bar.write if interactive else (lambda line: print(line, flush=True))
     placement_done = False
+    last = started
 
     def on_sigterm(signum, frame):  # `trajflow stop` / `ray job stop` send SIGTERM: record it, exit
         raise SystemExit(128 + signum)
@@ -320,43 +399,41 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
         previous_sigterm = None
     try:
         for row in pipeline.iter_metrics(first_step=first_step):
+            now = time.time()
+            step_seconds.append(now - last)
+            last = now
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", v=row["version"])
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
             if tb is not None:
                 tb.add(row)
-            if config.status_every and (int(row["step"]) % config.status_every == 0
-                                        or int(row["step"]) == config.steps - 1):
-                line = status_line(row, config.steps)
-                bar.write(line) if interactive else print(line, flush=True)
+            step = int(row["step"])
+            if config.status_every and (step % config.status_every == 0 or step == config.steps - 1):
+                say(status_line(row, config.steps, step_seconds[-1]))
+            if row.get("checkpoint") is not None:
+                say(f"trajflow: checkpoint of version {row['checkpoint']} (resumes at step {row['checkpoint']})")
             if not placement_done:
                 placement = record_placement(paths)
                 placement_done = True
                 if placement:
-                    print("trajflow: placement " + ", ".join(f"{k} on {[n[:8] for n in v]}"
-                                                           for k, v in sorted(placement.items())), flush=True)
-    except BaseException as e:
-        stopped = isinstance(e, (KeyboardInterrupt, SystemExit))
-        write_state(paths, state="stopped" if stopped else "failed", error=f"{type(e).__name__}: {e}"[:500],
-                    ended=time.time())
-        raise
+                    say(wrap("trajflow: placement " + ", ".join(f"{k} on {[n[:8] for n in v]}"
+                                                                for k, v in sorted(placement.items()))))
     finally:
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
         bar.close()
         if tb is not None:
             tb.close()
-    _finish(config, paths, started, first_step)
 
 
-def _finish(config: JobConfig, paths: RunPaths, started: float, first_step: int) -> None:
+def _finish(config: JobConfig, paths: RunPaths, first_step: int, started: float, step_seconds: list[float]) -> None:
     metrics = read_metrics(paths)
     if not metrics.is_empty():
         write_table_atomic(metrics.to_arrow(), paths.metrics)
-    summary = summary_table(paths, started, config.steps, first_step)
+    summary = summary_table(paths, config.steps, first_step, time.time() - started, step_seconds)
     ckpt.atomic_write_text(paths.summary, summary + "\n")
     print(summary, flush=True)
     missing = sorted(set(range(config.steps)) - set(metrics["step"].to_list() if not metrics.is_empty() else []))
     if missing:
-        write_state(paths, state="failed", error=f"steps without metrics: {missing}", ended=time.time())
+        _end_session(paths, "failed", f"steps without metrics: {missing}")
         raise RunError(f"the run ended with steps {missing} missing from the metrics")
-    write_state(paths, state="finished", ended=time.time())
+    _end_session(paths, "finished")

@@ -7,18 +7,82 @@ that names the key.
 
 from __future__ import annotations
 
+import json
+import types
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 Strategy = Literal["snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior", "loglinear"]
 # Strategies whose old log-probs are computed by an operator before the train step.
 OPERATOR_STRATEGIES = ("snapshot", "dedicated", "interrupt")
 
 
+# A sane ceiling: beyond it a typo (steps: 1000000000000) would otherwise start a job that never ends.
+MAX_STEPS = 1_000_000
+# Every built-in advantage estimator is group-relative: a group of one sample is its own baseline,
+# so its advantage is 0 and nothing is trained. An estimator with another baseline may allow 1.
+MIN_GROUP_SIZE = {"grpo": 2, "dr_grpo": 2, "leave_one_out": 2}
+
+
+def _accepts_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_accepts_bool(a) for a in args)
+    if typing.get_origin(annotation) is Literal:
+        return any(isinstance(a, bool) for a in args)
+    return False
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_are_not_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """`steps: true` is a typo, not 1, and `tensorboard: 1` is not a yes/no answer (pydantic
+        would otherwise coerce booleans to numbers and numbers or strings to booleans)."""
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and not _accepts_bool(annotation):
+            raise ValueError(f"expected {_kind(annotation)}, got the boolean {str(value).lower()}")
+        if annotation is bool and not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+
+
+def _kind(annotation: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", Path: "a path"}
+    for a in (annotation, *typing.get_args(annotation)):
+        if a in names:
+            return names[a]
+    return "a value of another type"
+
+
+def check_model_dir(path: Path) -> None:
+    """A local Hugging Face model dir: config.json (a JSON object) and a tokenizer. ValueError if not."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{path} is not a local model directory (no config.json)")
+    try:
+        if not isinstance(json.loads(config.read_text()), dict):
+            raise ValueError
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"{config} is not a JSON object") from None
+    if not any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+
+
+def check_task(name: str) -> str:
+    """A registered task name. ValueError naming the registered ones if not."""
+    from trajflow.tasks.registry import registered_tasks
+
+    if name not in registered_tasks():
+        raise ValueError(f"unknown task {name!r}; registered: {', '.join(registered_tasks())}")
+    return name
 
 
 class SamplingConfig(_Strict):
@@ -83,7 +147,7 @@ class PipelineConfig(_Strict):
                                "starts live); default: the built-in warm start")
     task: str = "addition"
     strategy: Strategy = "snapshot"
-    steps: int = Field(100, ge=1)
+    steps: int = Field(100, ge=1, le=MAX_STEPS)
     prompts_per_step: int = Field(64, ge=1)
     group_size: int = Field(8, ge=1)
     max_staleness: int = Field(0, ge=0)
@@ -123,10 +187,25 @@ class PipelineConfig(_Strict):
             return REPO_ROOT / model
         return model
 
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, task: str) -> str:
+        return check_task(task)
+
     @model_validator(mode="after")
     def _check_combinations(self) -> "PipelineConfig":
-        if self.model is not None and not (Path(self.model) / "config.json").is_file():
-            raise ValueError(f"model: {self.model} is not a local model directory (no config.json)")
+        if self.model is not None:
+            try:
+                check_model_dir(self.model)
+            except ValueError as e:
+                raise ValueError(f"model: {e}") from None
+        min_group = MIN_GROUP_SIZE.get(self.advantage, 1)
+        if self.group_size < min_group:
+            raise ValueError(
+                f"group_size: {self.group_size} sample per prompt gives every trajectory advantage 0 under "
+                f"advantage {self.advantage!r} (a group is its own baseline), so nothing would be trained; "
+                f"use group_size >= {min_group}"
+            )
         if self.engine != "vllm" and self.vllm != VllmSettings():
             raise ValueError("vllm: settings given but engine is not vllm")
         if self.strategy == "interrupt" and self.num_generators != 1:

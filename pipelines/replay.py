@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 
 from trajflow.engines import checkpoint as ckpt
 from trajflow.pipelines.config import PipelineConfig
-from trajflow.schemas import read_parquet
+from trajflow.schemas import nonfinite_rows, read_parquet
 
 # torch, transformers and ray load lazily: every input is checked before they are needed
 
@@ -91,11 +91,11 @@ def _step_from_path(path: Path) -> int | None:
     return None
 
 
-def load_trajectories(path: str | Path) -> dict[int, pa.Table]:
+def load_trajectories(path: str | Path, allow_nonfinite: bool = False) -> dict[int, pa.Table]:
     """Read and validate every file (schemas.read_parquet); group the rows by train step."""
     tables = []
     for file in trajectory_files(path):
-        table = read_parquet(file)  # SchemaError names the file and column
+        table = read_parquet(file, allow_nonfinite=allow_nonfinite)  # SchemaError names the file and column
         if STEP_COLUMN not in table.column_names:
             step = _step_from_path(file)
             if step is None and "rollout_step" in table.column_names:
@@ -186,8 +186,12 @@ class Replay:
     strategies: list[str]
     mode: str = "diagnose"  # or "train"
     model_path: str | Path | None = None
+    # NaN/inf log-probs: refuse the log (default), or keep such rows out of training and the
+    # diagnostics (the filter marks them `nonfinite`) and count them in `quarantined`
+    quarantine_nonfinite: bool = False
     steps: dict[int, pa.Table] = field(init=False)
     weights: dict[int, Path] = field(init=False)
+    quarantined: dict[int, int] = field(init=False)  # step -> rows with NaN/inf log-probs
 
     def __post_init__(self) -> None:
         if self.mode not in ("diagnose", "train"):
@@ -205,7 +209,9 @@ class Replay:
         checkpoints = Path(self.checkpoints)
         if not checkpoints.is_dir():
             raise ReplayError(f"--checkpoints {checkpoints}: no such directory")
-        self.steps = load_trajectories(self.trajectories)
+        self.steps = load_trajectories(self.trajectories, allow_nonfinite=self.quarantine_nonfinite)
+        counts = {k: int(nonfinite_rows(t).sum()) for k, t in self.steps.items()}
+        self.quarantined = {k: n for k, n in counts.items() if n}
         if not self.steps:
             raise ReplayError(f"{self.trajectories}: the log holds no rows")
         rows = self.config.rows_per_step

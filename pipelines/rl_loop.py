@@ -42,6 +42,7 @@ from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
 from trajflow.operators.reward import Reward
 from trajflow.operators.train_step import TrainStep, publish_weights
 from trajflow.pipelines.config import PipelineConfig, ResourceConfig
+from trajflow.pipelines.local_ray import start_local_ray
 from trajflow.pipelines.policy_store import PolicyStore
 
 log = logging.getLogger("trajflow")
@@ -93,11 +94,9 @@ def in_order_pool(size: int) -> ActorPoolStrategy:
 
 
 def ensure_ray(**init_kwargs) -> None:
-    """Start an embedded Ray unless one is running (dashboard off; services bind to 127.0.0.1)."""
-    if not ray.is_initialized():
-        init_kwargs.setdefault("include_dashboard", False)
-        init_kwargs.setdefault("configure_logging", False)
-        ray.init(**init_kwargs)
+    """Start an embedded Ray unless one is running (pipelines/local_ray.py: dashboard off, every
+    service on 127.0.0.1, its processes ended with this one)."""
+    start_local_ray(**init_kwargs)
 
 
 class RLPipeline:

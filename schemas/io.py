@@ -45,8 +45,9 @@ def write_parquet(table: pa.Table, path: str | os.PathLike) -> Path:
     return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
-def read_parquet(path: str | os.PathLike) -> pa.Table:
-    """Read a v1 Parquet file, conform and validate it; errors name the file (and column)."""
+def read_parquet(path: str | os.PathLike, *, allow_nonfinite: bool = False) -> pa.Table:
+    """Read a v1 Parquet file, conform and validate it; errors name the file (and column).
+    `allow_nonfinite` accepts NaN/inf log-probs (for callers that quarantine those rows)."""
     path = Path(path)
     try:
         table = pq.read_table(path)
@@ -56,7 +57,7 @@ def read_parquet(path: str | os.PathLike) -> pa.Table:
         raise SchemaError(f"{path}: not a readable Parquet file (truncated or corrupt?): {e}") from e
     try:
         table = conform(table)
-        validate(table)
+        validate(table, allow_nonfinite=allow_nonfinite)
     except SchemaError as e:
         raise SchemaError(f"{path}: {e}", column=e.column, row=e.row) from e
     return table

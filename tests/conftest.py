@@ -12,8 +12,9 @@ def ray_session():
     """One embedded Ray instance for the whole test session (2 logical CPUs, like this machine)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    from trajflow.pipelines.local_ray import start_local_ray
+
+    start_local_ray(num_cpus=2, log_to_driver=False)  # 127.0.0.1 only; ended with the test process
     from ray.data import DataContext
 
     DataContext.get_current().enable_progress_bars = False

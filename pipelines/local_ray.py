@@ -1,0 +1,128 @@
+"""The embedded Ray of a run, a replay or a notebook: listens on 127.0.0.1 only, starts its
+workers without a runtime-env round trip, keeps Ray's own notices out of the output, and ends
+with the process that started it.
+
+    start_local_ray()                   # idempotent; `trajflow run`, RLPipeline and the tests use it
+
+- Loopback only. Ray 2.60 binds the GCS, the raylet, every worker's gRPC server and the agents
+  to the node IP, and resolves a node IP of 127.0.0.1 to the machine's public address unless
+  multi-node clusters are disabled (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: the default on macOS
+  and Windows). An embedded Ray is single-node by definition, so it is started with that setting
+  (restored afterwards, so a later connection to a real cluster is unaffected).
+- Worker environment. The variables in WORKER_ENV are set in the driver's environment before
+  `ray.init`, which every Ray process inherits; a job-level `runtime_env` would instead make Ray
+  start each worker through the runtime-env agent and never reuse its prestarted workers.
+- Ended with its driver. Ray's dashboard and runtime-env agents outlive a SIGKILLed driver for
+  minutes; a tiny watchdog (ray_watchdog.py) ends every process of this Ray when the driver dies.
+- Quiet. The token-authentication notice and Ray Data's "progress bars disabled" warning are
+  logged below the shown level unless `verbose`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from trajflow.pipelines.ray_watchdog import MARKER_ENV
+
+# Environment for every Ray worker of a job: offline hub, no per-worker progress bars.
+WORKER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+# Ray notices that say nothing a trajflow user can act on: shown only with verbose.
+NOISY_LOGGERS = (
+    "ray._private.authentication.authentication_token_setup",  # "Token authentication is enabled ..."
+    "ray.data._internal.progress",  # "Progress bars disabled. To enable, ..."
+)
+
+_watchdog_write_fd: int | None = None
+
+
+def quiet_ray(verbose: bool = False) -> None:
+    level = logging.NOTSET if verbose else logging.ERROR
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+
+
+@contextmanager
+def _env(**values: str):
+    previous = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextmanager
+def _single_node():
+    """Node IP = loopback for the Ray started inside this block."""
+    import ray
+
+    with _env(**{SINGLE_NODE_ENV: "0"}):
+        if ray.util.get_node_ip_address() in LOOPBACK:
+            yield
+            return
+        # ray was imported before the variable was set, and reads it once at import: set the
+        # constant it was read into, for the duration of the start only.
+        from ray._private import ray_constants
+
+        before = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        try:
+            yield
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def _start_watchdog(marker: str) -> None:
+    """One watchdog per driver process: it reaps every Ray this process starts (each gets its own
+    marker; the driver's later Rays are covered by restarting the watchdog with the new marker)."""
+    global _watchdog_write_fd
+    if not sys.platform.startswith("linux"):
+        return
+    if _watchdog_write_fd is not None:  # a previous embedded Ray of this process: replace its watchdog
+        os.close(_watchdog_write_fd)  # (it reaps what is left of that Ray and exits)
+        _watchdog_write_fd = None
+    read_fd, write_fd = os.pipe()  # both ends close-on-exec: only the watchdog gets the read end
+    script = Path(__file__).with_name("ray_watchdog.py")
+    try:
+        subprocess.Popen([sys.executable, "-S", str(script), str(os.getpid()), str(read_fd), marker],
+                         pass_fds=(read_fd,), stdin=subprocess.DEVNULL, close_fds=True)
+    finally:
+        os.close(read_fd)
+    _watchdog_write_fd = write_fd
+
+
+def start_local_ray(*, dashboard: bool = False, verbose: bool = False, **init_kwargs) -> None:
+    """Start an embedded single-node Ray bound to 127.0.0.1, unless Ray is already initialised.
+
+    `dashboard` starts the dashboard (on 127.0.0.1); `init_kwargs` go to `ray.init` (num_cpus,
+    object_store_memory, log_to_driver, ...)."""
+    import ray
+
+    quiet_ray(verbose)
+    if ray.is_initialized():
+        return
+    for key, value in WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+    marker = uuid.uuid4().hex
+    _start_watchdog(marker)
+    init_kwargs.setdefault("configure_logging", False)
+    with _env(**{MARKER_ENV: marker}), _single_node():
+        # address="local": a new Ray even if `ray start` left a cluster address file in /tmp/ray
+        ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1", **init_kwargs)

@@ -1,0 +1,91 @@
+"""Ends an embedded Ray's processes when the process that started it dies, however it dies.
+
+Ray stops its GCS, raylet and workers soon after the driver dies, but its dashboard agent and
+runtime-env agent outlive a SIGKILLed driver for minutes (measured with Ray 2.60). The driver
+therefore starts this watchdog (stdlib only, started as a file so no package import slows it):
+
+    python -S ray_watchdog.py PARENT_PID READ_FD MARKER
+
+Every process of the embedded Ray inherits the environment variable `TRAJFLOW_RAY_RUN=MARKER`
+from the driver (the driver sets it just before `ray.init`). The watchdog holds the read end of
+a pipe whose only write end is the driver's; when the pipe reaches end of file (the driver
+exited: cleanly, by an exception or by SIGKILL), or the watchdog is re-parented, it sends
+SIGTERM to every process carrying the marker, then SIGKILL to those left after a grace period.
+Only this run's processes carry the marker, so nothing else on the machine is touched.
+Linux only (it reads /proc); elsewhere the driver does not start it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import time
+
+MARKER_ENV = "TRAJFLOW_RAY_RUN"
+GRACE_SECONDS = 3.0
+
+
+def marked_processes(marker: str) -> list[int]:
+    """Pids whose initial environment holds MARKER_ENV=marker (this watchdog excluded)."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"  # a zombie has already exited
+    except OSError:
+        return False
+
+
+def reap(marker: str, grace: float = GRACE_SECONDS) -> list[int]:
+    """SIGTERM every marked process, SIGKILL what is left after `grace` seconds; a few passes,
+    since a dying raylet may still start a worker. Returns the pids signalled."""
+    signalled: list[int] = []
+    for _ in range(3):
+        pids = [p for p in marked_processes(marker) if _alive(p)]
+        if not pids:
+            break
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(_alive(p) for p in pids):
+                time.sleep(0.1)
+            pids = [p for p in pids if _alive(p)]
+            if not pids:
+                break
+        signalled.extend(p for p in marked_processes(marker) if p not in signalled)
+    return signalled
+
+
+def watch(parent: int, read_fd: int, marker: str) -> None:
+    while os.getppid() == parent:
+        ready, _, _ = select.select([read_fd], [], [], 1.0)
+        if ready and not os.read(read_fd, 4096):
+            break  # end of file: the driver's write end is closed, so the driver is gone
+    reap(marker)
+
+
+if __name__ == "__main__":
+    # Ctrl-C in the terminal, or a SIGTERM to the whole process group, is the driver's to handle;
+    # the watchdog ends when the driver does (and only SIGKILL ends it earlier).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    watch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
