@@ -1,25 +1,49 @@
-"""trajflow.engines: generation and scoring backends, model and tokenizer loading."""
+"""trajflow.engines: generation and scoring backends, model and tokenizer loading.
 
-from trajflow.engines.numerics import (
-    INFERENCE_DTYPES,
-    InferenceDtype,
-    load_inference_weights,
-    make_inference_model,
-)
-from trajflow.engines.sampling import SamplingParams, process_logits, token_logprobs
-from trajflow.engines.scoring import response_logprobs, score
-from trajflow.engines.torch_engine import Generation, TorchEngine
+The names below load on first use (PEP 562), so `trajflow.engines.checkpoint`, which the CLI
+needs to check a run dir, does not pay for importing torch and transformers.
+"""
 
-__all__ = [
-    "INFERENCE_DTYPES",
-    "Generation",
-    "InferenceDtype",
-    "SamplingParams",
-    "TorchEngine",
-    "load_inference_weights",
-    "make_inference_model",
-    "process_logits",
-    "response_logprobs",
-    "score",
-    "token_logprobs",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "INFERENCE_DTYPES": "numerics",
+    "InferenceDtype": "numerics",
+    "load_inference_weights": "numerics",
+    "make_inference_model": "numerics",
+    "SamplingParams": "sampling",
+    "process_logits": "sampling",
+    "token_logprobs": "sampling",
+    "response_logprobs": "scoring",
+    "score": "scoring",
+    "Generation": "torch_engine",
+    "TorchEngine": "torch_engine",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from trajflow.engines.numerics import (
+        INFERENCE_DTYPES,
+        InferenceDtype,
+        load_inference_weights,
+        make_inference_model,
+    )
+    from trajflow.engines.sampling import SamplingParams, process_logits, token_logprobs
+    from trajflow.engines.scoring import response_logprobs, score
+    from trajflow.engines.torch_engine import Generation, TorchEngine
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -8,10 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 from transformers import PreTrainedTokenizerFast
 
+from trajflow.engines.paths import REPO_ROOT, WARM_START_DIR  # noqa: F401 (re-exported)
 from trajflow.engines.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, build_char_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-WARM_START_DIR = REPO_ROOT / "artifacts" / "warm_start" / "addition"
 
 # A Llama-style decoder small enough to train with RL on two CPU cores.
 TINY_CONFIG: dict = dict(

@@ -25,17 +25,23 @@ from pathlib import Path
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     """Generate a batch with a model, score it teacher-forced, print a table (no Ray needed)."""
+    from trajflow.engines.paths import WARM_START_DIR
+
+    model_dir = _checked_model_dir(args.model, WARM_START_DIR)  # checked before torch loads
+    task_name = _checked_task(args.task)
     import numpy as np
-    import polars as pl
     import torch
 
     from trajflow.engines import SamplingParams, TorchEngine, score
-    from trajflow.engines.models import WARM_START_DIR, load_model, load_tokenizer
+    from trajflow.engines.models import load_model, load_tokenizer
     from trajflow.engines.tokenizer import decode_response, encode_prompt
-    from trajflow.tasks import get_task
+    from trajflow.jobs.console import format_table
+    from trajflow.tasks import get_task, is_environment
 
-    model_dir = _checked_model_dir(args.model, WARM_START_DIR)
-    task = get_task(_checked_task(args.task))
+    task = get_task(task_name)
+    if is_environment(task):
+        raise UsageError(f"--task {task_name} is a multi-turn environment; `trajflow eval --task {task_name}` "
+                         "plays its episodes")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
@@ -46,43 +52,43 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt_tokens = [encode_prompt(tokenizer, p.text) for p in prompts]
     gens = engine.generate(prompt_tokens, n=args.n)
     scored = score(model, [prompt_tokens[g.prompt_index] for g in gens], [g.response_tokens for g in gens], sampling)
-    rows = []
+    rows, gaps = [], []
     for g, train_lp in zip(gens, scored):
         p = prompts[g.prompt_index]
         response = decode_response(tokenizer, g.response_tokens)
-        inference_lp = np.asarray(g.logprobs)
-        rows.append({
-            "prompt": p.text,
-            "answer": p.answer,
-            "response": response,
-            "reward": task.reward(p.text, p.answer, response),
-            "tokens": len(g.response_tokens),
-            "finish": g.finish_reason,
-            "sum_logprob": float(inference_lp.sum()),
-            "max_abs_old_minus_inf": float(np.abs(train_lp - inference_lp).max()),
-        })
-    df = pl.DataFrame(rows)
-    with pl.Config(tbl_rows=len(rows), tbl_cols=-1, tbl_width_chars=160):
-        print(df)
-    print(f"model {model_dir} | inference_dtype {args.inference_dtype} | temperature {args.temperature} | "
-          f"mean reward {df['reward'].mean():.3f} | mean |training - inference log-prob| "
-          f"{float(np.mean(np.concatenate([np.abs(s - np.asarray(g.logprobs)) for g, s in zip(gens, scored)]))):.2e}")
+        gap = np.abs(train_lp - np.asarray(g.logprobs))
+        gaps.append(gap)
+        rows.append({"prompt": p.text, "answer": p.answer, "response": response,
+                     "reward": task.reward(p.text, p.answer, response), "tokens": len(g.response_tokens),
+                     "finish": g.finish_reason, "sum_logprob": float(np.sum(g.logprobs)), "max_gap": float(gap.max())})
+    print(format_table(rows, [("prompt", "prompt", "{}"), ("answer", "answer", "{}"), ("response", "response", "{!r}"),
+                              ("reward", "reward", "{:.2f}"), ("tokens", "tokens", "{:d}"), ("finish", "finish", "{}"),
+                              ("sum log-prob", "sum_logprob", "{:.3f}"),
+                              ("max |train - inference|", "max_gap", "{:.1e}")]))
+    print(f"model {model_dir}")
+    print(f"inference_dtype {args.inference_dtype} | temperature {args.temperature} | mean reward "
+          f"{np.mean([r['reward'] for r in rows]):.3f} | mean |train - inference log-prob| "
+          f"{float(np.mean(np.concatenate(gaps))):.2e}")
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     """Greedy accuracy of a model on the task's held-out prompts."""
+    from trajflow.engines.paths import WARM_START_DIR
+
+    model_dir = _checked_model_dir(args.model, WARM_START_DIR)  # checked before torch loads
+    task_name = _checked_task(args.task)
     import torch
 
-    from trajflow.engines.models import WARM_START_DIR, load_model, load_tokenizer
+    from trajflow.engines.models import load_model, load_tokenizer
     from trajflow.operators.evaluate import heldout_accuracy
     from trajflow.tasks import get_task
 
-    model_dir = _checked_model_dir(args.model, WARM_START_DIR)
-    task = get_task(_checked_task(args.task))
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    accuracy = heldout_accuracy(load_model(model_dir), load_tokenizer(model_dir), task, args.n, args.max_new_tokens)
-    print(f"{args.task}: greedy accuracy {accuracy:.1%} on {args.n} held-out prompts ({model_dir})")
+    accuracy = heldout_accuracy(load_model(model_dir), load_tokenizer(model_dir), get_task(task_name), args.n,
+                                args.max_new_tokens)
+    print(f"{task_name}: greedy accuracy {accuracy:.1%} on {args.n} held-out prompts")
+    print(f"model {model_dir}")
     return 0
 
 

@@ -40,7 +40,8 @@ class JobConfigError(ValueError):
 class JobConfig(PipelineConfig):
     """PipelineConfig + run options (run dir, checkpoints, logs, where Ray runs)."""
 
-    name: str = Field("run", min_length=1, description="run dir name prefix")
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=100,
+                      description="run dir name prefix (letters, digits, '.', '_', '-')")
     runs_root: Path = Field(Path("runs"), description="parent of new run dirs (when run_dir is not set)")
     run_dir: Path | None = Field(None, description="explicit run dir (must not exist yet, unless resuming)")
     checkpoint_every: int = Field(10, ge=0, description="checkpoint every k steps (0: only the final one, always written)")
@@ -48,7 +49,9 @@ class JobConfig(PipelineConfig):
     save_all_versions: bool = Field(False, description="keep the weights of every version (exact replay)")
     trajectory_log: bool = Field(True, description="log every trajectory (Parquet, partitioned by step)")
     tensorboard: bool = Field(True, description="TensorBoard event files (needs the `plots` extra)")
-    ray_address: str | None = Field(None, description="None: embedded Ray; else ray.init(address=...)")
+    ray_address: str | None = Field(None, pattern=r"^(auto|(ray://)?[^\s:/]+:\d{1,5})$",
+                                    description="None: embedded Ray; else ray.init(address=...): auto, HOST:PORT "
+                                    "(the GCS) or ray://HOST:PORT")
     dashboard: bool = Field(False, description="embedded Ray: start the dashboard (bound to 127.0.0.1)")
     status_every: int = Field(1, ge=0, description="print a status line every k steps (0: never)")
 

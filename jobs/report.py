@@ -222,6 +222,7 @@ def plot_runs(runs: dict[str, Run | pl.DataFrame], path: str | Path, smooth: int
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     runs = _as_runs(runs)
     data = {label: run.metrics.join(step_seconds(run), on="step", how="left") for label, run in runs.items()}
@@ -248,6 +249,8 @@ def plot_runs(runs: dict[str, Run | pl.DataFrame], path: str | Path, smooth: int
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("train step")
         ax.set_ylabel(unit)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.ticklabel_format(axis="y", useOffset=False)  # values as they are, not as offsets from a constant
         ax.grid(alpha=0.3)
         if len(missing) == len(data):
             reason = {"heldout_accuracy": "evaluation off (eval_every: 0)",

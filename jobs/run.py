@@ -273,7 +273,7 @@ def _end_session(paths: RunPaths, state: str, error: str | None = None) -> None:
 
 # -- the run -------------------------------------------------------------------------------------
 def resolved_model_path(config: JobConfig) -> Path:
-    from trajflow.engines.models import WARM_START_DIR
+    from trajflow.engines.paths import WARM_START_DIR
 
     return Path(config.model or WARM_START_DIR).resolve()
 

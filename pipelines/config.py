@@ -181,11 +181,11 @@ class PipelineConfig(_Strict):
     @field_validator("model")
     @classmethod
     def _resolve_model(cls, model: Path | None) -> Path | None:
-        from trajflow.engines.models import REPO_ROOT
+        if model is None or model.is_absolute() or model.exists():
+            return model
+        from trajflow.engines.paths import REPO_ROOT
 
-        if model is not None and not model.is_absolute() and not model.exists() and (REPO_ROOT / model).exists():
-            return REPO_ROOT / model
-        return model
+        return REPO_ROOT / model if (REPO_ROOT / model).exists() else model
 
     @field_validator("task")
     @classmethod

@@ -202,7 +202,7 @@ class Replay:
         if self.mode == "train" and len(self.strategies) != 1:
             raise ReplayError("--train replays one strategy at a time")
         if self.model_path is None and self.config.model is None:
-            from trajflow.engines.models import WARM_START_DIR
+            from trajflow.engines.paths import WARM_START_DIR
 
             self.model_path = WARM_START_DIR
         self.model_path = str(self.model_path or self.config.model)

@@ -1,0 +1,201 @@
+"""Bad input, as a new user would type it, over every subcommand of the real `trajflow` entry
+point: each case must end with exit status 2 and exactly one stderr line, `trajflow: ...`, that
+names the problem (the key, the flag, the file), with no traceback, and must write nothing.
+
+The cases run as subprocesses, several at a time (module fixture), each in its own empty working
+directory that must still be empty afterwards, except for the inputs the case was given. None of
+them needs Ray: every name is resolved before Ray starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+TRAJFLOW = Path(sys.executable).with_name("trajflow")
+WARM = Path(__file__).resolve().parent.parent / "artifacts" / "warm_start" / "addition"
+
+
+@dataclass
+class Case:
+    id: str
+    args: list[str]
+    expect: tuple[str, ...]  # fragments of the one error line
+    files: dict[str, bytes | str] | None = None  # inputs written into the case's working dir first
+
+
+def _config(**keys) -> str:
+    return yaml.safe_dump({"name": "bad", "steps": 2, "prompts_per_step": 2, "group_size": 2, **keys})
+
+
+def _run_dir_files(config: str, state: dict | None = None) -> dict[str, str]:
+    files = {"old/config.yaml": config, "old/trajectories/step=000000/.keep": ""}
+    if state is not None:
+        files["old/run.json"] = json.dumps(state)
+    return files
+
+
+GOOD = _config()
+RUN = ["run", "quickstart", "--run-dir", "out", "--set"]  # + one override
+CASES = [
+    # -- the command line itself
+    Case("no-command", [], ("required: COMMAND",)),
+    Case("unknown-command", ["trian"], ("invalid choice: 'trian'",)),
+    Case("configs-extra-argument", ["configs", "x"], ("unrecognized arguments: x",)),
+    # -- run: config files
+    Case("run-missing-file", ["run", "nope.yaml", "--run-dir", "out"], ("nope.yaml: no such config file",)),
+    Case("run-empty-yaml", ["run", "empty.yaml", "--run-dir", "out"], ("empty.yaml", "holds no keys"),
+         {"empty.yaml": "# nothing yet\n"}),
+    Case("run-duplicate-key", ["run", "dup.yaml", "--run-dir", "out"], ("duplicate key 'steps'", "line 3"),
+         {"dup.yaml": "steps: 5\nname: x\nsteps: 50\n"}),
+    Case("run-non-utf8", ["run", "latin1.yaml", "--run-dir", "out"], ("not UTF-8", "byte 0xe9 at line 2"),
+         {"latin1.yaml": b"steps: 2\nname: caf\xe9\n"}),
+    Case("run-yaml-syntax", ["run", "broken.yaml", "--run-dir", "out"], ("invalid YAML", "line"),
+         {"broken.yaml": "steps: 3\noptimizer: {lr: [1,\n"}),
+    Case("run-top-level-list", ["run", "list.yaml", "--run-dir", "out"], ("top level must be a mapping",),
+         {"list.yaml": "- steps\n- 3\n"}),
+    Case("run-unknown-key", ["run", "typo.yaml", "--run-dir", "out"], ("optimiser: unknown key",),
+         {"typo.yaml": _config(optimiser={"lr": 1e-3})}),
+    Case("run-config-is-a-dir", ["run", "cfgdir", "--run-dir", "out"], ("cfgdir",), {"cfgdir/x": ""}),
+    # -- run: values (--set)
+    Case("run-task-unknown", [*RUN, "task=nope"], ("task: unknown task 'nope'", "addition")),
+    Case("run-steps-bool", [*RUN, "steps=true"], ("steps: expected an integer, got the boolean true",)),
+    Case("run-steps-huge", [*RUN, "steps=1000000000000"], ("steps: Input should be less than or equal to",)),
+    Case("run-steps-zero", [*RUN, "steps=0"], ("steps: Input should be greater than or equal to 1",)),
+    Case("run-steps-text", [*RUN, "steps=many"], ("steps: Input should be a valid integer", "'many'")),
+    Case("run-group-size-1", [*RUN, "group_size=1"], ("group_size: 1 sample per prompt", "advantage 0")),
+    Case("run-strategy-unknown", [*RUN, "strategy=exactish"], ("strategy:",)),
+    Case("run-lr-negative", [*RUN, "optimizer.lr=-1"], ("optimizer.lr: Input should be greater than 0",)),
+    Case("run-temperature-bool", [*RUN, "sampling.temperature=yes"], ("sampling.temperature: expected a number",)),
+    Case("run-flag-not-bool", [*RUN, "tensorboard=1"], ("tensorboard: expected true or false, got 1",)),
+    Case("run-model-missing", [*RUN, "model=/no/such/model"], ("model: /no/such/model is not a local model",)),
+    Case("run-model-no-tokenizer", [*RUN, "model=m"], ("model: m has no tokenizer",), {"m/config.json": "{}"}),
+    Case("run-set-no-equals", [*RUN, "steps"], ("--set 'steps': expected key=value",)),
+    Case("run-set-bad-yaml", [*RUN, "sampling={a: [1"], ("sampling: --set value", "not valid YAML")),
+    Case("run-set-duplicate-key", [*RUN, "sampling={top_k: 1, top_k: 2}"], ("duplicate key 'top_k'",)),
+    Case("run-set-unknown-key", [*RUN, "sampling.temprature=1"], ("sampling.temprature: unknown key",)),
+    Case("run-name-with-slash", [*RUN, "name=a/b"], ("name: String should match pattern",)),
+    Case("run-ray-address-url", [*RUN, "ray_address=http://127.0.0.1:8265"], ("ray_address:",)),
+    Case("run-minibatches", [*RUN, "optimizer.minibatches_per_step=5"], ("minibatches_per_step: 5 does not divide",)),
+    Case("run-versions-fill-the-disk", ["run", "quickstart", "--run-dir", "out", "--set", "steps=1000000"],
+         ("save_all_versions: 1000001 versions", "free")),
+    Case("run-dir-not-empty", ["run", "quickstart", "--run-dir", "used"], ("run dir", "used", "not empty"),
+         {"used/notes.txt": "mine"}),
+    Case("run-no-config", ["run"], ("run: a CONFIG",)),
+    # -- run --resume
+    Case("resume-missing-dir", ["run", "--resume", "gone"], ("gone: not a run dir",)),
+    Case("resume-and-config", ["run", "quickstart", "--resume", "old"], ("either CONFIG or --resume",),
+         _run_dir_files(GOOD)),
+    Case("resume-and-run-dir", ["run", "--resume", "old", "--run-dir", "x"], ("--run-dir does not apply",),
+         _run_dir_files(GOOD)),
+    Case("resume-bad-config-in-run", ["run", "--resume", "old"], ("task: unknown task 'nope'",),
+         _run_dir_files(_config(task="nope"))),
+    Case("resume-bad-override", ["run", "--resume", "old", "--set", "steps=true"], ("steps: expected an integer",),
+         _run_dir_files(GOOD)),
+    # -- submit / status / stop
+    Case("submit-address-no-scheme", ["submit", "quickstart", "--address", "127.0.0.1:1"],
+         ("--address '127.0.0.1:1'", "http://127.0.0.1:1")),
+    Case("submit-address-bad-port", ["submit", "quickstart", "--address", "http://127.0.0.1:99999"], ("port",)),
+    Case("submit-bad-config", ["submit", "quickstart", "--address", "http://127.0.0.1:8265", "--set", "task=nope"],
+         ("task: unknown task",)),
+    Case("submit-no-address", ["submit", "quickstart"], ("--address",)),
+    Case("status-address-no-scheme", ["status", "job1", "--address", "localhost:8265"], ("--address 'localhost:8265'",)),
+    Case("stop-address-no-scheme", ["stop", "job1", "--address", "127.0.0.1:8265"], ("--address",)),
+    Case("status-no-job", ["status", "--address", "http://127.0.0.1:8265"], ("job_id",)),
+    # -- replay
+    Case("replay-missing-log", ["replay", "nolog", "--checkpoints", "old", "--strategy", "snapshot"],
+         ("nolog: no such file or directory",)),
+    Case("replay-unknown-strategy", ["replay", "old", "--checkpoints", "old", "--strategy", "nope"],
+         ("unknown strategy",), _run_dir_files(GOOD)),
+    Case("replay-no-parquet", ["replay", "old", "--checkpoints", "old", "--strategy", "snapshot"],
+         ("no Parquet files",), _run_dir_files(GOOD)),
+    Case("replay-corrupt-parquet", ["replay", "old", "--checkpoints", "old", "--strategy", "snapshot"],
+         ("part-0.parquet", "not a readable Parquet file"),
+         {**_run_dir_files(GOOD), "old/trajectories/step=000000/part-0.parquet": b"PAR1 garbage"}),
+    Case("replay-missing-checkpoints", ["replay", "old", "--checkpoints", "nockpt", "--strategy", "snapshot"],
+         ("--checkpoints nockpt: no such directory",), _run_dir_files(GOOD)),
+    Case("replay-train-two-strategies", ["replay", "old", "--checkpoints", "old", "--strategy", "snapshot,ewma",
+                                         "--train"], ("one strategy at a time",), _run_dir_files(GOOD)),
+    Case("replay-no-config", ["replay", "log", "--checkpoints", "log", "--strategy", "snapshot"],
+         ("no config.yaml found",), {"log/x.parquet": b""}),
+    Case("replay-out-not-empty", ["replay", "old", "--checkpoints", "old", "--strategy", "snapshot", "--out", "done"],
+         ("--out done already exists",), {**_run_dir_files(GOOD), "done/metrics.parquet": b"x"}),
+    Case("replay-diagnose-and-train", ["replay", "old", "--checkpoints", "old", "--strategy", "snapshot",
+                                       "--diagnose", "--train"], ("not allowed with argument",), _run_dir_files(GOOD)),
+    # -- report / compare
+    Case("report-missing-dir", ["report", "gone"], ("gone: no such run directory",)),
+    Case("report-not-a-run", ["report", "plain"], ("plain: no metrics found",), {"plain/readme.txt": "x"}),
+    Case("report-smooth-zero", ["report", "plain", "--smooth", "0"], ("--smooth: must be at least 1",)),
+    Case("compare-out-not-png", ["compare", "plain", "--out", "plots.pdf"], ("ending in .png",)),
+    Case("compare-out-exists", ["compare", "plain", "--out", "mine.png"], ("mine.png already exists", "--overwrite"),
+         {"mine.png": b"not yours"}),
+    Case("compare-nothing", ["compare"], ("run_dirs",)),
+    # -- generate / eval (no Ray)
+    Case("generate-model-missing", ["generate", "--model", "/missing"], ("--model: /missing is not a local model",)),
+    Case("generate-n-zero", ["generate", "--n", "0"], ("--n: must be at least 1, got 0",)),
+    Case("generate-prompts-text", ["generate", "--prompts", "four"], ("--prompts: expected a whole number",)),
+    Case("generate-temperature-negative", ["generate", "--temperature", "-1"], ("--temperature",)),
+    Case("generate-task-unknown", ["generate", "--task", "nope"], ("--task: unknown task 'nope'",)),
+    Case("generate-dtype", ["generate", "--inference-dtype", "fp4"], ("invalid choice: 'fp4'",)),
+    Case("eval-task-unknown", ["eval", "--task", "nope"], ("--task: unknown task 'nope'",)),
+    Case("eval-n-zero", ["eval", "--n", "0"], ("--n: must be at least 1",)),
+    Case("eval-model-not-json", ["eval", "--model", "m"], ("config.json is not a JSON object",),
+         {"m/config.json": "[1, 2]", "m/tokenizer.json": "{}"}),
+]
+
+
+def _listing(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"") for p in sorted(root.rglob("*"))}
+
+
+def _run_case(case: Case, root: Path) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    cwd = root / case.id
+    cwd.mkdir()
+    for name, content in (case.files or {}).items():
+        path = cwd / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    before = _listing(cwd)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([str(TRAJFLOW), *case.args], cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
+    return proc, before, _listing(cwd)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_input")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {case.id: pool.submit(_run_case, case, root) for case in CASES}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_the_table_covers_every_subcommand():
+    assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
+    commands = {c.args[0] for c in CASES if c.args}
+    assert commands == {"run", "submit", "status", "stop", "replay", "report", "compare", "generate", "eval",
+                        "configs", "trian"}
+    assert any("--resume" in c.args for c in CASES)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, results):
+    proc, before, after = results[case.id]
+    explain = f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 2, explain
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, explain
+    assert lines[0].startswith("trajflow: "), explain
+    assert "Traceback" not in proc.stdout + proc.stderr, explain
+    for fragment in case.expect:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    assert after == before, f"the case wrote or changed files: {sorted(set(after) ^ set(before))}"
