@@ -254,6 +254,9 @@ def _begin_session(paths: RunPaths, first_step: int, steps: int) -> None:
     if sessions is None:  # a run dir written before sessions were recorded: keep what it said
         sessions = [{k: state[k] for k in ("started", "ended", "pid", "host", "first_step", "state", "error")
                      if k in state}] if state else []
+    for previous in sessions:  # a session still "running" here was killed before it could say so
+        if previous.get("state") == "running":
+            previous.update(state="killed", steps_trained=max(0, first_step - int(previous.get("first_step", 0))))
     session = {"started": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "first_step": first_step,
                "steps": steps, "state": "running"}
     write_state(paths, state="running", pid=session["pid"], host=session["host"], started=session["started"],

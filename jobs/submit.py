@@ -22,7 +22,8 @@ import zlib
 from pathlib import Path
 
 from trajflow.jobs.config import JobConfig
-from trajflow.jobs.run import WORKER_ENV, default_run_dir
+from trajflow.jobs.run import default_run_dir
+from trajflow.pipelines.local_ray import WORKER_ENV
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 

@@ -110,6 +110,10 @@ CASES = [
     Case("status-address-no-scheme", ["status", "job1", "--address", "localhost:8265"], ("--address 'localhost:8265'",)),
     Case("stop-address-no-scheme", ["stop", "job1", "--address", "127.0.0.1:8265"], ("--address",)),
     Case("status-no-job", ["status", "--address", "http://127.0.0.1:8265"], ("job_id",)),
+    Case("status-nobody-there", ["status", "job1", "--address", "http://127.0.0.1:1"],
+         ("status: Failed to connect", "http://127.0.0.1:1")),
+    Case("submit-nobody-there", ["submit", "quickstart", "--address", "http://127.0.0.1:1", "--run-dir", "out"],
+         ("submit: Failed to connect",)),
     # -- replay
     Case("replay-missing-log", ["replay", "nolog", "--checkpoints", "old", "--strategy", "snapshot"],
          ("nolog: no such file or directory",)),

@@ -115,6 +115,15 @@ def test_submit_places_generation_and_training_on_different_nodes(two_node_clust
     status = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", "status", "trajflow-two-nodes",
                              "--address", address], env=env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and status.stdout.startswith("trajflow-two-nodes: SUCCEEDED"), status.stdout
+    # the cluster is token-protected: a wrong token, or a job it does not have, is one line and exit 2
+    for command, job, token, says in (("status", "trajflow-two-nodes", "0" * 32, "authentication token"),
+                                      ("stop", "trajflow-two-nodes", "0" * 32, "authentication token"),
+                                      ("status", "no-such-job", env["RAY_AUTH_TOKEN"], "no such job")):
+        proc = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", command, job, "--address", address],
+                              env=dict(env, RAY_AUTH_TOKEN=token), capture_output=True, text=True, timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], (command, proc.stdout, proc.stderr)
+        assert lines[0].startswith(f"trajflow: {command}: ") and "Traceback" not in proc.stderr
 
     placement = json.loads((run_dir / "placement.json").read_text())
     stages, nodes = placement["stages"], placement["nodes"]

@@ -18,6 +18,7 @@ from trajflow.jobs.config import (
     build_job_config,
     bundled_configs,
     load_job_config,
+    parse_config_text,
 )
 
 
@@ -51,22 +52,78 @@ def test_set_values_are_yaml_never_eval(tmp_path):
     config = build_job_config(
         {},
         ["generator.resources={gen_node: 0.1}", "optimizer.lr=1.0e-3", "sampling.max_new_tokens=4",
-         "ray_address=null", "name=__import__('os')"],
+         "ray_address=null", "runs_root=__import__('os')"],
     )
     assert config.generator.resources == {"gen_node": 0.1}
     assert config.optimizer.lr == 1e-3 and config.sampling.max_new_tokens == 4
     assert config.ray_address is None
-    assert config.name == "__import__('os')"  # a string, not evaluated
+    assert config.runs_root == Path("__import__('os')")  # a string, not evaluated
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("steps: 3\noptimizer: {lr: [1,\n")
-    with pytest.raises(JobConfigError, match=r"config error: .*broken.yaml: invalid YAML at line \d+"):
+    with pytest.raises(JobConfigError, match=r"config error: .*broken.yaml: invalid YAML: .* at line \d+, column \d+"):
         load_job_config(path)
     path.write_text("- a\n- b\n")
     with pytest.raises(JobConfigError, match="top level must be a mapping"):
         load_job_config(path)
+
+
+def test_duplicate_yaml_keys_are_errors_but_merge_overrides_are_not(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("steps: 3\nsampling:\n  temperature: 1.0\n  temperature: 0.5\n")
+    with pytest.raises(JobConfigError, match=r"dup.yaml: invalid YAML: duplicate key 'temperature' \(first given "
+                                             r"at line 3\) at line 4"):
+        load_job_config(path)
+    path.write_text("base: &b {temperature: 1.0, top_k: 0}\n")  # YAML merge: overriding a merged key is fine
+    assert parse_config_text("b: &b {temperature: 1.0, top_k: 0}\nsampling: {<<: *b, temperature: 0.5}\n")[
+        "sampling"] == {"temperature": 0.5, "top_k": 0}
+    with pytest.raises(JobConfigError, match="is not valid YAML"):
+        build_job_config({}, ["sampling={top_k: 1, top_k: 2}"])
+    with pytest.raises(JobConfigError, match="could not determine a constructor"):  # still safe_load: no objects
+        parse_config_text("steps: !!python/object/apply:os.system ['true']\n")
+
+
+def test_empty_and_non_utf8_files_are_refused(tmp_path):
+    for text in ("", "\n\n", "# only a comment\n"):
+        (tmp_path / "e.yaml").write_text(text)
+        with pytest.raises(JobConfigError, match="e.yaml: the file holds no keys"):
+            load_job_config(tmp_path / "e.yaml")
+    assert build_job_config(parse_config_text("{}\n")).steps == 100  # an explicit empty mapping means defaults
+    (tmp_path / "l.yaml").write_bytes(b"steps: 3\nname: r\xe9sum\xe9\n")
+    with pytest.raises(JobConfigError, match=r"not UTF-8 text \(byte 0xe9 at line 2, column 8\)"):
+        load_job_config(tmp_path / "l.yaml")
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"steps": True}, "steps: expected an integer, got the boolean true"),
+    ({"sampling": {"top_k": False}}, "sampling.top_k: expected an integer, got the boolean false"),
+    ({"optimizer": {"lr": True}}, "optimizer.lr: expected a number, got the boolean true"),
+    ({"save_all_versions": 1}, "save_all_versions: expected true or false, got 1"),
+    ({"drop_zero_variance_groups": "yes"}, "drop_zero_variance_groups: expected true or false, got 'yes'"),
+    ({"steps": 10**12}, "steps: Input should be less than or equal to 1000000"),
+    ({"group_size": 1}, "group_size: 1 sample per prompt gives every trajectory advantage 0 under advantage 'grpo'"),
+    ({"group_size": 1, "advantage": "leave_one_out"}, "group_size: 1 sample per prompt"),
+    ({"task": "additon"}, "task: unknown task 'additon'; registered: addition, calc, reverse"),
+])
+def test_values_that_would_run_the_wrong_job_are_refused(data, expected):
+    with pytest.raises(JobConfigError) as info:
+        build_job_config(data)
+    assert str(info.value) == f"config error: {expected}" or str(info.value).startswith(f"config error: {expected}")
+
+
+def test_model_dirs_need_a_config_and_a_tokenizer(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("not json")
+    with pytest.raises(JobConfigError, match="config.json is not a JSON object"):
+        build_job_config({"model": str(model)})
+    (model / "config.json").write_text("{}")
+    with pytest.raises(JobConfigError, match="m has no tokenizer"):
+        build_job_config({"model": str(model)})
+    (model / "tokenizer.json").write_text("{}")
+    assert build_job_config({"model": str(model)}).model == model
 
 
 def test_bundled_configs_validate_and_cover_every_strategy():
@@ -89,7 +146,7 @@ def test_cli_config_error_is_one_line_before_anything_starts(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", "run", str(bad), "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "trajflow: config error: optimizer.lr: Input should be greater than 0"
+    assert proc.stderr.strip() == "trajflow: config error: optimizer.lr: Input should be greater than 0 (got -1)"
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not run_dir.exists()
 

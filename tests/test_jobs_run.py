@@ -15,6 +15,7 @@ test session's Ray.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -74,15 +75,28 @@ def quick_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 
 def test_quickstart_run_writes_a_complete_run_dir(quick_run):
     run_dir, proc = quick_run
-    # resolved config
+    # resolved config: run dir and model path (not `model: null`)
     config = load_job_config(run_dir / "config.yaml")
     assert config.steps == QUICK_STEPS and config.strategy == "snapshot" and config.run_dir == run_dir.resolve()
-    # progress: a status line per step and the summary table
-    for step in range(1, QUICK_STEPS + 1):
-        assert re.search(rf"^step +{step}/{QUICK_STEPS} \|", proc.stdout, re.M), step
+    assert config.model == (Path(__file__).resolve().parent.parent / "artifacts" / "warm_start" / "addition")
+    # progress: a status line per step (0-based step index, as in the metrics), then the summary
+    for step in range(QUICK_STEPS):
+        assert re.search(rf"^step {step} \( *{100 * (step + 1) // QUICK_STEPS}%\) \| reward ", proc.stdout, re.M), step
     assert "save_all_versions: 9 versions x" in proc.stdout  # the size estimate
-    assert "checkpoints kept: [6, 8]" in proc.stdout
+    assert "checkpoints kept: step-000006, step-000008" in proc.stdout
+    assert "trajflow: checkpoint of version 2 (resumes at step 2)" in proc.stdout
     assert (run_dir / "summary.txt").read_text().strip()
+    # every line fits 100 columns, except the ones naming a path
+    long = [line for line in proc.stdout.splitlines() if len(line) > 100 and str(run_dir) not in line]
+    assert not long, long
+    # quiet: none of Ray's own notices, no weight-loading bar (--verbose shows them)
+    for noise in ("Token authentication", "core_worker", "Progress bars disabled", "Loading weights", "Traceback"):
+        assert noise not in proc.stdout + proc.stderr, noise
+    assert not proc.stderr.strip(), proc.stderr
+    # run.json: the state and one session
+    state = json.loads((run_dir / "run.json").read_text())
+    assert state["state"] == "finished" and len(state["sessions"]) == 1
+    assert state["sessions"][0]["steps_trained"] == QUICK_STEPS and state["sessions"][0]["first_step"] == 0
 
     # metrics: one row per step, durable per-step files and the gathered file agree
     per_step = sorted((run_dir / "metrics").glob("step=*.parquet"))
@@ -124,9 +138,46 @@ def test_quickstart_run_writes_a_complete_run_dir(quick_run):
     final = kept[-1].model_state()
     saved = ckpt.load_weights(run_dir / "versions" / f"v{QUICK_STEPS:06d}.safetensors")
     assert all(np.array_equal(final[k].numpy(), saved[k].numpy()) for k in final)
-    # TensorBoard event files (tensorboard is in the `plots` extra)
-    pytest.importorskip("tensorboard")
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    # TensorBoard event files (tensorboard is a dependency): one scalar series per metric, steps 0..7
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = (run_dir / "tensorboard").glob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Scalars("reward_mean")] == list(range(QUICK_STEPS))
+    assert [e.value for e in accumulator.Scalars("reward_mean")] == pytest.approx(metrics["reward_mean"].to_list())
+
+
+def test_resuming_a_finished_run_says_so_and_touches_nothing(quick_run):
+    run_dir, _ = quick_run
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    proc = run_cli(["run", "--resume", run_dir], timeout=120)
+    assert proc.returncode == 0, _explain(proc)
+    assert f"already finished all {QUICK_STEPS} steps" in proc.stdout and "nothing to do" in proc.stdout
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_report_and_compare_of_runs_with_the_same_directory_name(quick_run, tmp_path):
+    """compare a/quick b/quick keeps both runs: they are paths, labelled by the path tails."""
+    run_dir, _ = quick_run
+    for parent in ("a", "b"):
+        shutil.copytree(run_dir, tmp_path / parent / "quick", ignore=shutil.ignore_patterns("trajectories", "versions"))
+    out = tmp_path / "both.png"
+    proc = run_cli(["compare", tmp_path / "a" / "quick", tmp_path / "b" / "quick", "--out", out], timeout=120)
+    assert proc.returncode == 0, _explain(proc)
+    header = proc.stdout.splitlines()[0].split()
+    assert header == ["a/quick", "b/quick"] or header == ["b/quick", "a/quick"], proc.stdout
+    assert f"a/quick: {tmp_path / 'a' / 'quick'}" in proc.stdout and f"b/quick: {tmp_path / 'b' / 'quick'}" in proc.stdout
+    assert f"plots written to {out}" in proc.stdout and out.stat().st_size > 10_000
+    assert re.search(r"^  = mean of last N steps, N +1 +1$", proc.stdout, re.M)  # 8 steps: the last fifth
+    again = run_cli(["compare", tmp_path / "a" / "quick", tmp_path / "b" / "quick", "--out", out], timeout=120)
+    assert again.returncode == 2 and "--overwrite" in again.stderr  # never silently overwritten
+
+    report = run_cli(["report", tmp_path / "a" / "quick"], timeout=120)
+    assert report.returncode == 0, _explain(report)
+    assert (tmp_path / "a" / "quick" / "report.png").stat().st_size > 10_000
+    wall = re.search(r"^wall time per step \(s\) +([0-9.]+)$", report.stdout, re.M)
+    assert wall and float(wall.group(1)) > 0
 
 
 def test_replay_snapshot_reproduces_the_logged_diagnostics(quick_run, tmp_path):
@@ -207,6 +258,32 @@ def test_replay_rejects_a_truncated_parquet_file(quick_run, tmp_path):
     assert not out.exists()
 
 
+def test_replay_quarantines_nonfinite_rows_only_when_asked(quick_run, tmp_path):
+    run_dir, _ = quick_run
+    log = _copy_log(run_dir, tmp_path / "log")
+    file = log / "trajectories" / "step=000001" / "part-0.parquet"
+    table = pq.read_table(file)
+    values = table["inference_logprobs"].to_pylist()
+    values[3] = [float("nan")] + values[3][1:]
+    index = table.schema.get_field_index("inference_logprobs")
+    pq.write_table(table.set_column(index, table.schema.field(index), pa.array(values, table.schema.field(index).type)),
+                   file)
+    out = tmp_path / "out"
+    args = ["replay", log, "--checkpoints", run_dir, "--strategy", "snapshot", "--out", out]
+    refused = run_cli(args, timeout=120)
+    _one_line_failure(refused, "step=000001/part-0.parquet", "inference_logprobs", "--quarantine-nonfinite")
+    assert not out.exists()
+
+    proc = run_cli([*args, "--quarantine-nonfinite"])
+    assert proc.returncode == 0, _explain(proc)
+    assert "quarantined 1 rows with NaN/inf log-probs (steps 1)" in proc.stdout
+    quarantined = pq.read_table(out / "quarantine.parquet")
+    assert quarantined.num_rows == 1 and quarantined["trajectory_id"][0] == table["trajectory_id"][3]
+    metrics = pl.read_parquet(out / "metrics.parquet").sort("step")
+    assert metrics["filtered/nonfinite"].fill_null(0).to_list() == [0, 1, 0]
+    assert (metrics["rows"] == ROWS).all()
+
+
 def test_replay_reports_missing_versions_by_number(quick_run, tmp_path):
     run_dir, _ = quick_run
     versions = tmp_path / "versions"
@@ -270,10 +347,10 @@ def test_sigkilled_run_resumes_without_repeating_or_skipping_steps(tmp_path):
     proc = run_cli(["run", "--resume", run_dir, "--no-progress"])
     assert proc.returncode == 0, _explain(proc)
     assert f"from checkpoint step-{latest.version:06d}: steps {latest.version}..{steps - 1}" in proc.stdout
-    # the resumed session trained exactly the steps after the checkpoint
-    assert not re.search(rf"^step +{latest.version}/{steps} \|", proc.stdout, re.M)
-    for step in range(latest.version + 1, steps + 1):
-        assert re.search(rf"^step +{step}/{steps} \|", proc.stdout, re.M), step
+    # the resumed session trained exactly the steps from the checkpoint's version on
+    assert not re.search(rf"^step {latest.version - 1} \(", proc.stdout, re.M)
+    for step in range(latest.version, steps):
+        assert re.search(rf"^step {step} \(", proc.stdout, re.M), step
 
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == list(range(steps))  # each step exactly once, in order
@@ -286,8 +363,13 @@ def test_sigkilled_run_resumes_without_repeating_or_skipping_steps(tmp_path):
     assert pc.count_distinct(table["trajectory_id"]).as_py() == table.num_rows  # no duplicate rows
     assert sorted(set(table["trainer_version"].to_pylist())) == list(range(steps))
     assert [c.version for c in ckpt.list_checkpoints(run_dir / "checkpoints")] == [8, 10]
-    state = __import__("json").loads((run_dir / "run.json").read_text())
+    state = json.loads((run_dir / "run.json").read_text())
     assert state["state"] == "finished" and state["first_step"] == latest.version
+    # run.json keeps both sessions: the killed one (its steps up to the checkpoint kept) and the resume
+    first, second = state["sessions"]
+    assert first["state"] == "killed" and first["first_step"] == 0 and first["steps_trained"] == latest.version
+    assert second["state"] == "finished" and second["first_step"] == latest.version
+    assert second["steps_trained"] == steps - latest.version and second["started"] > first["started"]
 
 
 # -- in-process (last: the session's Ray then stays up only for the rest of the session) ---------

@@ -1,0 +1,183 @@
+"""The embedded Ray of a run is local and ends with its driver (pipelines/local_ray.py).
+
+- a real `trajflow run` subprocess: once it has trained a step, every listening socket of every
+  process of its Ray (the driver's descendants: GCS, raylet, agents, workers) is on 127.0.0.1;
+- SIGKILL of that driver leaves none of those processes alive 30 s later (Ray alone leaves its
+  dashboard and runtime-env agents running for minutes);
+- the watchdog on its own, with plain processes carrying a run's marker: only they are ended;
+- what a run prints to stderr passes through the noise filter (jobs/console.py).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+
+CLI = [sys.executable, "-m", "trajflow.jobs.cli"]
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watchdog reads /proc (Linux)")
+
+
+def _env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def _alive(procs) -> list:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def running_run(tmp_path_factory):
+    """A quickstart run long enough to still be training while the tests look at it."""
+    tmp = tmp_path_factory.mktemp("local_ray")
+    log = open(tmp / "run.log", "w")
+    args = ["run", "quickstart", "--run-dir", tmp / "run", "--no-progress", "--set", "steps=500",
+            "--set", "checkpoint_every=0", "--set", "save_all_versions=false", "--set", "tensorboard=false",
+            "--set", "trajectory_log=false"]
+    proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=log, stderr=subprocess.STDOUT, env=_env(),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not re.search(r"^step +0 \(", (tmp / "run.log").read_text(), re.M):
+            assert proc.poll() is None, (tmp / "run.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no step trained in 400 s"
+            time.sleep(0.5)
+        driver = psutil.Process(proc.pid)
+        yield proc, driver, driver.children(recursive=True), tmp / "run.log"
+    finally:
+        if proc.poll() is None:  # a failed test: end what is left, by pid
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
+        proc.wait(timeout=60)
+        log.close()
+
+
+@pytest.mark.timeout(600)
+def test_every_listening_socket_of_the_embedded_ray_is_on_loopback(running_run):
+    _, driver, children, _ = running_run
+    names = {p.name() for p in _alive(children)}
+    assert {"gcs_server", "raylet"} <= names, names
+    listening = []
+    for p in [driver, *_alive(children)]:
+        try:
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    listening.append((p.name(), " ".join(p.cmdline()[:2])[-60:], c.laddr.ip, c.laddr.port))
+        except psutil.NoSuchProcess:
+            continue
+    owners = {name for name, _, _, _ in listening}
+    assert {"gcs_server", "raylet"} <= owners and len(listening) >= 6, listening  # and the agents, the workers
+    exposed = [s for s in listening if not _is_loopback(s[2])]
+    assert not exposed, f"listening beyond 127.0.0.1: {exposed}"
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_of_the_driver_ends_every_ray_process_of_the_run_within_30s(running_run):
+    proc, driver, children, log = running_run
+    session = next(arg.split("=", 1)[1] for p in _alive(children) if p.name() == "gcs_server"
+                   for arg in p.cmdline() if arg.startswith("--session-dir="))
+    assert any(p.name() == "python" and "ray_watchdog.py" in " ".join(p.cmdline()) for p in _alive(children))
+    children = _alive(children) + _alive(driver.children(recursive=True))  # workers started meanwhile
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed = time.monotonic()
+
+    def of_the_run():
+        found = set(_alive(children))
+        for p in psutil.process_iter(["cmdline"]):
+            if any(session in arg for arg in (p.info["cmdline"] or [])):
+                found.add(p)
+        return _alive(found)
+
+    while of_the_run() and time.monotonic() - killed < 30:
+        time.sleep(0.5)
+    left = [(p.pid, p.name()) for p in of_the_run()]
+    assert not left, f"alive 30 s after SIGKILL of the driver: {left}\n{log.read_text()[-2000:]}"
+
+
+def test_the_watchdog_ends_exactly_the_marked_processes_when_its_parent_dies(tmp_path):
+    """A parent starts the watchdog and two marked `sleep`s (plus one unmarked), then is SIGKILLed."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import os, subprocess, sys, time
+        from trajflow.pipelines import local_ray
+        from trajflow.pipelines.ray_watchdog import MARKER_ENV
+        local_ray._start_watchdog("m-test")
+        marked = dict(os.environ, **{MARKER_ENV: "m-test"})
+        pids = [subprocess.Popen(["sleep", "300"], env=marked).pid for _ in range(2)]
+        pids.append(subprocess.Popen(["sleep", "300"], env=dict(os.environ)).pid)
+        print(" ".join(map(str, pids)), flush=True)
+        time.sleep(300)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_env())
+    marked_a, marked_b, unmarked = (psutil.Process(int(p)) for p in parent.stdout.readline().split())
+    try:
+        time.sleep(0.5)
+        assert _alive([marked_a, marked_b, unmarked]) == [marked_a, marked_b, unmarked]
+        parent.kill()
+        parent.wait()
+        gone, _ = psutil.wait_procs([marked_a, marked_b], timeout=20)
+        assert len(gone) == 2
+        assert _alive([unmarked]) == [unmarked], "an unmarked process was touched"
+    finally:
+        for p in _alive([marked_a, marked_b, unmarked]):
+            p.kill()
+
+
+def test_rays_c_notices_are_filtered_from_stderr_unless_verbose(tmp_path):
+    script = tmp_path / "noisy.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        from trajflow.jobs.console import filtered_stderr
+        noise = (b"[2026-11-22 21:09:21,418 E 17036 17036] core_worker.cc:2465: Actor with class name: "
+                 b"'MapWorker(MapBatches(Generate))' and ID: 'ab' has constructor arguments in the object "
+                 b"store and max_restarts > 0. If the arguments ...\\n")
+        with filtered_stderr(enabled=sys.argv[1] == "quiet"):
+            os.write(2, b"a real problem\\n" + noise + b"partial ")
+            os.write(2, b"line\\n")
+            print("python's own stderr", file=sys.stderr)
+        os.write(2, b"after\\n")
+    """))
+    quiet = subprocess.run([sys.executable, str(script), "quiet"], capture_output=True, text=True, env=_env(),
+                           timeout=60)
+    assert quiet.returncode == 0, quiet.stderr
+    lines = quiet.stderr.splitlines()
+    assert "core_worker" not in quiet.stderr
+    assert sorted(lines) == sorted(["a real problem", "partial line", "python's own stderr", "after"])
+    verbose = subprocess.run([sys.executable, str(script), "verbose"], capture_output=True, text=True, env=_env(),
+                             timeout=60)
+    assert "max_restarts > 0" in verbose.stderr and "a real problem" in verbose.stderr
+
+
+def test_the_session_ray_listens_on_loopback_only(ray_session):
+    """The test session's own Ray is started the same way (conftest)."""
+    from trajflow.pipelines.local_ray import SINGLE_NODE_ENV
+
+    assert ray_session.util.get_node_ip_address() == "127.0.0.1"
+    assert SINGLE_NODE_ENV not in os.environ  # restored after the start: a later cluster connection is unaffected
