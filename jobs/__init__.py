@@ -13,11 +13,14 @@ config.py    JobConfig = PipelineConfig + run options; load_job_config(path, ["k
 run.py       run_job / resume_job: the driver (progress, status lines, TensorBoard, summary)
 recorder.py  the run dir layout and RunRecorder, the trainer-side hooks that write it durably
 submit.py    Ray Jobs API: submit (streams logs, returns the status), status, stop
+report.py    report / compare: a summary table and one PNG of runs' curves
+console.py   terminal output: 100-column lines and tables, Ray's C++ notices filtered
 cli.py       the argparse front end; bad input ends with one `trajflow: ...` line, exit status 2
 configs/     quickstart.yaml and one config per strategy (`trajflow configs` lists them)
 
-A run dir: config.yaml, run.json, metrics/step=N.parquet (+ metrics.parquet), trajectories/step=N/
-part-0.parquet (schema v1, validated), checkpoints/step-N/ (safetensors + JSON, the newest
-`keep_checkpoints`), versions/vN.safetensors (save_all_versions), tensorboard/, summary.txt,
-placement.json (on a cluster). Nothing is pickled.
+A run dir: config.yaml (resolved), run.json (state and sessions), metrics/step=N.parquet
+(+ metrics.parquet), trajectories/step=N/part-0.parquet (schema v1, validated),
+checkpoints/step-N/ (safetensors + JSON, the newest `keep_checkpoints`), versions/vN.safetensors
+(save_all_versions), tensorboard/, summary.txt, placement.json (on a cluster). Nothing is pickled.
+The embedded Ray is pipelines/local_ray.py (127.0.0.1 only; ended with the driver).
 """

@@ -102,7 +102,10 @@ def start_ray(config: JobConfig, verbose: bool = False) -> None:
     runtime_env = {"env_vars": dict(WORKER_ENV)}
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
         runtime_env = None  # a submitted job: Ray refuses to merge a driver env into the job's
-    ray.init(address=address, runtime_env=runtime_env, configure_logging=False)
+    try:
+        ray.init(address=address, runtime_env=runtime_env, configure_logging=False)
+    except (ConnectionError, TimeoutError) as e:
+        raise RunError(f"ray_address {address}: cannot connect to the Ray cluster ({str(e).splitlines()[0]})") from None
 
 
 def quiet_ray_data() -> None:
@@ -281,23 +284,19 @@ def resolved_model_path(config: JobConfig) -> Path:
     return Path(config.model or WARM_START_DIR).resolve()
 
 
-def prepare_new_run(config: JobConfig) -> tuple[RunPaths, JobConfig]:
-    """Check the run dir and the disk, then write config.yaml (run dir and model path resolved)."""
+def plan_new_run(config: JobConfig) -> tuple[RunPaths, JobConfig, str | None]:
+    """Check the run dir and the disk (writing nothing): the paths, the config with run dir and
+    model path resolved, and the save_all_versions size estimate (if any)."""
     root = Path(config.run_dir) if config.run_dir is not None else default_run_dir(config)
-    if root.exists() and any(root.iterdir()):
-        raise RunError(f"run dir {root} already exists and is not empty (use --resume {root} to continue it)")
     if root.exists() and not root.is_dir():
         raise RunError(f"run dir {root} exists and is not a directory")
+    if root.exists() and any(root.iterdir()):
+        raise RunError(f"run dir {root} already exists and is not empty (use --resume {root} to continue it)")
     root = root.resolve()
     resolved = config.model_copy(update={"run_dir": root, "model": resolved_model_path(config)})
     existing = next((p for p in [root, *root.parents] if p.exists()), Path("/"))
     estimate = check_version_space(resolved, resolved.model, existing) if config.save_all_versions else None
-    paths = RunPaths(root)
-    root.mkdir(parents=True, exist_ok=True)
-    ckpt.atomic_write_text(paths.config, resolved.to_yaml())
-    if estimate:
-        print(f"trajflow: {estimate}", flush=True)
-    return paths, resolved
+    return RunPaths(root), resolved, estimate
 
 
 def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> JobConfig:
@@ -309,7 +308,12 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> JobCon
 
 def run_job(config: JobConfig, *, progress: bool = True, verbose: bool = False) -> Path:
     """Start a new run; returns its run dir."""
-    paths, config = prepare_new_run(config)
+    paths, config, estimate = plan_new_run(config)
+    start_ray(config, verbose)  # a cluster that cannot be reached: nothing has been written yet
+    paths.root.mkdir(parents=True, exist_ok=True)
+    ckpt.atomic_write_text(paths.config, config.to_yaml())
+    if estimate:
+        print(f"trajflow: {estimate}", flush=True)
     _execute(config, paths, first_step=0, checkpoint=None, progress=progress, verbose=verbose)
     return paths.root
 
