@@ -246,6 +246,8 @@ def plot_runs(runs: dict[str, Run | pl.DataFrame], path: str | Path, smooth: int
             if smooth > 1 and len(steps) > smooth:
                 ax.plot(steps, values[column].rolling_mean(smooth, min_samples=1).to_list(), color=color, lw=2.2,
                         ls="--", alpha=0.8)
+        if missing and len(missing) < len(data):  # said in the title: a note inside the axes would hide data
+            title += "\nnone for: " + ", ".join(missing)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("train step")
         ax.set_ylabel(unit)
@@ -259,8 +261,6 @@ def plot_runs(runs: dict[str, Run | pl.DataFrame], path: str | Path, smooth: int
                     color="0.35")
             ax.set_xticks([])
             ax.set_yticks([])
-        elif missing:
-            ax.text(0.02, 0.02, "none for: " + ", ".join(missing), transform=ax.transAxes, fontsize=7, color="0.35")
     for ax in list(axes.flat)[len(CURVES):]:
         ax.axis("off")
     subtitle = "raw per-step values" + (f"; dashed: rolling mean over {smooth} steps" if smooth > 1 else "")
