@@ -101,8 +101,10 @@ def _start_watchdog(marker: str) -> None:
     read_fd, write_fd = os.pipe()  # both ends close-on-exec: only the watchdog gets the read end
     script = Path(__file__).with_name("ray_watchdog.py")
     try:
+        # its own session: Ray's reaper SIGKILLs the driver's process group when the driver dies,
+        # which would end the watchdog before it has ended the agents (seen on a loaded machine)
         subprocess.Popen([sys.executable, "-S", str(script), str(os.getpid()), str(read_fd), marker],
-                         pass_fds=(read_fd,), stdin=subprocess.DEVNULL, close_fds=True)
+                         pass_fds=(read_fd,), stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
     finally:
         os.close(read_fd)
     _watchdog_write_fd = write_fd

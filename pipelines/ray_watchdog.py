@@ -11,7 +11,9 @@ from the driver (the driver sets it just before `ray.init`). The watchdog holds 
 a pipe whose only write end is the driver's; when the pipe reaches end of file (the driver
 exited: cleanly, by an exception or by SIGKILL), or the watchdog is re-parented, it sends
 SIGTERM to every process carrying the marker, then SIGKILL to those left after a grace period.
-Only this run's processes carry the marker, so nothing else on the machine is touched.
+Only this run's processes carry the marker, so nothing else on the machine is touched. The
+watchdog runs in its own session: Ray's own reaper kills the driver's whole process group when the
+driver dies, and would otherwise take the watchdog with it.
 Linux only (it reads /proc); elsewhere the driver does not start it.
 """
 
@@ -46,9 +48,18 @@ def marked_processes(marker: str) -> list[int]:
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"  # a zombie has already exited
+            fields = f.read().rsplit(b")", 1)[-1].split()
     except OSError:
         return False
+    return bool(fields) and fields[0] != b"Z"  # a zombie has already exited
+
+
+def _log(message: str) -> None:
+    """What the watchdog did, appended to $TRAJFLOW_WATCHDOG_LOG when set (tests read it)."""
+    path = os.environ.get("TRAJFLOW_WATCHDOG_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{time.time():.3f} {os.getpid()} {message}\n")
 
 
 def reap(marker: str, grace: float = GRACE_SECONDS) -> list[int]:
@@ -59,6 +70,8 @@ def reap(marker: str, grace: float = GRACE_SECONDS) -> list[int]:
         pids = [p for p in marked_processes(marker) if _alive(p)]
         if not pids:
             break
+        signalled.extend(pids)
+        _log(f"ending {sorted(pids)}")
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:
                 try:
@@ -71,16 +84,18 @@ def reap(marker: str, grace: float = GRACE_SECONDS) -> list[int]:
             pids = [p for p in pids if _alive(p)]
             if not pids:
                 break
-        signalled.extend(p for p in marked_processes(marker) if p not in signalled)
     return signalled
 
 
 def watch(parent: int, read_fd: int, marker: str) -> None:
+    _log(f"watching driver {parent} for marker {marker}")
     while os.getppid() == parent:
         ready, _, _ = select.select([read_fd], [], [], 1.0)
         if ready and not os.read(read_fd, 4096):
             break  # end of file: the driver's write end is closed, so the driver is gone
+    _log(f"driver gone (parent now {os.getppid()}); marked: {marked_processes(marker)}")
     reap(marker)
+    _log("done")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
   dashboard and runtime-env agents running for minutes);
 - the watchdog on its own, with plain processes carrying a run's marker: only they are ended;
 - what a run prints to stderr passes through the noise filter (jobs/console.py).
+(The test session's own Ray, started the same way, is checked at the end of test_jobs_run.py.)
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def running_run(tmp_path_factory):
     args = ["run", "quickstart", "--run-dir", tmp / "run", "--no-progress", "--set", "steps=500",
             "--set", "checkpoint_every=0", "--set", "save_all_versions=false", "--set", "tensorboard=false",
             "--set", "trajectory_log=false"]
-    proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=log, stderr=subprocess.STDOUT, env=_env(),
+    env = dict(_env(), TRAJFLOW_WATCHDOG_LOG=str(tmp / "watchdog.log"))
+    proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 400
@@ -102,7 +104,10 @@ def test_sigkill_of_the_driver_ends_every_ray_process_of_the_run_within_30s(runn
     proc, driver, children, log = running_run
     session = next(arg.split("=", 1)[1] for p in _alive(children) if p.name() == "gcs_server"
                    for arg in p.cmdline() if arg.startswith("--session-dir="))
-    assert any(p.name() == "python" and "ray_watchdog.py" in " ".join(p.cmdline()) for p in _alive(children))
+    (watchdog,) = [p for p in _alive(children) if "ray_watchdog.py" in " ".join(p.cmdline())]
+    # outside the driver's process group, which a group kill (`kill -9 -PGID`, Ray's own reaper
+    # where the kernel cannot fate-share) would end together with the driver
+    assert os.getpgid(watchdog.pid) != os.getpgid(proc.pid)
     children = _alive(children) + _alive(driver.children(recursive=True))  # workers started meanwhile
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
@@ -118,7 +123,9 @@ def test_sigkill_of_the_driver_ends_every_ray_process_of_the_run_within_30s(runn
     while of_the_run() and time.monotonic() - killed < 30:
         time.sleep(0.5)
     left = [(p.pid, p.name()) for p in of_the_run()]
-    assert not left, f"alive 30 s after SIGKILL of the driver: {left}\n{log.read_text()[-2000:]}"
+    watchdog = log.with_name("watchdog.log")
+    assert not left, (f"alive 30 s after SIGKILL of the driver: {left}\n{log.read_text()[-2000:]}\n"
+                      f"watchdog: {watchdog.read_text() if watchdog.exists() else 'no log'}")
 
 
 def test_the_watchdog_ends_exactly_the_marked_processes_when_its_parent_dies(tmp_path):
@@ -173,11 +180,3 @@ def test_rays_c_notices_are_filtered_from_stderr_unless_verbose(tmp_path):
     verbose = subprocess.run([sys.executable, str(script), "verbose"], capture_output=True, text=True, env=_env(),
                              timeout=60)
     assert "max_restarts > 0" in verbose.stderr and "a real problem" in verbose.stderr
-
-
-def test_the_session_ray_listens_on_loopback_only(ray_session):
-    """The test session's own Ray is started the same way (conftest)."""
-    from trajflow.pipelines.local_ray import SINGLE_NODE_ENV
-
-    assert ray_session.util.get_node_ip_address() == "127.0.0.1"
-    assert SINGLE_NODE_ENV not in os.environ  # restored after the start: a later cluster connection is unaffected
