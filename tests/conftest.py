@@ -64,7 +64,7 @@ def publish_inside_rollouts():
 
     class GenerateWithPublishInsideRollout(Generate):
         def __call__(self, batch):
-            self._rollout_step = int(batch["id"][0].as_py())
+            self._rollout_step = int(batch["rollout_step"][0].as_py())
             self._waited_this_rollout = False
             return super().__call__(batch)
 
