@@ -85,7 +85,8 @@ class PipelineConfig(_Strict):
     model: Path | None = Field(None, description="local HF model dir (a relative path that is not under the "
                                "working directory is tried under the repository root, where the built-in warm "
                                "starts live); default: the built-in warm start")
-    task: str = Field("addition", description="a registered task (addition, reverse, calc); not with data or env")
+    task: str | None = Field(None, description="a registered task (addition, reverse, calc); default addition "
+                             "unless data or env is given")
     data: DataConfig | None = Field(None, description="train on a dataset (Parquet/JSONL/JSON); see tasks/dataset.py")
     reward: str | None = Field(None, description="exact, math, package.module:function or path/to/file.py:function "
                                "(default: the task's own verifier)")
@@ -155,8 +156,10 @@ class PipelineConfig(_Strict):
         """Every name of the workload resolved before Ray starts: task, env, reward (importable,
         callable, TRL signature), dataset files and columns, the chat template; `data.epochs`
         sets `steps` when steps is not given."""
-        if "task" in self.model_fields_set and (self.data is not None or self.env is not None):
+        if self.task is not None and (self.data is not None or self.env is not None):
             raise ValueError("task: give either task, or data / env (a config with data and no task runs on the data)")
+        if self.task is None and self.data is None and self.env is None:
+            self.__dict__["task"] = "addition"  # the default workload (no re-validation)
         workload = self.workload()
         workload.check()
         if self.data is None:
@@ -191,7 +194,7 @@ class PipelineConfig(_Strict):
         """What the run trains on (tasks.workload.Workload), from task / data / env / reward."""
         from trajflow.engines.models import REPO_ROOT
 
-        return Workload(task=None if (self.data is not None or self.env is not None) else self.task, data=self.data,
+        return Workload(task=self.task, data=self.data,
                         env=self.env, reward=self.reward, reward_timeout_seconds=self.reward_timeout_seconds,
                         repo_root=REPO_ROOT)
 
