@@ -32,6 +32,9 @@ import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+from make_warm_start import sft_tensors, sft_until_band  # noqa: E402 (the sibling script: the shared SFT loop)
+
 OUT = REPO_ROOT / "artifacts" / "byo"
 SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 CHAT_TEMPLATE = (
@@ -125,13 +128,7 @@ def sft_batch(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
         response = encode_response(tokenizer, r["answer"])
         ids.append(p + response)
         labels.append([-100] * len(p) + response)
-    width = max(len(x) for x in ids)
-    pad = tokenizer.pad_token_id
-    return {
-        "input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
-        "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
-        "labels": torch.tensor([y + [-100] * (width - len(y)) for y in labels]),
-    }
+    return sft_tensors(ids, labels, tokenizer.pad_token_id)
 
 
 def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
@@ -168,9 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=6000)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    from make_warm_start import sft_until_band
-
     from trajflow.engines.models import save_model
 
     train, test = make_problems(args.seed, args.train, args.test)

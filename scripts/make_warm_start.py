@@ -125,8 +125,12 @@ def make_batch(tokenizer, prompts: Sequence[Prompt]) -> dict[str, torch.Tensor]:
         response_ids = encode_response(tokenizer, p.answer)
         rows.append(prompt_ids + response_ids)
         labels.append([-100] * len(prompt_ids) + response_ids)
+    return sft_tensors(rows, labels, tokenizer.pad_token_id)
+
+
+def sft_tensors(rows: Sequence[list[int]], labels: Sequence[list[int]], pad: int) -> dict[str, torch.Tensor]:
+    """Right-pad token rows (with `pad`) and their labels (with -100) into a teacher-forcing batch."""
     width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
     input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
     label_t = torch.tensor([l + [-100] * (width - len(l)) for l in labels], dtype=torch.long)
     attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)

@@ -14,7 +14,6 @@ by the Ray workers: they receive the code by value).
 from __future__ import annotations
 
 import json
-import subprocess
 import textwrap
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from test_jobs_run import CLI, _env, _explain, _kill_tree, _wait_for, run_cli  # the kill/resume helpers
+from test_jobs_run import _explain, run_cli, run_until_checkpoint_then_kill  # the CLI and kill helpers
 from trajflow.engines.models import load_tokenizer
 from trajflow.engines.tokenizer import decode_responses, stop_token_ids
 from trajflow.schemas import read_parquet
@@ -154,15 +153,8 @@ def test_killed_run_resumes_with_exactly_the_prompts_of_an_uninterrupted_run(ref
     config = tmp_path / "job.yaml"
     # slower decoding so the run is still going when it is killed (prompts do not depend on it)
     config.write_text(yaml.safe_dump(job(workload_dir, bpe_model_dir, simulate_decode_seconds=0.15)))
-    log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(CLI + ["run", str(config), "--run-dir", str(run_dir), "--no-progress"], stdout=log,
-                            stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-    try:
-        _wait_for(lambda: (run_dir / "checkpoints" / "step-000002" / "meta.json").is_file(), proc, 300,
-                  "checkpoint 2")
-    finally:
-        _kill_tree(proc)
-    log.close()
+    run_until_checkpoint_then_kill(["run", config, "--run-dir", run_dir, "--no-progress"], run_dir, 2,
+                                   tmp_path / "first.log")
     assert len(list((run_dir / "metrics").glob("step=*.parquet"))) < STEPS, "finished before it was killed"
     meta = json.loads((run_dir / "checkpoints" / "step-000002" / "meta.json").read_text())
     assert meta["data"]["next_step"] == 2 and meta["data"]["index_in_epoch"] == 8

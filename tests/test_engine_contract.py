@@ -237,34 +237,22 @@ def test_abort_from_between_steps(make, model, prompts):
     assert all(len(g.logprobs) == len(g.versions) == len(g.response_tokens) for g in gens)
 
 
-def test_stop_token_ends_the_response(make, model, prompts):
+@pytest.mark.parametrize("declared_as", ["eos_id", "stop_token_ids"])
+def test_stop_token_ends_the_response(make, model, prompts, declared_as):
+    """eos, and any extra stop id (a chat model's generation-config eos), ends a response (kept)."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     reference = make(model, greedy).generate(prompts)
     assert all(g.finish_reason == "length" and EOS_ID not in g.response_tokens for g in reference)
-    fake_eos = reference[0].response_tokens[2]  # declare the 3rd greedy token of prompt 0 to be eos
-    stopped = make(model, greedy, eos_id=fake_eos).generate(prompts)
+    stop = reference[0].response_tokens[2]  # declare the 3rd greedy token of prompt 0 a stop token
+    kwargs = {"eos_id": stop} if declared_as == "eos_id" else {"stop_token_ids": (stop,)}
+    stopped = make(model, greedy, **kwargs).generate(prompts)
     for g, ref in zip(stopped, reference):
         tokens = ref.response_tokens
-        if fake_eos in tokens:
-            assert g.response_tokens == tokens[: tokens.index(fake_eos) + 1] and g.finish_reason == "stop"
+        if stop in tokens:
+            assert g.response_tokens == tokens[: tokens.index(stop) + 1] and g.finish_reason == "stop"
         else:
             assert g.response_tokens == tokens and g.finish_reason == "length"
     assert stopped[0].finish_reason == "stop"
-
-
-def test_extra_stop_token_ids_end_the_response(make, model, prompts):
-    """Besides eos, the ids of `stop_token_ids` (a chat model's generation-config eos) end a response."""
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
-    reference = make(model, greedy).generate(prompts)
-    extra = reference[1].response_tokens[3]
-    stopped = make(model, greedy, stop_token_ids=(extra,)).generate(prompts)
-    for g, ref in zip(stopped, reference):
-        tokens = ref.response_tokens
-        if extra in tokens:
-            assert g.response_tokens == tokens[: tokens.index(extra) + 1] and g.finish_reason == "stop"
-        else:
-            assert g.response_tokens == tokens and g.finish_reason == "length"
-    assert stopped[1].finish_reason == "stop"
 
 
 def test_stop_strings_end_the_response(make, model, tiny, prompts):
