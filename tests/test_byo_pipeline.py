@@ -8,7 +8,8 @@ by the Ray workers: they receive the code by value).
 - a reward that raises on a quarter of the items and sleeps past the timeout on others: the run
   completes, those rows are marked `reward_error` and kept in the log, the count is in the metrics;
 - SIGKILL after checkpoint 2 and `--resume`: the steps trained over the two sessions hold exactly
-  the prompts of an uninterrupted run, each once per epoch; a changed dataset refuses to resume.
+  the prompts of an uninterrupted run, each once per epoch; a changed dataset refuses to resume;
+- `env: file.py:Class`: a user's environment class reaches the Ray workers and plays the episodes.
 """
 
 from __future__ import annotations
@@ -175,3 +176,35 @@ def test_killed_run_resumes_with_exactly_the_prompts_of_an_uninterrupted_run(ref
     assert prompt_ids_by_step(run_dir) == prompt_ids_by_step(reference_run)
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == list(range(STEPS))
+
+
+def test_an_environment_by_import_path_from_a_file(ray_session, tmp_path):
+    """`env: file.py:Class`: a user's Environment (not importable by the workers) plays episodes."""
+    from trajflow.engines.models import REPO_ROOT
+    from trajflow.pipelines.config import PipelineConfig
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    (tmp_path / "my_env.py").write_text(textwrap.dedent("""
+        from trajflow.tasks.environments import CalculatorEnv
+
+        class ShortCalc(CalculatorEnv):
+            name = "short_calc"
+
+            def __init__(self):
+                super().__init__(max_digits=1, max_turns=3, max_response_tokens=24)
+    """))
+    config = PipelineConfig(env=f"{tmp_path / 'my_env.py'}:ShortCalc", model=REPO_ROOT / "artifacts/warm_start/calc",
+                            steps=2, prompts_per_step=2, group_size=2, sampling={"max_new_tokens": 8})
+    assert config.task is None and config.workload().environment().max_turns == 3
+    pipe = RLPipeline(config)
+    pipe.train_step_kwargs = {"on_step": _check_episodes}  # runs in the trainer actor: a failure fails the run
+    metrics = pipe.run(progress=False)
+    assert metrics.height == 2 and (metrics["rows"] == 4).all()
+    rows = pa.concat_tables([pipe.prompts.step_rows(s) for s in range(2)])
+    assert all(pid.startswith("short_calc/train/") for pid in rows["prompt_id"].to_pylist())
+
+
+def _check_episodes(train_step, batch, metrics) -> None:
+    """The episodes are ShortCalc's: multi-turn, within its 24-token budget."""
+    assert (np.array(batch["turns"].to_pylist()) >= 1).all()
+    assert max(len(r) for r in batch["response_tokens"].to_pylist()) <= 24
