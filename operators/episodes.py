@@ -139,7 +139,8 @@ def run_episodes(
                 if g.finish_reason == "abort":
                     e.finish_reason = "abort"
                     continue
-                result = e.env.step(decode_response(tokenizer, tokens))
+                stop_ids = [engine.eos_id, *engine.stop_token_ids]
+                result = e.env.step(decode_response(tokenizer, tokens, stop_ids, base_sampling.stop))
                 e.reward += float(result.reward)
                 obs = tokenizer.encode(result.observation, add_special_tokens=False) if result.observation else []
                 left = budget - len(e.response_tokens)

@@ -150,8 +150,7 @@ class Generate:
                 if self.mid_generation_updates:
                     self._switch_if_newer(pins, episodes.current, old_logprobs)
 
-            prompts = [prompt_of(row) for row in batch.select(["prompt_id", "prompt", *(
-                ["answer"] if "answer" in batch.column_names else [])]).to_pylist()]
+            prompts = [prompt_of(row) for row in batch.to_pylist()]
             episodes = run_episodes(self.engine, self.environment, self.tokenizer, prompts, self.group_size,
                                     prompt_tokens=prompt_tokens, before_turn=before_turn,
                                     between_steps=episode_hook)
