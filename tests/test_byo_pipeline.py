@@ -196,15 +196,15 @@ def test_an_environment_by_import_path_from_a_file(ray_session, tmp_path):
     config = PipelineConfig(env=f"{tmp_path / 'my_env.py'}:ShortCalc", model=REPO_ROOT / "artifacts/warm_start/calc",
                             steps=2, prompts_per_step=2, group_size=2, sampling={"max_new_tokens": 8})
     assert config.task is None and config.workload().environment().max_turns == 3
+    def check_episodes(train_step, batch, metrics) -> None:
+        """ShortCalc's episodes: multi-turn, within its 24-token budget. (A closure: shipped to the
+        trainer actor by value; a failure there fails the run.)"""
+        assert (np.array(batch["turns"].to_pylist()) >= 1).all()
+        assert max(len(r) for r in batch["response_tokens"].to_pylist()) <= 24
+
     pipe = RLPipeline(config)
-    pipe.train_step_kwargs = {"on_step": _check_episodes}  # runs in the trainer actor: a failure fails the run
+    pipe.train_step_kwargs = {"on_step": check_episodes}
     metrics = pipe.run(progress=False)
     assert metrics.height == 2 and (metrics["rows"] == 4).all()
     rows = pa.concat_tables([pipe.prompts.step_rows(s) for s in range(2)])
     assert all(pid.startswith("short_calc/train/") for pid in rows["prompt_id"].to_pylist())
-
-
-def _check_episodes(train_step, batch, metrics) -> None:
-    """The episodes are ShortCalc's: multi-turn, within its 24-token budget."""
-    assert (np.array(batch["turns"].to_pylist()) >= 1).all()
-    assert max(len(r) for r in batch["response_tokens"].to_pylist()) <= 24
