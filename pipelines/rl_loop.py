@@ -1,6 +1,6 @@
 """The asynchronous RL loop as one Ray Data pipeline whose output stream is metrics rows.
 
-    steps ─▶ generate ─▶ [dedicated old logits] ─▶ reward ─▶ advantage ─▶ filter
+  prompts ─▶ generate ─▶ [dedicated old logits] ─▶ reward ─▶ advantage ─▶ filter
           ─▶ [snapshot old logits] ─▶ train step ─▶ metrics
                  ▲                                       │
                  └──────── policy store (versions) ◀─────┘
@@ -12,8 +12,9 @@ in the config, or insert your own operator in one line:
     pipe.insert_after("advantage", Stage("clip_rewards", MyOp()))
     metrics = pipe.run()            # a polars DataFrame, one row per train step
 
-Ordering: the source emits one row per train step and Ray Data runs with `preserve_order`, so
-step b reaches the trainer as its b-th batch; every stage after generate sees whole steps
+Source: one block per train step holding that step's prompt rows (`config.workload()`: a built-in
+task or the user's dataset, see tasks/workload.py). Ordering: Ray Data runs with `preserve_order`,
+so step b reaches the trainer as its b-th batch; every stage after generate sees whole steps
 (batch_size = rows per step), so a group's samples always travel together. Consecutive light
 stages are fused into one long-lived actor to keep operator boundaries (and imports) few.
 """
