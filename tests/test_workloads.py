@@ -306,3 +306,16 @@ def test_workload_of_a_config(dataset_config):
         workload.heldout_rows(None, 3)
     with pytest.raises(RewardSpecError):
         load_object("not a path", "reward")
+
+
+def test_dataset_errors_found_while_reading_are_one_line_bad_input(bpe, tmp_path):
+    """A problem only reading the whole file can find (a null prompt in row 2) is a DataError naming
+    the row, which the CLI reports as bad input (one line, exit 2)."""
+    from trajflow.jobs.cli import _is_bad_input
+
+    rows = [dict(r) for r in bpe[1][:3]]
+    rows[2]["prompt"] = None
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    with pytest.raises(DataError, match="row train.jsonl:000002: prompt is null") as info:
+        PromptDataset.load(DataConfig(train_files=[str(path)]), [path], bpe[0], with_ray=False)
+    assert _is_bad_input(info.value) and _is_bad_input(RewardSpecError("reward: x"))
