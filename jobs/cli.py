@@ -344,6 +344,8 @@ _BAD_INPUT = (
     ("trajflow.pipelines.replay", "ReplayError"),
     ("trajflow.schemas.trajectory", "SchemaError"),
     ("trajflow.engines.checkpoint", "CheckpointError"),
+    ("trajflow.tasks.dataset", "DataError"),  # a dataset problem found while reading it (e.g. a null prompt)
+    ("trajflow.tasks.rewards", "RewardSpecError"),
     ("builtins", "FileNotFoundError"),
 )
 

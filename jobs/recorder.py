@@ -8,7 +8,8 @@
       trajectories/step=000012/part-0.parquet   every trajectory of train step 12, schema v1 +
                                         extras (answer, rollout_step, filter_reason, trainer_version)
       quarantine/step=000012.parquet    rows with non-finite log-probs (not schema-valid; rare)
-      checkpoints/step-000012/          weights + optimizer (+ EWMA) state of version 12
+      checkpoints/step-000012/          weights + optimizer (+ EWMA) state of version 12 (+ the dataset
+                                        position and fingerprint in meta.json, for a dataset run)
       versions/v000012.safetensors      every version's weights (save_all_versions only)
       tensorboard/                      event files (when tensorboard is installed)
       summary.txt                       the final summary table
@@ -203,6 +204,7 @@ class RunRecorder:
     save_all_versions: bool
     trajectory_log: bool
     resume_from: str | None = None  # checkpoint dir whose optimizer/EWMA state the trainer restores
+    data_state: dict | None = None  # a dataset run: fingerprint, epoch_size, ... (RLPipeline.data_state)
 
     @property
     def paths(self) -> RunPaths:
@@ -240,6 +242,9 @@ class RunRecorder:
         metrics["trainer_node"] = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         # the optimizer's own step count: continues across a resume (restored state), restarts without
         metrics["optimizer_steps"] = _optimizer_steps(trainstep.optimizer)
+        if self.data_state is not None:
+            metrics["data/epoch"] = step * self.data_state["prompts_per_step"] // self.data_state["epoch_size"]
+            metrics["data/prompts_too_long"] = self.data_state["prompts_dropped_too_long"]
         if self.trajectory_log:
             self._log_trajectories(paths, step, batch)
         write_table_atomic(pa.Table.from_pylist([_plain(metrics)]), paths.metrics_file(step))
@@ -254,7 +259,8 @@ class RunRecorder:
                 state,
                 optimizer_state=trainstep.optimizer.state_dict(),
                 ewma_state=trainstep.ewma.state_dict() if trainstep.ewma is not None else None,
-                meta={"steps_done": version, "time": time.time(), "strategy": trainstep.strategy},
+                meta={"steps_done": version, "time": time.time(), "strategy": trainstep.strategy,
+                      **({"data": data_position(self.data_state, version)} if self.data_state else {})},
             )
             ckpt.prune_checkpoints(paths.checkpoints, self.keep_checkpoints)
             metrics["checkpoint"] = version
@@ -268,6 +274,14 @@ class RunRecorder:
             write_table_atomic(batch.filter(pa.array(bad)), paths.quarantine / (STEP_DIR.format(step) + ".parquet"))
             batch = batch.filter(pa.array(~bad))
         write_parquet(batch, paths.trajectory_file(step))
+
+
+def data_position(data_state: dict, next_step: int) -> dict:
+    """The dataset position a checkpoint records: where step `next_step` starts (epoch, index in
+    the epoch) and the dataset's identity, which a resume checks."""
+    start = next_step * data_state["prompts_per_step"]
+    return {**data_state, "next_step": next_step, "epoch": start // data_state["epoch_size"],
+            "index_in_epoch": start % data_state["epoch_size"]}
 
 
 def _optimizer_steps(optimizer) -> int:

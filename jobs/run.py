@@ -259,6 +259,7 @@ def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *
         raise RunError(f"{root}: the run is still active (pid {state['pid']}); stop it before resuming")
     latest = ckpt.latest_checkpoint(paths.checkpoints)
     first_step = latest.version if latest is not None else 0
+    check_same_data(config, latest)
     if overrides:
         ckpt.atomic_write_text(paths.config, config.model_copy(update={"run_dir": root}).to_yaml())
     removed = truncate_after(paths, first_step)
@@ -267,6 +268,20 @@ def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *
           + (f" (discarded partial logs of steps {removed[0]}..{removed[-1]})" if removed else ""), flush=True)
     _execute(config, paths, first_step=first_step, checkpoint=latest, progress=progress)
     return root
+
+
+def check_same_data(config: JobConfig, checkpoint: ckpt.Checkpoint | None) -> None:
+    """A resumed dataset run must see the dataset (and settings) its checkpoint was made with."""
+    import json
+
+    if checkpoint is None or config.data is None:
+        return
+    recorded = json.loads((checkpoint.path / "meta.json").read_text()).get("data", {}).get("fingerprint")
+    now = config.workload().fingerprint(config.model_path, config.seed, config.prompts_per_step)
+    if recorded != now:
+        raise RunError(f"resume: data.train_files (or the tokenizer, seed, prompts_per_step or data settings) changed "
+                       f"since checkpoint {checkpoint.path.name} (fingerprint {recorded} -> {now}); resume needs "
+                       "the data the run started with")
 
 
 def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ckpt.Checkpoint | None,
@@ -298,6 +313,7 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
         save_all_versions=config.save_all_versions,
         trajectory_log=config.trajectory_log,
         resume_from=str(checkpoint.path) if checkpoint is not None else None,
+        data_state=pipeline.data_state(),
     )
     pipeline.train_step_kwargs.update(on_start=recorder.on_start, on_step=recorder.on_step)
     weights = checkpoint.model_state() if checkpoint is not None else None

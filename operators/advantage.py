@@ -20,6 +20,12 @@ class Advantage:
         self.estimator = estimator
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rewards = batch["reward"].to_numpy().astype(np.float64)
-        adv = group_advantages(self.estimator, rewards, group_codes(batch))
-        return replace_column(batch, "advantage", pa.array(np.asarray(adv, dtype=np.float32), pa.float32()))
+        rewards = batch["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
+        scored = np.isfinite(rewards)  # a row whose reward failed (null) has no advantage, and
+        if scored.all():               # its group's statistics come from the other samples
+            adv = np.asarray(group_advantages(self.estimator, rewards, group_codes(batch)), np.float32)
+            return replace_column(batch, "advantage", pa.array(adv, pa.float32()))
+        adv = np.zeros(len(rewards), np.float32)
+        if scored.any():
+            adv[scored] = group_advantages(self.estimator, rewards[scored], group_codes(batch)[scored])
+        return replace_column(batch, "advantage", pa.array(adv, pa.float32(), mask=~scored))

@@ -37,7 +37,7 @@ from trajflow.engines.scoring import response_logprobs
 from trajflow.operators.columns import apply_staleness_bound, padded, replace_column, step_metrics
 from trajflow.operators.evaluate import heldout_accuracy
 from trajflow.schemas import conform
-from trajflow.tasks import get_task
+from trajflow.tasks.workload import Workload
 
 OPERATOR_STRATEGIES = ("snapshot", "dedicated", "interrupt")
 
@@ -54,7 +54,7 @@ class TrainStep:
         self,
         store: ray.actor.ActorHandle,
         model_path: str | Path,
-        task: str,
+        workload: Workload,
         strategy: str,
         correction: CorrectionConfig,
         sampling: SamplingParams,
@@ -85,7 +85,7 @@ class TrainStep:
         self.fixed_alpha = loglinear_alpha
         self.eval_every = eval_every
         self.eval_prompts = eval_prompts
-        self.task = get_task(task)
+        self.workload = workload
         self.tokenizer = load_tokenizer(model_path)
         self.on_step = on_step  # e.g. the job's trajectory log and checkpoints (after publishing)
 
@@ -140,7 +140,8 @@ class TrainStep:
         if self.eval_every and self.version % self.eval_every == 0:
             self.model.eval()
             metrics["heldout_accuracy"] = heldout_accuracy(
-                self._unwrapped(), self.tokenizer, self.task, self.eval_prompts, self.sampling.max_new_tokens
+                self._unwrapped(), self.tokenizer, self.workload, self.eval_prompts, self.sampling.max_new_tokens,
+                stop=self.sampling.stop
             )
             self.model.train()
         stats = ray.get(self.store.stats.remote(True))

@@ -12,6 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from trajflow.tasks.dataset import DataConfig
+from trajflow.tasks.workload import Workload
+
 Strategy = Literal["snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior", "loglinear"]
 # Strategies whose old log-probs are computed by an operator before the train step.
 OPERATOR_STRATEGIES = ("snapshot", "dedicated", "interrupt")
@@ -26,6 +29,7 @@ class SamplingConfig(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(6, ge=1)
+    stop: list[str] = Field(default_factory=list, description="strings that end a response (besides eos)")
 
 
 class CorrectionSettings(_Strict):
@@ -81,7 +85,13 @@ class PipelineConfig(_Strict):
     model: Path | None = Field(None, description="local HF model dir (a relative path that is not under the "
                                "working directory is tried under the repository root, where the built-in warm "
                                "starts live); default: the built-in warm start")
-    task: str = "addition"
+    task: str | None = Field(None, description="a registered task (addition, reverse, calc); default addition "
+                             "unless data or env is given")
+    data: DataConfig | None = Field(None, description="train on a dataset (Parquet/JSONL/JSON); see tasks/dataset.py")
+    reward: str | None = Field(None, description="exact, math, package.module:function or path/to/file.py:function "
+                               "(default: the task's own verifier)")
+    reward_timeout_seconds: float = Field(30.0, gt=0.0, description="per item; over it the row is a reward_error")
+    env: str | None = Field(None, description="package.module:Class (or file.py:Class) of a multi-turn Environment")
     strategy: Strategy = "snapshot"
     steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(64, ge=1)
@@ -127,6 +137,7 @@ class PipelineConfig(_Strict):
     def _check_combinations(self) -> "PipelineConfig":
         if self.model is not None and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model} is not a local model directory (no config.json)")
+        self._check_workload()
         if self.engine != "vllm" and self.vllm != VllmSettings():
             raise ValueError("vllm: settings given but engine is not vllm")
         if self.strategy == "interrupt" and self.num_generators != 1:
@@ -140,6 +151,59 @@ class PipelineConfig(_Strict):
         if self.correction.eps_low >= 1.0:
             raise ValueError("correction.eps_low must be < 1")
         return self
+
+    def _check_workload(self) -> None:
+        """Every name of the workload resolved before Ray starts: task, env, reward (importable,
+        callable, TRL signature), dataset files and columns, the chat template; `data.epochs`
+        sets `steps` when steps is not given."""
+        if self.task is not None and (self.data is not None or self.env is not None):
+            raise ValueError("task: give either task, or data / env (a config with data and no task runs on the data)")
+        if self.task is None and self.data is None and self.env is None:
+            self.__dict__["task"] = "addition"  # the default workload (no re-validation)
+        workload = self.workload()
+        workload.check()
+        if self.data is None:
+            return
+        from trajflow.engines.models import load_tokenizer
+        from trajflow.engines.tokenizer import encode_prompt
+        from trajflow.tasks.dataset import first_record
+
+        tokenizer = load_tokenizer(self.model_path)
+        for path in workload.train_files() + workload.test_files():
+            prompt = first_record(path)[self.data.prompt_key]
+            try:
+                encode_prompt(tokenizer, prompt, self.data.apply_chat_template)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"data.prompt_key: {path.name}: {e}") from None
+        if self.data.epochs is not None:
+            from trajflow.tasks.dataset import PromptDataset
+
+            epoch = PromptDataset.load(self.data, workload.train_files(), tokenizer, with_ray=False).epoch_size
+            available = self.data.epochs * epoch // self.prompts_per_step
+            if available < 1:
+                raise ValueError(f"data.epochs: {self.data.epochs} epoch(s) of {epoch} prompts are fewer than one "
+                                 f"step of {self.prompts_per_step}")
+            if "steps" not in self.model_fields_set:
+                self.__dict__["steps"] = available  # derived (no re-validation): the run's length
+                self.model_fields_set.add("steps")
+            elif self.steps > available:
+                raise ValueError(f"steps: {self.steps} steps of {self.prompts_per_step} prompts need more than "
+                                 f"data.epochs={self.data.epochs} epochs of {epoch} prompts ({available} steps)")
+
+    def workload(self) -> Workload:
+        """What the run trains on (tasks.workload.Workload), from task / data / env / reward."""
+        from trajflow.engines.models import REPO_ROOT
+
+        return Workload(task=self.task, data=self.data,
+                        env=self.env, reward=self.reward, reward_timeout_seconds=self.reward_timeout_seconds,
+                        repo_root=REPO_ROOT)
+
+    @property
+    def model_path(self) -> Path:
+        """The model directory (the built-in warm start when `model` is not given)."""
+        from trajflow.engines.models import WARM_START_DIR
+
+        return Path(self.model or WARM_START_DIR)
 
     @property
     def rows_per_step(self) -> int:

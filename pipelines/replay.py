@@ -289,7 +289,7 @@ class Replay:
                 torch_threads=c.trainer.torch_threads), c.trainer)
         (strategy,) = self.strategies
         return actor(ds, TrainStep, dict(
-            store=stores["trainer"], model_path=self.model_path, task=c.task, strategy=strategy,
+            store=stores["trainer"], model_path=self.model_path, workload=c.workload(), strategy=strategy,
             correction=self._correction(), sampling=sampling, max_staleness=c.max_staleness,
             **c.optimizer.model_dump(), ewma_window=c.ewma_window, ewma_tau=c.ewma.reset_threshold,
             loglinear_alpha=c.loglinear_alpha, eval_every=c.eval_every, eval_prompts=c.eval_prompts,

@@ -1,6 +1,6 @@
 """The asynchronous RL loop as one Ray Data pipeline whose output stream is metrics rows.
 
-    steps ─▶ generate ─▶ [dedicated old logits] ─▶ reward ─▶ advantage ─▶ filter
+  prompts ─▶ generate ─▶ [dedicated old logits] ─▶ reward ─▶ advantage ─▶ filter
           ─▶ [snapshot old logits] ─▶ train step ─▶ metrics
                  ▲                                       │
                  └──────── policy store (versions) ◀─────┘
@@ -12,8 +12,9 @@ in the config, or insert your own operator in one line:
     pipe.insert_after("advantage", Stage("clip_rewards", MyOp()))
     metrics = pipe.run()            # a polars DataFrame, one row per train step
 
-Ordering: the source emits one row per train step and Ray Data runs with `preserve_order`, so
-step b reaches the trainer as its b-th batch; every stage after generate sees whole steps
+Source: one block per train step holding that step's prompt rows (`config.workload()`: a built-in
+task or the user's dataset, see tasks/workload.py). Ordering: Ray Data runs with `preserve_order`,
+so step b reaches the trainer as its b-th batch; every stage after generate sees whole steps
 (batch_size = rows per step), so a group's samples always travel together. Consecutive light
 stages are fused into one long-lived actor to keep operator boundaries (and imports) few.
 """
@@ -43,6 +44,7 @@ from trajflow.operators.reward import Reward
 from trajflow.operators.train_step import TrainStep, publish_weights
 from trajflow.pipelines.config import PipelineConfig, ResourceConfig
 from trajflow.pipelines.policy_store import PolicyStore
+from trajflow.tasks.workload import PromptSource
 
 log = logging.getLogger("trajflow")
 
@@ -105,6 +107,8 @@ class RLPipeline:
         self.config = config
         self.model_path = str(model_path or config.model or WARM_START_DIR)
         self.sampling = SamplingParams(**config.sampling.model_dump())
+        self.workload = config.workload()
+        self._prompts: PromptSource | None = None
         self.store: ray.actor.ActorHandle | None = None
         self.train_step_kwargs: dict[str, Any] = {}  # extra TrainStep kwargs (e.g. the job's on_step)
         self.stages = self._default_stages()
@@ -143,8 +147,7 @@ class RLPipeline:
             Generate,
             dict(
                 model_path=self.model_path,
-                task=c.task,
-                prompts_per_step=c.prompts_per_step,
+                workload=self.workload,
                 group_size=c.group_size,
                 sampling=self.sampling,
                 inference_dtype=c.inference_dtype,
@@ -164,7 +167,7 @@ class RLPipeline:
         if c.strategy == "dedicated":
             stages.append(Stage("old_logits", OldLogitsAtBehaviourVersion, dict(old_logits, skip_filtered=False), c.scorer))
         stages += [
-            Stage("reward", Reward(self.model_path, c.task)),
+            Stage("reward", Reward(self.model_path, self.workload, self.sampling.stop)),
             Stage("advantage", Advantage(c.advantage)),
             Stage("filter", Filter(c.drop_zero_variance_groups)),
         ]
@@ -173,7 +176,7 @@ class RLPipeline:
         correction = CorrectionConfig(**c.correction.model_dump(), loss_norm_tokens=c.sampling.max_new_tokens)
         train = dict(
             model_path=self.model_path,
-            task=c.task,
+            workload=self.workload,
             strategy=c.strategy,
             correction=correction,
             sampling=self.sampling,
@@ -213,8 +216,9 @@ class RLPipeline:
         ctx = DataContext.get_current()
         ctx.execution_options.preserve_order = True  # step b must reach the trainer as batch b
         rows = c.rows_per_step
-        # One block per step, built on the driver: a read task would ask for a whole CPU.
-        ds = ray.data.from_arrow([pa.table({"id": pa.array([step], pa.int64())}) for step in range(first_step, c.steps)])
+        # The source: one block per train step holding that step's prompt rows, built on the driver
+        # (a read task would ask for a whole CPU); Generate reads the step from the rows.
+        ds = ray.data.from_arrow([self.prompts.step_rows(step) for step in range(first_step, c.steps)])
         pending: list[Callable] = []
 
         def flush(ds: ray.data.Dataset) -> ray.data.Dataset:
@@ -237,7 +241,7 @@ class RLPipeline:
                 stage.fn,
                 fn_constructor_kwargs={"store": self.store, **stage.kwargs,
                                        **(self.train_step_kwargs if issubclass(stage.fn, TrainStep) else {})},
-                batch_size=1 if issubclass(stage.fn, Generate) else rows,
+                batch_size=c.prompts_per_step if issubclass(stage.fn, Generate) else rows,
                 batch_format="pyarrow",
                 compute=in_order_pool(stage.pool_size),
                 num_cpus=res.num_cpus,
@@ -245,6 +249,26 @@ class RLPipeline:
                 **ray_args,
             )
         return flush(ds)
+
+    @property
+    def prompts(self) -> PromptSource:
+        """The prompt rows of each step (a dataset is read with Ray Data on first use)."""
+        if self._prompts is None:
+            from trajflow.engines.models import load_tokenizer
+
+            ensure_ray()
+            self._prompts = self.workload.prompt_source(load_tokenizer(self.model_path), self.config.seed,
+                                                        self.config.prompts_per_step)
+        return self._prompts
+
+    def data_state(self) -> dict | None:
+        """The dataset's identity and size, recorded with each checkpoint (None: a built-in task)."""
+        if self.workload.data is None:
+            return None
+        dataset = self.prompts.dataset
+        return {"fingerprint": self.workload.fingerprint(self.model_path, self.config.seed, self.config.prompts_per_step),
+                "epoch_size": dataset.epoch_size, "prompts_dropped_too_long": dataset.dropped,
+                "prompts_per_step": self.config.prompts_per_step}
 
     def describe(self) -> str:
         s = STRATEGIES[self.config.strategy]

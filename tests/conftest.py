@@ -64,7 +64,7 @@ def publish_inside_rollouts():
 
     class GenerateWithPublishInsideRollout(Generate):
         def __call__(self, batch):
-            self._rollout_step = int(batch["id"][0].as_py())
+            self._rollout_step = int(batch["rollout_step"][0].as_py())
             self._waited_this_rollout = False
             return super().__call__(batch)
 
@@ -81,3 +81,29 @@ def publish_inside_rollouts():
         return pipe.replace("generate", generate)
 
     return apply
+
+
+@pytest.fixture(scope="session")
+def bpe():
+    """A byte-level BPE tokenizer with a chat template, trained here (scripts/make_byo_example.py),
+    and the word problems it was trained on: (tokenizer, train rows, test rows)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import make_byo_example
+
+    train, test = make_byo_example.make_problems(seed=3, n_train=48, n_test=8)
+    return make_byo_example.train_tokenizer(train, 320), train, test
+
+
+@pytest.fixture(scope="session")
+def bpe_model_dir(bpe, tmp_path_factory):
+    """A tiny randomly initialised Qwen2 saved with the BPE tokenizer (generation config: two eos)."""
+    import make_byo_example
+
+    from trajflow.engines.models import save_model
+
+    path = tmp_path_factory.mktemp("bpe_model")
+    save_model(make_byo_example.build_model(bpe[0], seed=0), bpe[0], path)
+    return path
