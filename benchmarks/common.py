@@ -131,22 +131,26 @@ class RunResult:
     layout: list[list[str]] = field(default_factory=list)  # stage names per actor process
     tree: ProcessTree | None = None
 
+    # Steady state: the steps after `skip` (start-up) and before the last one (which copies the
+    # final version into the store's ownership, and has no generation left to overlap with).
+    def _per_step(self, column: str, skip: int) -> float:
+        values = self.metrics[column].to_list()
+        return (values[-2] - values[skip]) / max(1, len(values) - 2 - skip)
+
     def seconds_per_step(self, skip: int = 3) -> float:
-        """Steady-state wall seconds per step: from the end of step `skip` to the end (no startup),
-        measured by the driver as metrics rows arrive — from outside the stages."""
-        t = self.metrics["finished_at"].to_list()
-        return (t[-1] - t[skip]) / max(1, len(t) - 1 - skip)
+        """Steady-state wall seconds per step, measured by the driver as metrics rows arrive —
+        from outside the stages."""
+        return self._per_step("finished_at", skip)
 
     def driver_cpu_per_step(self, skip: int = 3) -> float:
         """CPU seconds of the driver process (Ray Data's executor, the source, all its threads)."""
-        c = self.metrics["driver_cpu"].to_list()
-        return (c[-1] - c[skip]) / max(1, len(c) - 1 - skip)
+        return self._per_step("driver_cpu", skip)
 
     def stage_seconds(self, skip: int = 3) -> dict[str, float]:
         """Compute seconds per step of each stage, steady state: the time each stage's process
         spent in it (`stage_seconds/<stage>`), except that generation counts without its wait
         for an admission permit (the generator's own `generate_seconds`)."""
-        m = self.metrics[skip + 1:]
+        m = self.metrics[skip + 1:-1]
         out = {c.removeprefix("stage_seconds/"): float(m[c].mean()) for c in m.columns if c.startswith("stage_seconds/")}
         if "generate" in out and "seconds/generate_seconds" in m.columns:
             out["generate"] = float(m["seconds/generate_seconds"].fill_null(0.0).mean())

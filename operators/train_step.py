@@ -34,7 +34,7 @@ from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.scoring import response_logprobs
-from trajflow.engines.shared_weights import SharedStateDict
+from trajflow.schemas.weights import SharedStateDict
 from trajflow.operators.columns import apply_staleness_bound, padded, replace_column, step_metrics
 from trajflow.operators.evaluate import heldout_accuracy
 from trajflow.schemas import conform
@@ -45,7 +45,7 @@ OPERATOR_STRATEGIES = ("snapshot", "dedicated", "interrupt")
 
 def publish_weights(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int | None = None) -> int:
     """Put a float32 copy of the weights in the object store (the only copy: see
-    engines/shared_weights.py) and register it as a new version."""
+    schemas/weights.py) and register it as a new version."""
     state = SharedStateDict.of(model)
     return ray.get(store.publish.remote([ray.put(state)], state.nbytes, version))
 

@@ -18,8 +18,9 @@ which process runs a stage, never the order of stages or what a stage computes.
   custom resources the other does not have (placement on a cluster is the user's decision).
 
 Each group also times its stages and hands the times on in the batch's schema metadata; the
-last group adds them to the metrics row as `stage_seconds/<stage>`, so a step's wall time can be
-read against the compute inside it without any extra call.
+last group adds them to the metrics row as `stage_seconds/<stage>` (and, in the first row, where
+start-up went: `startup_seconds/...`), so a step's wall time can be read against the compute
+inside it without any extra call.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from trajflow.pipelines.rl_loop import Stage
 
-TIMINGS_KEY = b"trajflow.stage_seconds"
+MEASURED_KEY = b"trajflow.measured"
 
 
 def _can_share(a: "Stage", b: "Stage") -> bool:
@@ -80,18 +81,29 @@ class StageGroup:
     """Consecutive stages in one actor: class stages are constructed here (with `store=` and their
     kwargs), function stages called as given; a batch goes through them in order.
 
-    `timings`: "off"; "carry" (add this group's per-stage seconds to those the batch brought, and
-    hand them on in the schema metadata); "emit" (the last group: add them to the output rows as
-    `stage_seconds/<stage>` columns). The stages themselves never see the timing metadata.
+    `timings`: "off"; "carry" (add this group's measurements to those the batch brought and hand
+    them on in the schema metadata); "emit" (the last group: add them to the output rows as
+    columns). Measured: `stage_seconds/<stage>`, the seconds each stage took on this batch; and,
+    on a group's first batch only, `startup_seconds/<stage>` (constructing the stage: model loads)
+    and `startup_seconds/<first stage>.process` (from the actor process's creation to the
+    group's constructor: worker start and imports). The stages never see the metadata.
     """
 
     def __init__(self, stages: list["Stage"], store: Any = None, extra_kwargs: dict[str, dict] | None = None,
                  timings: str = "off") -> None:
         extra_kwargs = extra_kwargs or {}
-        self.stages: list[tuple[str, Callable[[pa.Table], pa.Table]]] = [
-            (s.name, s.fn(store=store, **s.kwargs, **extra_kwargs.get(s.name, {})) if s.is_actor else s.fn)
-            for s in stages
-        ]
+        self.startup: dict[str, float] = {}
+        if stages and timings != "off":
+            import psutil
+
+            self.startup[f"{stages[0].name}.process"] = time.time() - psutil.Process().create_time()
+        self.stages: list[tuple[str, Callable[[pa.Table], pa.Table]]] = []
+        for s in stages:
+            started = time.perf_counter()
+            fn = s.fn(store=store, **s.kwargs, **extra_kwargs.get(s.name, {})) if s.is_actor else s.fn
+            self.stages.append((s.name, fn))
+            if s.is_actor and timings != "off":
+                self.startup[s.name] = time.perf_counter() - started
         self.timings = timings
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -99,22 +111,27 @@ class StageGroup:
             for _, fn in self.stages:
                 batch = fn(batch)
             return batch
-        seconds, batch = pop_timings(batch)
+        measured, batch = pop_measurements(batch)
+        seconds = measured.setdefault("stage_seconds", {})
+        if self.startup:
+            measured.setdefault("startup_seconds", {}).update(self.startup)
+            self.startup = {}
         for name, fn in self.stages:
             started = time.perf_counter()
             batch = fn(batch)
             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - started
         if self.timings == "emit":
-            for name, value in seconds.items():
-                batch = batch.append_column(f"stage_seconds/{name}", pa.array([value] * batch.num_rows, pa.float64()))
+            for area, values in measured.items():
+                for name, value in values.items():
+                    batch = batch.append_column(f"{area}/{name}", pa.array([value] * batch.num_rows, pa.float64()))
             return batch
-        return batch.replace_schema_metadata({**(batch.schema.metadata or {}), TIMINGS_KEY: json.dumps(seconds)})
+        return batch.replace_schema_metadata({**(batch.schema.metadata or {}), MEASURED_KEY: json.dumps(measured)})
 
 
-def pop_timings(batch: pa.Table) -> tuple[dict[str, float], pa.Table]:
-    """(seconds spent in each stage so far, the batch without that metadata)."""
+def pop_measurements(batch: pa.Table) -> tuple[dict[str, dict[str, float]], pa.Table]:
+    """(what the groups before measured on this batch, the batch without that metadata)."""
     metadata = dict(batch.schema.metadata or {})
-    raw = metadata.pop(TIMINGS_KEY, None)
+    raw = metadata.pop(MEASURED_KEY, None)
     if raw is None:
         return {}, batch
     return json.loads(raw), batch.replace_schema_metadata(metadata or None)

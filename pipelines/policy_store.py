@@ -12,7 +12,7 @@ trainer publishes each new version; generators take the newest one. The store al
 - collects timing counters from the actors (seconds generating, scoring, waiting) so that each
   train step can report them.
 
-Weights travel as object refs (zero-copy on one node, see engines/shared_weights.py); the store
+Weights travel as object refs (zero-copy on one node, see schemas/weights.py); the store
 only holds the refs. A ref is always wrapped in a list when passed around so that Ray does not
 resolve it on the way.
 

@@ -264,8 +264,12 @@ class RLPipeline:
         """Run the pipeline, yielding one metrics dict per train step as it completes."""
         log.info("trajflow pipeline\n%s\n%s\nall strategies:\n%s", self.describe(), self.layout(), format_strategies())
         try:
-            for row in self.build(first_step).iter_rows():
-                yield row
+            # Not iter_rows(): it prefetches one block, so row b would surface only once step b+1
+            # has finished (measured: the status line, the progress bar and the end of the first
+            # step were one step late).
+            for batch in self.build(first_step).iter_batches(batch_size=None, batch_format="pyarrow",
+                                                             prefetch_batches=0):
+                yield from batch.to_pylist()
         finally:
             self.shutdown()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups, pop_timings
+from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups, pop_measurements
 from trajflow.pipelines.config import PipelineConfig, ResourceConfig
 from trajflow.pipelines.rl_loop import Fused, RLPipeline, Stage
 
@@ -83,16 +83,21 @@ def test_stage_group_constructs_class_stages_and_carries_timings():
     first = StageGroup([double, Stage("tag", AddColumn, {"column": "tag"})], store="S", timings="carry")
     out = first(pa.table({"x": [1, 2]}))
     assert out["x"].to_pylist() == [2, 4] and out["tag"].to_pylist() == ["S", "S"]
-    carried, bare = pop_timings(out)
+    measured, bare = pop_measurements(out)
+    carried = measured["stage_seconds"]
     assert set(carried) == {"double", "tag"} and all(v >= 0 for v in carried.values())
+    assert set(measured["startup_seconds"]) == {"double.process", "tag"}  # the first batch only
     assert bare.schema.metadata is None  # the stages themselves never see the timing metadata
+    assert "startup_seconds" not in pop_measurements(first(pa.table({"x": [1]})))[0]
 
     seen = []
     last = StageGroup([Stage("spy", lambda t: seen.append(t.schema.metadata) or t.slice(0, 1))], timings="emit")
     row = last(out)
     assert seen == [None]
     assert row.num_rows == 1
-    assert set(row.column_names) == {"x", "tag", "stage_seconds/double", "stage_seconds/tag", "stage_seconds/spy"}
+    assert set(row.column_names) == {"x", "tag", "stage_seconds/double", "stage_seconds/tag", "stage_seconds/spy",
+                                     "startup_seconds/double.process", "startup_seconds/tag",
+                                     "startup_seconds/spy.process"}
     assert row["stage_seconds/double"][0].as_py() == carried["double"]
 
 

@@ -5,11 +5,13 @@ outlives the actor that published it."""
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from trajflow.engines.shared_weights import SharedStateDict
+from trajflow.schemas.weights import SharedStateDict
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -37,6 +39,21 @@ def test_shared_state_dict_of_a_module_is_a_view_not_a_copy():
     state = SharedStateDict.of(layer)
     assert state["weight"].data_ptr() == layer.weight.data_ptr()
     assert not state["weight"].requires_grad
+
+
+def test_a_process_without_torch_passes_a_version_on_as_raw_buffers():
+    """The policy store unpickles (and re-puts) the final version without importing torch."""
+    state = SharedStateDict.of(_state(), dtype=None)
+    relay = ("import pickle, sys\n"
+             "obj = pickle.loads(sys.stdin.buffer.read())\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\n"
+             "sys.stdout.buffer.write(pickle.dumps(obj, protocol=5))\n")
+    out = subprocess.run([sys.executable, "-c", relay], input=pickle.dumps(state, protocol=5),
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    back = pickle.loads(out.stdout)
+    assert isinstance(back, SharedStateDict)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
 @pytest.mark.timeout(300)
