@@ -22,7 +22,9 @@ happens instead of ticking, so the driver's CPU cost goes *down* when idle. One 
 output is ready but left unread (Ray Data's output backpressure) would wake the loop at once on
 every turn; when the ready set repeats, the loop waits for *new* news at most `REPEAT_PACE_S`.
 
-Scope. Only the driver process runs the executor, so patching the driver is enough. The patch is
+Scope. Only the driver process runs the executor, so patching the driver is enough; once applied
+it holds for every Ray Data execution in that process (it changes when the loop wakes, never what
+it does). The patch is
 applied only to Ray versions whose executor was read (`VERIFIED_RAY`); on others it logs once and
 leaves Ray Data alone (the pipeline stays correct, only slower). `revert()` restores Ray Data, for
 side-by-side measurements; `TRAJFLOW_EXECUTOR_PATCH=0` turns it off for a run.
