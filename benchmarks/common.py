@@ -200,6 +200,22 @@ def run_pipeline(*, executor_patch: bool = True, **config) -> RunResult:
     return RunResult(pl.DataFrame(rows), time.perf_counter() - started, memory.peaks_mb, layout, tree)
 
 
+def run_script(script: str, *argv: str, timeout: float = 1800) -> dict:
+    """Run `script` in a fresh Python process (cold: nothing imported, no Ray) from the repository
+    root; it reports by printing one line `RESULT <json>`."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
+    line = next((line for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"benchmark process failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(line.removeprefix("RESULT "))
+
+
 def ensure_ray() -> None:
     import ray
     from ray.data import DataContext

@@ -12,11 +12,9 @@ first execution (planning, actor scheduling) and the first step's compute.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
+
+from benchmarks.common import run_script
 
 PHASES = """
 import json, os, sys, time
@@ -57,16 +55,9 @@ print("RESULT " + json.dumps(out))
 
 
 def measure(colocate: str) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", PHASES, colocate], cwd=root, capture_output=True, text=True,
-                          timeout=900)
-    wall = time.perf_counter() - started
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"startup measurement failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    out = json.loads(line.removeprefix("RESULT "))
-    out["process wall (incl. interpreter start, shutdown)"] = wall
+    out = run_script(PHASES, colocate, timeout=900)
+    out["process wall (incl. interpreter start, shutdown)"] = time.perf_counter() - started
     return out
 
 

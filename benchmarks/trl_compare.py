@@ -10,11 +10,10 @@ start-up to the end of the first step, and the whole process tree's peak PSS.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
+
+from benchmarks.common import run_script
 
 TRL = r"""
 import json, os, sys, time
@@ -79,16 +78,6 @@ print("RESULT " + json.dumps({"first_step": ends[0] - t0, "s_per_step": (ends[-2
 """
 
 
-def _measure(script: str, *argv: str) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=root, capture_output=True, text=True,
-                          timeout=1800)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(line.removeprefix("RESULT "))
-
-
 def run(steps: int = 60, repeats: int = 3) -> list[dict]:
     import tempfile
 
@@ -96,9 +85,9 @@ def run(steps: int = 60, repeats: int = 3) -> list[dict]:
                                       "trajflow async (max_staleness 2)": []}
     for _ in range(repeats):  # interleaved, so a slow spell of the machine hits every system
         with tempfile.TemporaryDirectory() as out:
-            results["TRL GRPOTrainer (sync, 1 process)"].append(_measure(TRL, str(steps), out))
-        results["trajflow sync (max_staleness 0)"].append(_measure(TRAJFLOW, str(steps), "0"))
-        results["trajflow async (max_staleness 2)"].append(_measure(TRAJFLOW, str(steps), "2"))
+            results["TRL GRPOTrainer (sync, 1 process)"].append(run_script(TRL, str(steps), out))
+        results["trajflow sync (max_staleness 0)"].append(run_script(TRAJFLOW, str(steps), "0"))
+        results["trajflow async (max_staleness 2)"].append(run_script(TRAJFLOW, str(steps), "2"))
     trl = min(r["s_per_step"] for r in results["TRL GRPOTrainer (sync, 1 process)"])
     rows = []
     for name, runs in results.items():
