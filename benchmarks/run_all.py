@@ -20,6 +20,7 @@ from benchmarks import (  # noqa: E402
     async_vs_sync,
     compute_bound,
     data_plane,
+    hops,
     orchestration,
     publish,
     startup,
@@ -32,7 +33,7 @@ from benchmarks.common import machine  # noqa: E402
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 SECTIONS = HERE / "results"  # one file per benchmark, so each can be refreshed on its own
-ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "orchestration", "compute_bound", "publish",
+ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "hops", "orchestration", "compute_bound", "publish",
          "startup", "trl"]
 
 
@@ -66,6 +67,9 @@ def run_section(name: str, quick: bool) -> tuple[str, str]:
                 f"{seeds} seeds, lr {strategy_quality.LR}; held-out greedy accuracy on "
                 f"{strategy_quality.EVAL_PROMPTS} prompts; warm start {strategy_quality.WARM_START_ACCURACY})",
                 table(rows))
+    if name == "hops":
+        return ("5a. One operator hop while a long task is active (4 one-actor stages x 20 ms, synchronous chain)",
+                table(hops.run(items=20 if q else 40)))
     if name == "orchestration":
         return ("5. The pipeline's own cost per step (quickstart size: 16 prompts x 8 samples, 6 tokens, snapshot)",
                 table(orchestration.run(steps=10 if q else 40)))
