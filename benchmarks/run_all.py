@@ -68,23 +68,23 @@ def run_section(name: str, quick: bool) -> tuple[str, str]:
                 f"{strategy_quality.EVAL_PROMPTS} prompts; warm start {strategy_quality.WARM_START_ACCURACY})",
                 table(rows))
     if name == "hops":
-        return ("5a. One operator hop while a long task is active (4 one-actor stages x 20 ms, synchronous chain)",
+        return ("5. One operator hop while a long task is active (4 one-actor stages x 20 ms, synchronous chain)",
                 table(hops.run(items=20 if q else 40)))
     if name == "orchestration":
-        return ("5. The pipeline's own cost per step (quickstart size: 16 prompts x 8 samples, 6 tokens, snapshot)",
+        return ("6. The pipeline's own cost per step (quickstart size: 16 prompts x 8 samples, 6 tokens, snapshot)",
                 table(orchestration.run(steps=10 if q else 40)))
     if name == "compute_bound":
-        return ("6. Compute-bound point (25 M-parameter Llama, random init, 2 prompts x 8 samples, 64 tokens)",
+        return ("7. Compute-bound point (25 M-parameter Llama, random init, 2 prompts x 8 samples, 64 tokens)",
                 table(compute_bound.run(steps=6 if q else 12, strategies=["behavior", "snapshot"] if q
                                         else compute_bound.STRATEGIES)))
     if name == "publish":
-        return ("7. Publishing a weight version, per model size (trainer -> policy store -> a reader)",
+        return ("8. Publishing a weight version, per model size (trainer -> policy store -> a reader)",
                 table(publish.run(sizes=("0.6M", "25M") if q else tuple(publish.SIZES), repeats=2 if q else 5)))
     if name == "startup":
-        return ("8. Start-up to the end of the first step, and the process tree (quickstart config, cold process)",
+        return ("9. Start-up to the end of the first step, and the process tree (quickstart config, cold process)",
                 table(startup.run()))
     if name == "trl":
-        return ("9. Side by side with TRL's GRPOTrainer (quickstart size: 16 prompts x 8 samples, 6 tokens)",
+        return ("10. Side by side with TRL's GRPOTrainer (quickstart size: 16 prompts x 8 samples, 6 tokens)",
                 table(trl_compare.run(steps=12 if q else 60, repeats=1 if q else 3)))
     raise ValueError(f"unknown benchmark {name!r}; choose from {ORDER}")
 
