@@ -24,6 +24,7 @@ from benchmarks import (  # noqa: E402
     orchestration,
     publish,
     startup,
+    store_calls,
     strategy_overhead,
     strategy_quality,
     trl_compare,
@@ -33,7 +34,7 @@ from benchmarks.common import machine  # noqa: E402
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 SECTIONS = HERE / "results"  # one file per benchmark, so each can be refreshed on its own
-ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "hops", "orchestration", "compute_bound", "publish",
+ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "hops", "store_calls", "orchestration", "compute_bound", "publish",
          "startup", "trl"]
 
 
@@ -70,6 +71,8 @@ def run_section(name: str, quick: bool) -> tuple[str, str]:
     if name == "hops":
         return ("5. One operator hop while a long task is active (4 one-actor stages x 20 ms, synchronous chain)",
                 table(hops.run(items=20 if q else 40)))
+    if name == "store_calls":
+        return ("5b. The policy store's per-step calls, from an actor", table(store_calls.run(calls=50 if q else 200)))
     if name == "orchestration":
         return ("6. The pipeline's own cost per step (quickstart size: 16 prompts x 8 samples, 6 tokens, snapshot)",
                 table(orchestration.run(steps=10 if q else 40)))
