@@ -42,7 +42,7 @@ def table(rows: list[dict]) -> str:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(row[k]) for k in keys) + " |")
+        lines.append("| " + " | ".join(_fmt(row.get(k)) for k in keys) + " |")
     return "\n".join(lines)
 
 
