@@ -183,10 +183,11 @@ def record_placement(paths: RunPaths) -> dict[str, list[str]]:
         name = getattr(actor, "class_name", "") or ""
         if "MapBatches(" not in name and "PolicyStore" not in name:
             continue
-        stage = name.split("MapBatches(")[-1].rstrip(")") if "MapBatches(" in name else name
-        placement.setdefault(stage, [])
-        if actor.node_id and actor.node_id not in placement[stage]:
-            placement[stage].append(actor.node_id)
+        # a process running several stages is named after all of them: Generate+Reward+...
+        for stage in name.split("MapBatches(")[-1].rstrip(")").split("+") if "MapBatches(" in name else [name]:
+            placement.setdefault(stage, [])
+            if actor.node_id and actor.node_id not in placement[stage]:
+                placement[stage].append(actor.node_id)
     if placement:
         nodes = {n["NodeID"]: {"address": n.get("NodeManagerAddress"), "resources": n.get("Resources", {})}
                  for n in ray.nodes() if n.get("Alive")}

@@ -34,6 +34,7 @@ from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.scoring import response_logprobs
+from trajflow.schemas.weights import SharedStateDict
 from trajflow.operators.columns import apply_staleness_bound, padded, replace_column, step_metrics
 from trajflow.operators.evaluate import heldout_accuracy
 from trajflow.schemas import conform
@@ -43,10 +44,10 @@ OPERATOR_STRATEGIES = ("snapshot", "dedicated", "interrupt")
 
 
 def publish_weights(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int | None = None) -> int:
-    """Put a float32 copy of the weights in the object store and register it as a new version."""
-    state = {k: v.detach().to(torch.float32).clone() for k, v in model.state_dict().items()}
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    return ray.get(store.publish.remote([ray.put(state)], nbytes, version))
+    """Put a float32 copy of the weights in the object store (the only copy: see
+    schemas/weights.py) and register it as a new version."""
+    state = SharedStateDict.of(model)
+    return ray.get(store.publish.remote([ray.put(state)], state.nbytes, version))
 
 
 class TrainStep:

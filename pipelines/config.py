@@ -123,6 +123,10 @@ class PipelineConfig(_Strict):
     scorer: ResourceConfig = Field(default_factory=lambda: ResourceConfig(num_cpus=0.25))
     trainer: ResourceConfig = Field(default_factory=ResourceConfig)
     light_stage_cpus: float = Field(0.1, gt=0.0, description="CPUs of reward/advantage/filter tasks")
+    colocate: Literal["auto", "off"] = Field(
+        "auto", description="auto: consecutive stages share an actor process where that does not serialise "
+        "work that overlaps (sync: one process; async: rollout side and train step); off: one process per "
+        "operator stage (see pipelines/colocation.py)")
 
     @field_validator("model")
     @classmethod

@@ -42,6 +42,8 @@ from trajflow.operators.generate import Generate
 from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
 from trajflow.operators.reward import Reward
 from trajflow.operators.train_step import TrainStep, publish_weights
+from trajflow.pipelines import executor_patch
+from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups
 from trajflow.pipelines.config import PipelineConfig, ResourceConfig
 from trajflow.pipelines.policy_store import PolicyStore
 from trajflow.tasks.workload import PromptSource
@@ -68,20 +70,14 @@ class Stage:
         return isinstance(self.fn, type)
 
 
-class Fused:
-    """Consecutive light stages applied in order inside one long-lived actor.
-
-    An actor rather than a task on purpose: a fresh Ray task worker re-imports torch and
-    transformers (measured: ~15 s per step under load on 2 cores), an actor pays that once.
-    """
+class Fused(StageGroup):
+    """Light stages (callables) applied in order in one process — e.g. replay's light stages in
+    one task. An actor or a long-lived task rather than a fresh task per batch on purpose: a fresh
+    Ray task worker re-imports torch and transformers (measured: ~15 s per step under load on 2
+    cores)."""
 
     def __init__(self, fns: list[Callable]) -> None:
-        self.fns = fns
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        for fn in self.fns:
-            batch = fn(batch)
-        return batch
+        super().__init__([Stage(type(fn).__name__, fn) for fn in fns])
 
 
 def in_order_pool(size: int) -> ActorPoolStrategy:
@@ -111,6 +107,7 @@ class RLPipeline:
         self._prompts: PromptSource | None = None
         self.store: ray.actor.ActorHandle | None = None
         self.train_step_kwargs: dict[str, Any] = {}  # extra TrainStep kwargs (e.g. the job's on_step)
+        self.colocation: list[list[str]] | None = None  # stage names per process; None: the default plan
         self.stages = self._default_stages()
 
     # -- editing -----------------------------------------------------------------------------------
@@ -200,7 +197,7 @@ class RLPipeline:
         ensure_ray()
         keep_history = self.config.strategy in ("snapshot", "dedicated")
         self.store = PolicyStore.options(name=f"trajflow_store_{uuid.uuid4().hex[:8]}").remote(
-            self.config.max_staleness, keep_history
+            self.config.max_staleness, keep_history, final_version=self.config.steps
         )
         model = load_model(self.model_path)
         if initial_weights is not None:
@@ -208,47 +205,55 @@ class RLPipeline:
         publish_weights(self.store, model, initial_version)
         return self.store
 
+    def process_groups(self) -> list[list[Stage]]:
+        """The stages of each actor process, in order: `self.colocation` (lists of stage names) if
+        set, else the default plan for the config (see pipelines/colocation.py)."""
+        if self.colocation is None:
+            return plan_groups(self.stages, synchronous=self.config.max_staleness == 0,
+                               colocate=self.config.colocate == "auto")
+        names = [name for group in self.colocation for name in group]
+        if names != [s.name for s in self.stages]:
+            raise ValueError(f"colocation {self.colocation} must list every stage once, in order: "
+                             f"{[s.name for s in self.stages]}")
+        return [[self.stage(name) for name in group] for group in self.colocation]
+
+    def layout(self) -> str:
+        """One line: which stages share which process, e.g. `[generate reward ...] [train]`."""
+        return "processes: " + " ".join("[" + " ".join(s.name for s in g) + "]" for g in self.process_groups())
+
     def build(self, first_step: int = 0) -> ray.data.Dataset:
         """The Ray Dataset whose rows are the metrics of train steps first_step .. steps-1."""
         c = self.config
         if self.store is None:
             self.start_store(first_step)
+        executor_patch.apply()  # Ray Data's executor otherwise hands a batch on at most every 0.1 s
         ctx = DataContext.get_current()
         ctx.execution_options.preserve_order = True  # step b must reach the trainer as batch b
         rows = c.rows_per_step
         # The source: one block per train step holding that step's prompt rows, built on the driver
         # (a read task would ask for a whole CPU); Generate reads the step from the rows.
         ds = ray.data.from_arrow([self.prompts.step_rows(step) for step in range(first_step, c.steps)])
-        pending: list[Callable] = []
-
-        def flush(ds: ray.data.Dataset) -> ray.data.Dataset:
-            if not pending:
-                return ds
-            fns = list(pending)
-            pending.clear()
-            return ds.map_batches(Fused, fn_constructor_kwargs={"fns": fns}, batch_size=rows,
-                                  batch_format="pyarrow", num_cpus=c.light_stage_cpus, zero_copy_batch=True,
-                                  compute=in_order_pool(1))
-
-        for stage in self.stages:
-            if not stage.is_actor:
-                pending.append(stage.fn)
-                continue
-            ds = flush(ds)
-            res = stage.resources or ResourceConfig()
-            ray_args = {"resources": res.resources} if res.resources else {}
+        groups = self.process_groups()
+        for i, group in enumerate(groups):
+            num_cpus, num_gpus, custom = group_resources(group, c.light_stage_cpus)
+            first = group[0]
             ds = ds.map_batches(
-                stage.fn,
-                fn_constructor_kwargs={"store": self.store, **stage.kwargs,
-                                       **(self.train_step_kwargs if issubclass(stage.fn, TrainStep) else {})},
-                batch_size=c.prompts_per_step if issubclass(stage.fn, Generate) else rows,
+                type(group_name(group), (StageGroup,), {}),
+                fn_constructor_kwargs=dict(
+                    stages=group,
+                    store=self.store,
+                    extra_kwargs={s.name: self.train_step_kwargs for s in group
+                                  if s.is_actor and issubclass(s.fn, TrainStep)},
+                    timings="emit" if i == len(groups) - 1 else "carry",
+                ),
+                batch_size=c.prompts_per_step if first.is_actor and issubclass(first.fn, Generate) else rows,
                 batch_format="pyarrow",
-                compute=in_order_pool(stage.pool_size),
-                num_cpus=res.num_cpus,
-                num_gpus=res.num_gpus or None,
-                **ray_args,
+                compute=in_order_pool(max([s.pool_size for s in group if s.is_actor], default=1)),
+                num_cpus=num_cpus,
+                num_gpus=num_gpus or None,
+                **({"resources": custom} if custom else {}),
             )
-        return flush(ds)
+        return ds
 
     @property
     def prompts(self) -> PromptSource:
@@ -281,10 +286,14 @@ class RLPipeline:
 
     def iter_metrics(self, first_step: int = 0):
         """Run the pipeline, yielding one metrics dict per train step as it completes."""
-        log.info("trajflow pipeline\n%s\nall strategies:\n%s", self.describe(), format_strategies())
+        log.info("trajflow pipeline\n%s\n%s\nall strategies:\n%s", self.describe(), self.layout(), format_strategies())
         try:
-            for row in self.build(first_step).iter_rows():
-                yield row
+            # Not iter_rows(): it prefetches one block, so row b would surface only once step b+1
+            # has finished (measured: the status line, the progress bar and the end of the first
+            # step were one step late).
+            for batch in self.build(first_step).iter_batches(batch_size=None, batch_format="pyarrow",
+                                                             prefetch_batches=0):
+                yield from batch.to_pylist()
         finally:
             self.shutdown()
 
