@@ -6,11 +6,16 @@
                  └──────── policy store (versions) ◀─────┘
 
 `RLPipeline(config)` holds the stages as a list you can edit before running — swap the strategy
-in the config, or insert your own operator in one line:
+in the config (or pass one: `RLPipeline(config, strategy=MyStrategy())`), or insert your own
+operator in one line:
 
     pipe = RLPipeline(config)
     pipe.insert_after("advantage", Stage("clip_rewards", MyOp()))
     metrics = pipe.run()            # a polars DataFrame, one row per train step
+
+The strategy object (operators/strategies/) decides the bracketed stages, what the policy store
+keeps and whether generation scores prefixes at a weight switch; the builder asks it, never its
+name. A `replay` of a logged run starts from this same stage list (pipelines/replay.py).
 
 Ordering: the source emits one row per train step and Ray Data runs with `preserve_order`, so
 step b reaches the trainer as its b-th batch; every stage after generate sees whole steps
@@ -22,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,39 +35,23 @@ import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext
 
-from trajflow.algorithms import CorrectionConfig
-from trajflow.algorithms.proximal import STRATEGIES, format_strategies
 from trajflow.engines.models import WARM_START_DIR
 from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.training_numerics import checkpoint_dropout
 from trajflow.operators.advantage import Advantage
+from trajflow.operators.after_step import HeldoutEvaluation, PublishWeights, StoreStatistics, publish_weights
 from trajflow.operators.filter import Filter
 from trajflow.operators.generate import Generate
-from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
 from trajflow.operators.reward import Reward
-from trajflow.operators.train_step import TrainStep, publish_weights
+from trajflow.operators.stage import Placement, Stage, place, stage_index
+from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
+from trajflow.operators.train_step import TrainStep
 from trajflow.pipelines.config import PipelineConfig, ResourceConfig
 from trajflow.pipelines.policy_store import PolicyStore
 
+__all__ = ["Fused", "Placement", "RLPipeline", "Stage", "build_pipeline", "ensure_ray", "in_order_pool", "map_stages"]
+
 log = logging.getLogger("trajflow")
-
-
-@dataclass
-class Stage:
-    """One operator of the pipeline.
-
-    `fn` is either a class (run as a Ray Data actor pool, constructed with `kwargs` on each actor)
-    or a callable instance/function (run as a Ray task; Arrow table in, Arrow table out).
-    """
-
-    name: str
-    fn: Callable | type
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    resources: ResourceConfig | None = None
-    pool_size: int = 1
-
-    @property
-    def is_actor(self) -> bool:
-        return isinstance(self.fn, type)
 
 
 class Fused:
@@ -100,21 +88,61 @@ def ensure_ray(**init_kwargs) -> None:
         ray.init(**init_kwargs)
 
 
+def map_stages(ds: ray.data.Dataset, stages: list[Stage], *, store: ray.actor.ActorHandle, rows: int,
+               light_stage_cpus: float, extra_kwargs: Callable[[Stage], dict] = lambda stage: {}) -> ray.data.Dataset:
+    """Apply `stages` to `ds`: consecutive light stages fused into one actor, each actor stage its own
+    in-order pool constructed with `store=`, its kwargs and `extra_kwargs(stage)`. Whole steps per
+    batch (`rows`), except generate (one step id in)."""
+    pending: list[Callable] = []
+
+    def flush(ds: ray.data.Dataset) -> ray.data.Dataset:
+        if not pending:
+            return ds
+        fns = list(pending)
+        pending.clear()
+        return ds.map_batches(Fused, fn_constructor_kwargs={"fns": fns}, batch_size=rows,
+                              batch_format="pyarrow", num_cpus=light_stage_cpus, zero_copy_batch=True,
+                              compute=in_order_pool(1))
+
+    for stage in stages:
+        if not stage.is_actor:
+            pending.append(stage.fn)
+            continue
+        ds = flush(ds)
+        res = stage.resources or ResourceConfig()
+        ray_args = {"resources": res.resources} if res.resources else {}
+        ds = ds.map_batches(
+            stage.fn,
+            fn_constructor_kwargs={"store": store, **stage.kwargs, **extra_kwargs(stage)},
+            batch_size=1 if issubclass(stage.fn, Generate) else rows,
+            batch_format="pyarrow",
+            compute=in_order_pool(stage.pool_size),
+            num_cpus=res.num_cpus,
+            num_gpus=res.num_gpus or None,
+            **ray_args,
+        )
+    return flush(ds)
+
+
 class RLPipeline:
-    def __init__(self, config: PipelineConfig, model_path: str | Path | None = None) -> None:
+    def __init__(self, config: PipelineConfig, model_path: str | Path | None = None,
+                 strategy: Strategy | None = None) -> None:
         self.config = config
         self.model_path = str(model_path or config.model or WARM_START_DIR)
         self.sampling = SamplingParams(**config.sampling.model_dump())
+        if strategy is None:
+            strategy = config.build_strategy()
+        else:  # an object from Python (a notebook, a test): checked like a config's, before Ray starts
+            strategy_class(strategy)
+            strategy.check(config)
+        self.strategy = strategy
         self.store: ray.actor.ActorHandle | None = None
         self.train_step_kwargs: dict[str, Any] = {}  # extra TrainStep kwargs (e.g. the job's on_step)
         self.stages = self._default_stages()
 
     # -- editing -----------------------------------------------------------------------------------
     def _index(self, name: str) -> int:
-        for i, stage in enumerate(self.stages):
-            if stage.name == name:
-                return i
-        raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
+        return stage_index(self.stages, name)
 
     def stage(self, name: str) -> Stage:
         return self.stages[self._index(name)]
@@ -136,8 +164,38 @@ class RLPipeline:
         return self
 
     # -- the default stage list ----------------------------------------------------------------
+    def stage_context(self) -> StageContext:
+        """What a strategy's operator stages are built from."""
+        return StageContext(self.model_path, self.sampling, self.config.training_numerics(), self.config.scorer)
+
+    def train_stage(self, strategy: Strategy) -> Stage:
+        """The train step under `strategy`, with the services that run in its process after each
+        step: publish, held-out evaluation (every eval_every versions), store statistics."""
+        c, o = self.config, self.config.optimizer
+        services: list = [PublishWeights()]
+        if c.eval_every:
+            services.append(HeldoutEvaluation(self.model_path, c.task, c.eval_every, c.eval_prompts,
+                                              c.sampling.max_new_tokens))
+        services.append(StoreStatistics())
+        train = dict(
+            model_path=self.model_path,
+            strategy=strategy,
+            correction=c.correction_config(),
+            sampling=self.sampling,
+            max_staleness=c.max_staleness,
+            numerics=c.training_numerics(),
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=o.betas,
+            grad_clip=o.grad_clip,
+            minibatches_per_step=o.minibatches_per_step,
+            after_step=services,
+            torch_threads=c.trainer.torch_threads,
+        )
+        return Stage("train", TrainStep, train, c.trainer)
+
     def _default_stages(self) -> list[Stage]:
-        c = self.config
+        c, strategy = self.config, self.strategy
         generate = Stage(
             "generate",
             Generate,
@@ -149,44 +207,26 @@ class RLPipeline:
                 sampling=self.sampling,
                 inference_dtype=c.inference_dtype,
                 seed=c.seed,
-                mid_generation_updates=c.mid_generation_updates,
-                score_on_switch=c.strategy == "interrupt",
+                mid_generation_updates=c.partial_rollout or strategy.scores_at_switch,
+                score_on_switch=strategy.scores_at_switch,
                 simulate_decode_seconds=c.simulate_decode_seconds,
                 torch_threads=c.generator.torch_threads,
                 engine=c.engine,
                 engine_kwargs=c.vllm.model_dump(exclude_none=True) if c.engine == "vllm" else {},
+                numerics=c.training_numerics(),
             ),
             c.generator,
             pool_size=c.num_generators,
         )
-        old_logits = dict(model_path=self.model_path, sampling=self.sampling, torch_threads=c.scorer.torch_threads)
-        stages = [generate]
-        if c.strategy == "dedicated":
-            stages.append(Stage("old_logits", OldLogitsAtBehaviourVersion, dict(old_logits, skip_filtered=False), c.scorer))
-        stages += [
+        stages = [
+            generate,
             Stage("reward", Reward(self.model_path, c.task)),
-            Stage("advantage", Advantage(c.advantage)),
+            Stage("advantage", Advantage(**c.advantage.model_dump())),
             Stage("filter", Filter(c.drop_zero_variance_groups)),
+            self.train_stage(strategy),
         ]
-        if c.strategy == "snapshot":
-            stages.append(Stage("old_logits", OldLogitsAtBehaviourVersion, dict(old_logits, skip_filtered=True), c.scorer))
-        correction = CorrectionConfig(**c.correction.model_dump(), loss_norm_tokens=c.sampling.max_new_tokens)
-        train = dict(
-            model_path=self.model_path,
-            task=c.task,
-            strategy=c.strategy,
-            correction=correction,
-            sampling=self.sampling,
-            max_staleness=c.max_staleness,
-            **c.optimizer.model_dump(),
-            ewma_window=c.ewma_window,
-            ewma_tau=c.ewma.reset_threshold,
-            loglinear_alpha=c.loglinear_alpha,
-            eval_every=c.eval_every,
-            eval_prompts=c.eval_prompts,
-            torch_threads=c.trainer.torch_threads,
-        )
-        stages.append(Stage("train", TrainStep, train, c.trainer))
+        for placement in strategy.stages(self.stage_context()):
+            place(stages, placement)
         return stages
 
     # -- building and running --------------------------------------------------------------------
@@ -195,9 +235,8 @@ class RLPipeline:
         from trajflow.engines.models import load_model
 
         ensure_ray()
-        keep_history = self.config.strategy in ("snapshot", "dedicated")
         self.store = PolicyStore.options(name=f"trajflow_store_{uuid.uuid4().hex[:8]}").remote(
-            self.config.max_staleness, keep_history
+            self.config.max_staleness, self.strategy.keep_history
         )
         model = load_model(self.model_path)
         if initial_weights is not None:
@@ -215,44 +254,20 @@ class RLPipeline:
         rows = c.rows_per_step
         # One block per step, built on the driver: a read task would ask for a whole CPU.
         ds = ray.data.from_arrow([pa.table({"id": pa.array([step], pa.int64())}) for step in range(first_step, c.steps)])
-        pending: list[Callable] = []
-
-        def flush(ds: ray.data.Dataset) -> ray.data.Dataset:
-            if not pending:
-                return ds
-            fns = list(pending)
-            pending.clear()
-            return ds.map_batches(Fused, fn_constructor_kwargs={"fns": fns}, batch_size=rows,
-                                  batch_format="pyarrow", num_cpus=c.light_stage_cpus, zero_copy_batch=True,
-                                  compute=in_order_pool(1))
-
-        for stage in self.stages:
-            if not stage.is_actor:
-                pending.append(stage.fn)
-                continue
-            ds = flush(ds)
-            res = stage.resources or ResourceConfig()
-            ray_args = {"resources": res.resources} if res.resources else {}
-            ds = ds.map_batches(
-                stage.fn,
-                fn_constructor_kwargs={"store": self.store, **stage.kwargs,
-                                       **(self.train_step_kwargs if issubclass(stage.fn, TrainStep) else {})},
-                batch_size=1 if issubclass(stage.fn, Generate) else rows,
-                batch_format="pyarrow",
-                compute=in_order_pool(stage.pool_size),
-                num_cpus=res.num_cpus,
-                num_gpus=res.num_gpus or None,
-                **ray_args,
-            )
-        return flush(ds)
+        train_kwargs = lambda stage: self.train_step_kwargs if issubclass(stage.fn, TrainStep) else {}  # noqa: E731
+        return map_stages(ds, self.stages, store=self.store, rows=rows, light_stage_cpus=c.light_stage_cpus,
+                          extra_kwargs=train_kwargs)
 
     def describe(self) -> str:
-        s = STRATEGIES[self.config.strategy]
+        s, c = self.strategy, self.config
+        dropout = checkpoint_dropout(self.model_path)
+        off = f"; the checkpoint's {', '.join(f'{k} {v}' for k, v in dropout.items())} is off" if dropout else ""
         return (
             f"strategy {s.name} ({s.kind}): {s.meaning}\n"
             f"stages: {' -> '.join(stage.name for stage in self.stages)}\n"
-            f"max_staleness {self.config.max_staleness}, inference_dtype {self.config.inference_dtype}, "
-            f"{self.config.steps} steps x {self.config.rows_per_step} rows"
+            f"training numerics: {c.training_numerics().describe()}{off}\n"
+            f"max_staleness {c.max_staleness}, inference_dtype {c.inference_dtype}, "
+            f"{c.steps} steps x {c.rows_per_step} rows"
         )
 
     def iter_metrics(self, first_step: int = 0):
@@ -269,7 +284,7 @@ class RLPipeline:
         from tqdm.auto import tqdm
 
         rows = []
-        with tqdm(total=self.config.steps, desc=f"trajflow {self.config.strategy}", disable=not progress) as bar:
+        with tqdm(total=self.config.steps, desc=f"trajflow {self.strategy.name}", disable=not progress) as bar:
             for row in self.iter_metrics():
                 rows.append(row)
                 bar.update(1)
