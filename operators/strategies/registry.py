@@ -15,6 +15,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
@@ -37,12 +38,14 @@ def strategy_names() -> list[str]:
     return list(BUILTIN)
 
 
-def format_strategies(classes: list[type[Strategy]] | None = None) -> str:
-    """The catalogue as aligned text: name, kind, where pi_old comes from, meaning."""
+def format_strategies(classes: list[type[Strategy]] | None = None, width: int = 100) -> str:
+    """The catalogue as aligned text within `width` columns: name, kind, where pi_old comes from
+    (the old_logprobs column, or the trainer), meaning."""
     lines = []
     for cls in classes or list(BUILTIN.values()):
         source = "column" if cls.old_from_column else "trainer"
-        lines.append(f"{cls.name:<10} {cls.kind:<12} {source:<8} {cls.meaning}")
+        head = f"{cls.name:<10} {cls.kind:<12} {source:<8} "
+        lines.append(textwrap.fill(cls.meaning, width, initial_indent=head, subsequent_indent=" " * len(head)))
     return "\n".join(lines)
 
 
