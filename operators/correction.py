@@ -157,7 +157,7 @@ def step_diagnostics(merged: LossOutput, batch: StepBatch, trainer_version: int,
     """The correction metrics of one step (see algorithms/diagnostics.py for the keys)."""
     d = correction_diagnostics(merged, versions=batch.versions, trainer_version=trainer_version,
                                advantages=batch.advantages)
-    d["loss"] = float(merged.loss)
+    d["loss"] = float(merged.loss.detach())
     d["support/outside_tokens"] = float(outside_support)
     d["rows_spanning_versions"] = sum(len(set(v)) > 1 for v in (batch.versions[i, : len(r)].tolist()
                                                                   for i, r in enumerate(batch.responses)))

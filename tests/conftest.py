@@ -81,3 +81,35 @@ def publish_inside_rollouts():
         return pipe.replace("generate", generate)
 
     return apply
+
+
+@pytest.fixture(scope="session")
+def run_in_process(ray_session):
+    """Run an RLPipeline's own stage list step by step in this process: the same operator objects
+    Ray Data would run (each is a callable, Arrow in, Arrow out), with the real policy store actor,
+    but without Ray Data's executor and its per-run actor start-up. Steps are synchronous (a
+    rollout never runs ahead of the trainer). Returns the metrics as a polars DataFrame."""
+    import polars as pl
+    import pyarrow as pa
+
+    def run(pipe):
+        store = pipe.start_store()
+        try:
+            fns = []
+            for stage in pipe.stages:
+                if not stage.is_actor:
+                    fns.append(stage.fn)
+                    continue
+                extra = pipe.train_step_kwargs if stage.name == "train" else {}
+                fns.append(stage.fn(store=store, **stage.kwargs, **extra))
+            rows = []
+            for step in range(pipe.config.steps):
+                batch = pa.table({"id": pa.array([step], pa.int64())})
+                for fn in fns:
+                    batch = fn(batch)
+                rows += batch.to_pylist()
+            return pl.from_dicts(rows, infer_schema_length=None)
+        finally:
+            pipe.shutdown()
+
+    return run
