@@ -98,8 +98,10 @@ class Diagnose(PolicyHolder):
                 result = correct(strategy, step, current, self, self.correction)
                 results[strategy.name] = step_diagnostics(result.loss, step, k, result.outside_support)
             self._after_step(k, results)
-        return pa.Table.from_pylist([{**base, "strategy": s.name, **results[s.name],
-                                      "diagnose_seconds": time.perf_counter() - started} for s in self.strategies])
+        rows = [{**base, "strategy": s.name, **results[s.name], "diagnose_seconds": time.perf_counter() - started}
+                for s in self.strategies]
+        keys = list(dict.fromkeys(key for row in rows for key in row))  # from_pylist reads only row 0's keys
+        return pa.Table.from_pylist([{key: row.get(key) for key in keys} for row in rows])
 
     def _after_step(self, k: int, results: dict[str, dict]) -> None:
         """The strategies' after-update / after-step hooks, in the train step's order: strategies that
