@@ -113,3 +113,50 @@ def run_in_process(ray_session):
             pipe.shutdown()
 
     return run
+
+
+USER_STRATEGY_MODULE = '''
+import dataclasses
+
+from trajflow.operators.strategies import Strategy
+
+
+class HalfwayOld(Strategy):
+    """A strategy the package does not know: old := the log-space midpoint of mu and pi_theta."""
+
+    name = "halfway"
+    kind = "baseline"
+    meaning = "old := (log mu + log pi_theta) / 2, clip 0.1"
+
+    def correction(self, base):
+        return dataclasses.replace(base, eps_low=0.1, eps_high=0.1)
+
+    def proximal(self, batch, current, trainer):
+        return 0.5 * (batch.inference + current.detach())
+
+
+class NotAStrategy:
+    pass
+
+
+class Nameless(Strategy):
+    kind = "baseline"
+'''
+
+
+@pytest.fixture
+def user_strategy_module(tmp_path):
+    """Write a module defining strategies outside the package; returns (its dir, module name).
+    The module is forgotten after the test (another test writes its own)."""
+    import sys
+
+    names = []
+
+    def write(name: str = "my_corrections"):
+        (tmp_path / f"{name}.py").write_text(USER_STRATEGY_MODULE)
+        names.append(name)
+        return tmp_path, name
+
+    yield write
+    for name in names:
+        sys.modules.pop(name, None)

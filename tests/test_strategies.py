@@ -247,36 +247,8 @@ def test_bf16_autocast_is_one_definition_and_dropout_is_off(tmp_path, tiny, one_
 
 
 # -- user strategies ------------------------------------------------------------------------------------------
-USER_MODULE = '''
-from trajflow.operators.strategies import Strategy
-
-
-class HalfwayOld(Strategy):
-    """old := the midpoint of mu and pi_theta in log space, with a tighter clip."""
-
-    name = "halfway"
-    kind = "baseline"
-    meaning = "old := (log mu + log pi_theta) / 2, eps 0.1"
-
-    def correction(self, base):
-        import dataclasses
-        return dataclasses.replace(base, eps_low=0.1, eps_high=0.1)
-
-    def proximal(self, batch, current, trainer):
-        return 0.5 * (batch.inference + current.detach())
-
-
-class NotAStrategy:
-    pass
-
-
-class Nameless(Strategy):
-    kind = "baseline"
-'''
-
-
-def test_user_strategy_by_file_and_module_path(tmp_path, monkeypatch):
-    (tmp_path / "my_corrections.py").write_text(USER_MODULE)
+def test_user_strategy_by_file_and_module_path(user_strategy_module, monkeypatch):
+    tmp_path, _ = user_strategy_module("my_corrections")
     by_file = resolve_strategy(f"{tmp_path}/my_corrections.py:HalfwayOld")
     assert by_file.name == "halfway" and issubclass(by_file, Strategy)
     monkeypatch.chdir(tmp_path)
@@ -292,10 +264,10 @@ def test_user_strategy_by_file_and_module_path(tmp_path, monkeypatch):
             resolve_strategy(spec)
 
 
-def test_a_user_strategy_travels_by_value_to_processes_that_cannot_import_it(tmp_path, monkeypatch):
+def test_a_user_strategy_travels_by_value_to_processes_that_cannot_import_it(user_strategy_module, monkeypatch):
     import ray.cloudpickle
 
-    (tmp_path / "my_corrections_bv.py").write_text(USER_MODULE)
+    tmp_path, _ = user_strategy_module("my_corrections_bv")
     monkeypatch.syspath_prepend(str(tmp_path))
     cls = resolve_strategy("my_corrections_bv:HalfwayOld")
     strategy_class(cls())

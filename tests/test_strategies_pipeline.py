@@ -98,34 +98,13 @@ def test_a_dropout_checkpoint_keeps_old_logprobs_exact(ray_session, tmp_path):
     assert m["mismatch/max_abs_log_rd"].max() < 1e-5  # float32 inference: old == inference
 
 
-USER_MODULE = '''
-import dataclasses
-
-from trajflow.operators.strategies import Strategy
-
-
-class HalfwayOld(Strategy):
-    """A strategy the package does not know: old := the log-space midpoint of mu and pi_theta."""
-
-    name = "halfway"
-    kind = "baseline"
-    meaning = "old := (log mu + log pi_theta) / 2, clip 0.1"
-
-    def correction(self, base):
-        return dataclasses.replace(base, eps_low=0.1, eps_high=0.1)
-
-    def proximal(self, batch, current, trainer):
-        return 0.5 * (batch.inference + current.detach())
-'''
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_user_strategy_runs_live_and_in_replay_diagnose(ray_session, tmp_path, monkeypatch):
+def test_a_user_strategy_runs_live_and_in_replay_diagnose(ray_session, user_strategy_module, monkeypatch):
     from trajflow.jobs.config import JobConfig
-    from trajflow.jobs.recorder import RunRecorder, read_metrics, RunPaths
+    from trajflow.jobs.recorder import RunPaths, RunRecorder, read_metrics
 
-    (tmp_path / "my_corrections.py").write_text(USER_MODULE)
+    tmp_path, _ = user_strategy_module("my_corrections")
     monkeypatch.syspath_prepend(str(tmp_path))  # the driver imports it; Ray workers get it by value
     from my_corrections import HalfwayOld
 
