@@ -57,10 +57,6 @@ class AdvantageSettings(_Strict):
     std: Literal["sample", "population"] = "sample"
 
 
-class M2poConfig(_Strict):
-    m2_threshold: float = Field(0.04, ge=0.0, description="tau_M2: mask until the mean (log pi/mu)^2 <= this")
-
-
 class EwmaConfig(_Strict):
     window: int | None = Field(None, ge=1, description="staleness window W in versions (counted in optimizer "
                                "updates: W x minibatches_per_step); default max(1, max_staleness)")
@@ -95,6 +91,9 @@ class PipelineConfig(_Strict):
     task: str = "addition"
     strategy: str = Field("snapshot", description="a built-in name (operators/strategies/registry.py) or an "
                           "import path module:Class / file.py:Class")
+    strategy_options: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the strategy's constructor, e.g. "
+        "{m2_threshold: 0.04} for m2po, or a user strategy's own settings")
     steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(64, ge=1)
     group_size: int = Field(8, ge=1)
@@ -114,7 +113,6 @@ class PipelineConfig(_Strict):
     drop_zero_variance_groups: bool = True
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     ewma: EwmaConfig = Field(default_factory=EwmaConfig)
-    m2po: M2poConfig = Field(default_factory=M2poConfig)
     loglinear_alpha: float | None = Field(
         None, ge=0.0, le=1.0, description="fixed alpha; default: from versions (A-3PO)"
     )
@@ -158,7 +156,11 @@ class PipelineConfig(_Strict):
             raise ValueError(f"model: {self.model} is not a local model directory (no config.json)")
         if self.engine != "vllm" and self.vllm != VllmSettings():
             raise ValueError("vllm: settings given but engine is not vllm")
-        self.build_strategy().check(self)
+        try:
+            strategy = self.build_strategy()
+        except (TypeError, ValueError) as e:  # the constructor refused strategy_options
+            raise ValueError(f"strategy_options: {self.strategy}: {e}") from None
+        strategy.check(self)
         rows = self.rows_per_step
         if rows % self.optimizer.minibatches_per_step:
             raise ValueError(

@@ -83,7 +83,7 @@ def test_recompute_entangles_staleness_with_discrepancy(ray_session):
 @pytest.mark.parametrize("strategy", ["ewma", "behavior", "loglinear", "recompute", "m2po"])
 def test_train_time_strategies_run_async_with_bf16(ray_session, strategy):
     # m2po: a threshold this short run exceeds (its M2 reaches ~0.01-0.03), so the mask acts
-    tau = {"m2po": {"m2_threshold": 0.005}} if strategy == "m2po" else {}
+    tau = {"strategy_options": {"m2_threshold": 0.005}} if strategy == "m2po" else {}
     m = run(strategy=strategy, max_staleness=2, inference_dtype="bfloat16", steps=6, **tau)
     assert m.height == 6
     for column in ("loss", "active_frac", "mismatch/k3", "is/ess"):

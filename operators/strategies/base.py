@@ -86,8 +86,9 @@ class Strategy:
 
     @classmethod
     def from_config(cls, config: Any) -> "Strategy":
-        """An instance with its settings taken from the PipelineConfig (default: no settings)."""
-        return cls()
+        """An instance with its settings from the PipelineConfig: `strategy_options` are the
+        constructor's keyword arguments."""
+        return cls(**config.strategy_options)
 
     def check(self, config: Any) -> None:
         """Raise ValueError("key: why") if the PipelineConfig cannot run this strategy."""

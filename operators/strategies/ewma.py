@@ -33,7 +33,7 @@ class Ewma(Strategy):
 
     @classmethod
     def from_config(cls, config: Any) -> "Ewma":
-        return cls(window=config.ewma_window, reset_threshold=config.ewma.reset_threshold)
+        return cls(window=config.ewma_window, reset_threshold=config.ewma.reset_threshold, **config.strategy_options)
 
     def bind(self, trainer: Trainer) -> None:
         self.updates_per_version = trainer.updates_per_version

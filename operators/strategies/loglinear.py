@@ -26,7 +26,7 @@ class Loglinear(Strategy):
 
     @classmethod
     def from_config(cls, config: Any) -> "Loglinear":
-        return cls(alpha=config.loglinear_alpha)
+        return cls(alpha=config.loglinear_alpha, **config.strategy_options)
 
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
         alpha = self.alpha

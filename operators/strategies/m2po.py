@@ -1,7 +1,8 @@
 """`m2po` (baseline, arXiv 2510.01161): behaviour log-probs as old, a second-moment trust region.
 
 Per optimizer update, M2 = mean over the loss tokens of (log pi_theta - log mu)^2; if M2 > tau
-the tokens with the largest squared log-ratio are masked until M2 <= tau (algorithms/m2po.py).
+(config `strategy_options: {m2_threshold: 0.04}`) the tokens with the largest squared log-ratio
+are masked until M2 <= tau (algorithms/m2po.py).
 Kept tokens get no PPO clip; masked ones carry no gradient but stay in the loss denominator.
 Reported per step: m2po/m2_before, m2po/m2_after (token-weighted over the step's updates),
 m2po/masked_tokens and m2po/masked_frac.
@@ -14,7 +15,6 @@ log-ratios, `m2_cutoff` once, mask locally.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from torch import Tensor
 
@@ -29,13 +29,11 @@ class M2po(Strategy):
     kind = "baseline"
     meaning = "old := inference log-probs; mask the largest (log pi_theta/mu)^2 until their mean M2 <= tau, no PPO clip"
 
-    def __init__(self, m2_threshold: float = 0.04) -> None:
-        self.m2_threshold = m2_threshold
+    def __init__(self, m2_threshold: float = 0.04) -> None:  # config: strategy_options.m2_threshold
+        if not (isinstance(m2_threshold, (int, float)) and m2_threshold >= 0):
+            raise ValueError(f"m2_threshold must be a number >= 0, got {m2_threshold!r}")
+        self.m2_threshold = float(m2_threshold)
         self._sums = dict.fromkeys(("before", "after", "tokens", "kept"), 0.0)
-
-    @classmethod
-    def from_config(cls, config: Any) -> "M2po":
-        return cls(m2_threshold=config.m2po.m2_threshold)
 
     def correction(self, base: CorrectionConfig) -> CorrectionConfig:
         return dataclasses.replace(base, clip_level="none", dual_clip_c=None)
