@@ -29,7 +29,7 @@ class Publisher:
         self.model, self.store = build_model(size), store
 
     def publish(self, before: bool) -> float:
-        from trajflow.operators.train_step import publish_weights
+        from trajflow.operators.after_step import publish_weights
 
         started = time.perf_counter()
         if before:

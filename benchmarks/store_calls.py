@@ -18,7 +18,7 @@ class Caller:
         self.model = torch.nn.Linear(128, 128)
 
     def time(self, calls: int) -> dict[str, float]:
-        from trajflow.operators.train_step import publish_weights
+        from trajflow.operators.after_step import publish_weights
 
         def per_call(fn) -> float:
             fn()  # warm

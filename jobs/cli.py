@@ -88,10 +88,13 @@ class UsageError(ValueError):
 
 def _cmd_configs(args: argparse.Namespace) -> int:
     from trajflow.jobs.config import CONFIGS_DIR, bundled_configs
+    from trajflow.operators.strategies import format_strategies
 
     for name in bundled_configs():
         first = (CONFIGS_DIR / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ").strip()
         print(f"{name:<12} {first}")
+    print("\nstrategies (`strategy:` a name below, or your own as module:Class / file.py:Class):")
+    print(format_strategies())
     return 0
 
 
@@ -203,7 +206,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(metrics.select(keys))
         means = [c for c in keys if c not in ("step", "strategy")]
         print(metrics.group_by("strategy", maintain_order=True).agg([pl.col(c).mean() for c in means]))
-    _compare_with_logged(metrics, run_root, config.strategy, mode)
+    _compare_with_logged(metrics, run_root, config.build_strategy().name, mode)
     print(f"trajflow: replay written to {out}")
     return 0
 
@@ -292,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--checkpoints", required=True,
                     help="dir with the versions' weights (a run dir, its versions/ or checkpoints/)")
     rp.add_argument("--strategy", action="append", required=True,
-                    help="strategy to replay under; repeat (or comma-separate) to compare in --diagnose")
+                    help="strategy to replay under (a name, or module:Class / file.py:Class); repeat "
+                         "(or comma-separate) to compare in --diagnose")
     mode = rp.add_mutually_exclusive_group()
     mode.add_argument("--diagnose", action="store_true", help="correction diagnostics per step, no training (default)")
     mode.add_argument("--train", action="store_true", help="train on the logged data")
@@ -301,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="output dir (default: RUN/replay/MODE-STRATEGY-TIME)")
     rp.set_defaults(func=_cmd_replay)
 
-    cf = sub.add_parser("configs", help="list the bundled job configs")
+    cf = sub.add_parser("configs", help="list the bundled job configs and the strategies")
     cf.set_defaults(func=_cmd_configs)
 
     rep = sub.add_parser("report", help="summary table and PNG plots of one run")

@@ -66,7 +66,7 @@ class RunError(RuntimeError):
 
 def default_run_dir(config: JobConfig) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path(config.runs_root) / f"{config.name}-{config.strategy}-{stamp}"
+    base = Path(config.runs_root) / f"{config.name}-{config.build_strategy().name}-{stamp}"
     path, n = base, 1
     while path.exists():
         n += 1
@@ -324,7 +324,7 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
 
     tb = _TensorBoard(paths.tensorboard, purge_step=first_step if first_step else None) if config.tensorboard else None
     interactive = progress and sys.stderr.isatty()
-    bar = tqdm(total=config.steps, initial=first_step, desc=f"trajflow {config.strategy}", disable=not interactive,
+    bar = tqdm(total=config.steps, initial=first_step, desc=f"trajflow {pipeline.strategy.name}", disable=not interactive,
                file=sys.stderr, dynamic_ncols=True)
     placement_done = False
 

@@ -14,9 +14,10 @@ newest weights, so the turns of one episode may come from different versions.
 Before sampling, the actor takes an admission permit from the policy store: the rollout of
 step b starts only once version b - max_staleness exists, which bounds policy lag. With
 `mid_generation_updates` it also takes newer weights between decode steps, so one trajectory can
-span versions; for the `interrupt` strategy it first scores the prefix generated so far with the
-still-resident weights under training numerics — the exact old log-probs — then switches. The
-prefix is scored with its full context (for episodes: prompt, earlier turns and observations).
+span versions; for a strategy that scores at a switch (`interrupt`: `score_on_switch`) it first
+scores the prefix generated so far with the still-resident weights under the training numerics
+(`numerics`, the trainer's) — the exact old log-probs — then switches. The prefix is scored with
+its full context (for episodes: prompt, earlier turns and observations).
 Sampling stops at the tokenizer's eos (and the model's generation-config eos ids) and at the
 `sampling.stop` strings.
 """
@@ -34,8 +35,8 @@ import torch
 from trajflow.engines.factory import make_engine
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
-from trajflow.engines.scoring import score
 from trajflow.engines.tokenizer import stop_token_ids
+from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.engines.torch_engine import Generation, TorchEngine
 from trajflow.operators.episodes import Episode, EpisodeBatch, EpisodeView, run_episodes
 from trajflow.schemas import SamplingSemantics, conform
@@ -69,6 +70,7 @@ class Generate:
         torch_threads: int = 1,
         engine: str = "torch",
         engine_kwargs: dict | None = None,
+        numerics: TrainingNumerics = TrainingNumerics(),
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
@@ -97,7 +99,8 @@ class Generate:
             **(engine_kwargs or {}),
         )
         # Training numerics of the resident version, for scoring prefixes at a switch (interrupt).
-        self.scoring_model = model if score_on_switch else None
+        self.numerics = numerics
+        self.scoring_model = numerics.prepare(model) if score_on_switch else None
         self.semantics = SamplingSemantics(sampling.temperature, sampling.top_p, sampling.top_k)
 
     def _load(self, version: int, ref: ray.ObjectRef) -> None:
@@ -198,7 +201,7 @@ class Generate:
             return
         t0 = time.perf_counter()
         needs_scoring = [i for i in todo if any(rows[i].loss_mask[len(old_logprobs[i]):])]
-        scored = dict(zip(needs_scoring, score(
+        scored = dict(zip(needs_scoring, self.numerics.score(
             self.scoring_model,
             [rows[i].prompt_tokens for i in needs_scoring],
             [rows[i].response_tokens for i in needs_scoring],

@@ -7,15 +7,16 @@ stages once per actor and passes each batch through all stages in order — as l
 serialise work that would otherwise overlap. The stage list stays what it is: grouping changes
 which process runs a stage, never the order of stages or what a stage computes.
 
-`plan_groups` is the default policy, chosen from measurement (benchmarks/results/processes.md):
+`plan_groups` is the default policy, chosen from measurement (benchmarks/results/orchestration.md):
 
 - synchronous (`max_staleness: 0`): every stage waits for the previous one anyway, so all
   stages that can share a process do (on CPU: generator, light stages, scorer and trainer in one);
-- asynchronous: the last stage (the train step) gets its own process so that rollouts run ahead
-  of it; every stage before it shares the generator's process (on 2 cores the rollout side —
-  generation, reward, scoring — is shorter than a train step);
-- two stages never share a process if their pool sizes differ, or if either asks for a GPU or for
-  custom resources the other does not have (placement on a cluster is the user's decision).
+- asynchronous: three processes — the generator alone (rewards and scoring stay off its critical
+  path, so a slow reward function never stalls sampling), every stage between it and the train
+  step together (reward, advantage, filter, a scorer, your stages), and the train step alone;
+- two stages never share a process if their pool sizes differ, if either asks for a GPU or for
+  custom resources the other does not have (placement on a cluster is the user's decision), or if
+  either is marked `own_process` (`dedicated`'s scorer: its own CPU/GPU share by definition).
 
 Each group also times its stages and hands the times on in the batch's schema metadata; the
 last group adds them to the metrics row as `stage_seconds/<stage>` (and, in the first row, where
@@ -43,32 +44,35 @@ def _can_share(a: "Stage", b: "Stage") -> bool:
     gpu = (ra is not None and ra.num_gpus > 0) or (rb is not None and rb.num_gpus > 0)
     custom_a = ra.resources if ra is not None else {}
     custom_b = rb.resources if rb is not None else {}
-    return a.pool_size == b.pool_size and not gpu and custom_a == custom_b
+    return a.pool_size == b.pool_size and not gpu and custom_a == custom_b and not (a.own_process or b.own_process)
 
 
 def plan_groups(stages: list["Stage"], synchronous: bool, colocate: bool = True) -> list[list["Stage"]]:
     """Consecutive runs of `stages` that share one actor process each.
 
-    With `colocate=False`, the layout before grouping existed: every class stage in its own
-    process, consecutive function stages together in one.
+    Asynchronous, the first stage (the generator) and the last class stage (the train step) each
+    start a process of their own and nothing joins them; the stages between share. With
+    `colocate=False`, every class stage has its own process and consecutive function stages share
+    one.
     """
-    trainer = max((i for i, s in enumerate(stages) if s.is_actor), default=-1)
+    actors = [i for i, s in enumerate(stages) if s.is_actor]
+    boundaries = set() if synchronous or not actors else {actors[0], actors[0] + 1, actors[-1]}
     groups: list[list[Stage]] = []
     for i, stage in enumerate(stages):
-        if groups and _joins(groups[-1], stage, synchronous or i != trainer, colocate):
+        if groups and i not in boundaries and _joins(groups[-1], stage, colocate):
             groups[-1].append(stage)
         else:
             groups.append([stage])
     return groups
 
 
-def _joins(group: list["Stage"], stage: "Stage", may_share_with_rollouts: bool, colocate: bool) -> bool:
+def _joins(group: list["Stage"], stage: "Stage", colocate: bool) -> bool:
     anchors = [s for s in group if s.is_actor]
     if not colocate:
         return not anchors and not stage.is_actor
     if not stage.is_actor:
         return True
-    return may_share_with_rollouts and all(_can_share(a, stage) for a in anchors)
+    return all(_can_share(a, stage) for a in anchors)
 
 
 def group_name(group: list["Stage"]) -> str:
@@ -100,7 +104,7 @@ class StageGroup:
         self.stages: list[tuple[str, Callable[[pa.Table], pa.Table]]] = []
         for s in stages:
             started = time.perf_counter()
-            fn = s.fn(store=store, **s.kwargs, **extra_kwargs.get(s.name, {})) if s.is_actor else s.fn
+            fn = s.fn(**{"store": store, **s.kwargs, **extra_kwargs.get(s.name, {})}) if s.is_actor else s.fn
             self.stages.append((s.name, fn))
             if s.is_actor and timings != "off":
                 self.startup[s.name] = time.perf_counter() - started

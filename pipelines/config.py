@@ -1,23 +1,20 @@
 """The typed, validated configuration of one RL pipeline (the job config nests it).
 
 Every field has a default that runs the built-in task on a 2-core CPU machine. Validation happens
-here, before Ray starts: unknown keys, wrong types and impossible combinations fail with a message
-that names the key.
+here, before Ray starts: unknown keys, wrong types, names that do not resolve (the strategy: a
+built-in name or an import path) and impossible combinations fail with a message that names the
+key.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trajflow.tasks.dataset import DataConfig
 from trajflow.tasks.workload import Workload
-
-Strategy = Literal["snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior", "loglinear"]
-# Strategies whose old log-probs are computed by an operator before the train step.
-OPERATOR_STRATEGIES = ("snapshot", "dedicated", "interrupt")
 
 
 class _Strict(BaseModel):
@@ -39,7 +36,7 @@ class CorrectionSettings(_Strict):
     mask_c_token: float = Field(2.0, gt=1.0)
     mask_c_seq: float = Field(1.05, gt=1.0)
     tis_cap: float | None = Field(None, gt=0.0)
-    clip_level: Literal["token", "sequence"] = "token"
+    clip_level: Literal["token", "sequence", "none"] = "token"
     eps_low: float = Field(0.2, gt=0.0, lt=1.0)
     eps_high: float = Field(0.28, gt=0.0)
     dual_clip_c: float | None = Field(None, gt=1.0)
@@ -55,8 +52,18 @@ class OptimizerConfig(_Strict):
     mixed_precision: Literal["no", "bf16"] = "no"
 
 
+class AdvantageSettings(_Strict):
+    """Group-relative advantages (algorithms/advantages.py). `std` applies to grpo: "sample"
+    (ddof 1; veRL and TRL divide by it, so it is the default) or "population" (ddof 0); at group
+    size G they differ by sqrt(G / (G - 1)). The YAML may also give just the estimator's name."""
+
+    estimator: Literal["grpo", "dr_grpo", "leave_one_out"] = "grpo"
+    std: Literal["sample", "population"] = "sample"
+
+
 class EwmaConfig(_Strict):
-    window: int | None = Field(None, ge=1, description="staleness window W; default max(1, max_staleness)")
+    window: int | None = Field(None, ge=1, description="staleness window W in versions (counted in optimizer "
+                               "updates: W x minibatches_per_step); default max(1, max_staleness)")
     reset_threshold: float = Field(0.9, ge=0.0, le=1.0, description="tau: reset when active fraction < tau")
 
 
@@ -92,7 +99,11 @@ class PipelineConfig(_Strict):
                                "(default: the task's own verifier)")
     reward_timeout_seconds: float = Field(30.0, gt=0.0, description="per item; over it the row is a reward_error")
     env: str | None = Field(None, description="package.module:Class (or file.py:Class) of a multi-turn Environment")
-    strategy: Strategy = "snapshot"
+    strategy: str = Field("snapshot", description="a built-in name (operators/strategies/registry.py) or an "
+                          "import path module:Class / file.py:Class")
+    strategy_options: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the strategy's constructor, e.g. "
+        "{m2_threshold: 0.04} for m2po, or a user strategy's own settings")
     steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(64, ge=1)
     group_size: int = Field(8, ge=1)
@@ -108,7 +119,7 @@ class PipelineConfig(_Strict):
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     correction: CorrectionSettings = Field(default_factory=CorrectionSettings)
-    advantage: Literal["grpo", "dr_grpo", "leave_one_out"] = "grpo"
+    advantage: AdvantageSettings = Field(default_factory=AdvantageSettings)
     drop_zero_variance_groups: bool = True
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     ewma: EwmaConfig = Field(default_factory=EwmaConfig)
@@ -128,6 +139,22 @@ class PipelineConfig(_Strict):
         "work that overlaps (sync: one process; async: rollout side and train step); off: one process per "
         "operator stage (see pipelines/colocation.py)")
 
+    @field_validator("strategy")
+    @classmethod
+    def _resolve_strategy(cls, spec: str) -> str:
+        from trajflow.operators.strategies.registry import resolve_strategy
+
+        where, sep, attr = spec.rpartition(":")
+        if sep and where.endswith(".py"):  # a file: absolute, so the run's saved config works from anywhere
+            spec = f"{Path(where).resolve()}:{attr}"
+        resolve_strategy(spec)  # ValueError (one line) if it does not resolve
+        return spec
+
+    @field_validator("advantage", mode="before")
+    @classmethod
+    def _advantage_by_name(cls, value: Any) -> Any:
+        return {"estimator": value} if isinstance(value, str) else value
+
     @field_validator("model")
     @classmethod
     def _resolve_model(cls, model: Path | None) -> Path | None:
@@ -144,8 +171,11 @@ class PipelineConfig(_Strict):
         self._check_workload()
         if self.engine != "vllm" and self.vllm != VllmSettings():
             raise ValueError("vllm: settings given but engine is not vllm")
-        if self.strategy == "interrupt" and self.num_generators != 1:
-            raise ValueError("num_generators: the interrupt strategy needs exactly one generator")
+        try:
+            strategy = self.build_strategy()
+        except (TypeError, ValueError) as e:  # the constructor refused strategy_options
+            raise ValueError(f"strategy_options: {self.strategy}: {e}") from None
+        strategy.check(self)
         rows = self.rows_per_step
         if rows % self.optimizer.minibatches_per_step:
             raise ValueError(
@@ -217,6 +247,20 @@ class PipelineConfig(_Strict):
     def ewma_window(self) -> int:
         return self.ewma.window or max(1, self.max_staleness)
 
-    @property
-    def mid_generation_updates(self) -> bool:
-        return self.partial_rollout or self.strategy == "interrupt"
+    def build_strategy(self):
+        """A fresh instance of the configured strategy, with its settings from this config."""
+        from trajflow.operators.strategies.registry import resolve_strategy
+
+        return resolve_strategy(self.strategy).from_config(self)
+
+    def training_numerics(self):
+        """The numerics pi_theta and every pi_old are computed in (engines/training_numerics.py)."""
+        from trajflow.engines.training_numerics import TrainingNumerics
+
+        return TrainingNumerics(mixed_precision=self.optimizer.mixed_precision)
+
+    def correction_config(self):
+        """The objective's settings (algorithms/objective.py); token-sum-norm normalises by max_new_tokens."""
+        from trajflow.algorithms.objective import CorrectionConfig
+
+        return CorrectionConfig(**self.correction.model_dump(), loss_norm_tokens=self.sampling.max_new_tokens)

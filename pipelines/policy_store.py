@@ -159,9 +159,6 @@ class PolicyStore:
         return stats
 
 
-def state_dict_nbytes(state_dict: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in state_dict.values())
-
 
 def get_store() -> ray.actor.ActorHandle:
     return ray.get_actor(STORE_NAME)

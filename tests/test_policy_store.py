@@ -72,7 +72,7 @@ def test_ray_get_returns_views_into_shared_memory(ray_session):
 @pytest.mark.timeout(300)
 def test_only_the_final_version_is_copied_and_it_outlives_the_publisher(ray_session):
     ray = ray_session
-    from trajflow.operators.train_step import publish_weights
+    from trajflow.operators.after_step import publish_weights
     from trajflow.pipelines.policy_store import PolicyStore
 
     @ray.remote(num_cpus=0)
