@@ -7,20 +7,27 @@ torch tensors in, the same kind out (float32). Vectorised with np.unique + np.bi
     dr_grpo        A_i =  r_i - mean_g                      (Dr.GRPO: no std division)
     leave_one_out  A_i =  r_i - mean_{j in g, j != i} r_j   (RLOO) = n/(n-1) (r_i - mean_g)
 
-std is the population std (ddof 0) by default, so a group of one has std 0 and advantage 0;
-`unbiased=True` uses ddof 1 (as TRL does; a group of one then also gets std 0). Groups of one
-get leave-one-out advantage 0 (there is no other sample to compare with). Every estimator gives
-exactly 0 to a group whose rewards are all equal.
+GRPO's std (`std=`, config key `advantage.std`):
+    "sample"      sqrt(sum (r - mean)^2 / (G - 1)), ddof 1 — the default. veRL (`torch.std` in
+                  `compute_grpo_outcome_advantage`) and TRL's GRPOTrainer (`.std(dim=1)`) both
+                  divide by the sample std, so trajflow's advantages equal theirs.
+    "population"  sqrt(sum (r - mean)^2 / G), ddof 0 (the GRPO paper's formula read literally).
+At G = 4 the two differ by sqrt(G / (G - 1)) = 1.155 (population advantages are larger). A group
+of one has std 0 either way and gets advantage 0. Groups of one get leave-one-out advantage 0
+(there is no other sample to compare with). Every estimator gives exactly 0 to a group whose
+rewards are all equal.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
 
 ArrayLike = Any  # np.ndarray | torch.Tensor | sequence
+GroupStd = Literal["sample", "population"]
+GROUP_STDS: tuple[str, ...] = ("sample", "population")
 
 
 def _to_numpy(x: ArrayLike) -> np.ndarray:
@@ -58,16 +65,19 @@ def _constant_rows(r: np.ndarray, codes: np.ndarray, n_groups: int) -> np.ndarra
 
 
 def grpo(rewards: ArrayLike, group_ids: ArrayLike, *, normalize_std: bool = True,
-         unbiased: bool = False, eps: float = 1e-6) -> ArrayLike:
+         std: GroupStd = "sample", eps: float = 1e-6) -> ArrayLike:
     """(r - group mean) / (group std + eps); without std when normalize_std=False.
 
+    std: "sample" (ddof 1, veRL's and TRL's convention; the default) or "population" (ddof 0).
     Groups with identical rewards get exactly 0 (not rounding noise / tiny std, and no 0/0).
     """
+    if std not in GROUP_STDS:
+        raise ValueError(f"grpo: std must be one of {GROUP_STDS}, got {std!r}")
     r, codes, size, total = _group_stats(rewards, group_ids)
     mean = total / size
     centered = r - mean[codes]
     if normalize_std:
-        ddof = 1 if unbiased else 0
+        ddof = 1 if std == "sample" else 0
         sq = np.bincount(codes, weights=centered**2)  # two-pass: no E[r^2] - E[r]^2 cancellation
         std = np.sqrt(sq / np.maximum(size - ddof, 1.0))[codes]
         centered = centered / np.where(std + eps > 0, std + eps, 1.0)
@@ -103,7 +113,7 @@ ESTIMATORS: dict[str, Callable[..., ArrayLike]] = {
 
 
 def group_advantages(estimator: str, rewards: ArrayLike, group_ids: ArrayLike, **kwargs) -> ArrayLike:
-    """Dispatch by name: "grpo" | "dr_grpo" | "leave_one_out"."""
+    """Dispatch by name: "grpo" | "dr_grpo" | "leave_one_out" (kwargs go to the estimator)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {list(ESTIMATORS)}")
     return ESTIMATORS[estimator](rewards, group_ids, **kwargs)

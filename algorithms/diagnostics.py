@@ -13,10 +13,13 @@ All fractions are over loss tokens (loss_mask true) unless the key says seq.
     clip/high_frac         A > 0 and r_s > 1 + eps_high
     clip/dual_frac         A < 0 and r_s > dual_clip_c
     clip/frac              any of the three
-    active_frac            kept and unclipped: the tokens carrying gradient (the EWMA reset signal)
+    active_frac            kept, inside the strategy's trust mask and unclipped: the tokens carrying
+                           gradient (the EWMA reset signal)
     mismatch/k1            mean(log mu - log pi_old)            } estimators of KL(mu || pi_old) on
     mismatch/k3            mean(rho - 1 - log rho), rho = pi_old/mu }  samples from mu; k3 >= 0
     mismatch/max_abs_log_rd  max |log pi_old - log mu| (0 when old logits are exact and numerics match)
+    staleness_ratio/max_abs_log  max |log pi_theta - log pi_old| per token (0 on-policy when pi_old is
+                           computed in the same numerics as pi_theta)
     is/ess                 (sum w)^2 / (N sum w^2), w = r_d per loss token; 1 = all equal
     staleness/mean, /max   trainer_version - versions over loss tokens
     staleness/lag_{k}      token count at lag k, for k = 0..max (a histogram)
@@ -98,6 +101,7 @@ def correction_diagnostics(
         "mismatch/k1": k1,
         "mismatch/k3": k3,
         "mismatch/max_abs_log_rd": float(out.log_rd[m].abs().max()) if bool(m.any()) else 0.0,
+        "staleness_ratio/max_abs_log": float(out.log_rs_token[m].abs().max()) if bool(m.any()) else 0.0,
         "is/ess": effective_sample_size(out.log_rd.exp(), m),
         "loss_tokens": float(m.sum()),
     }

@@ -5,8 +5,11 @@
 k0 is the last reset (or construction). Maintained in O(1) per step by the running normaliser
 n_t = beta n_{t-1} + 1 and theta_prox <- theta_prox + (theta - theta_prox) / n_t.
 
-beta = W / (W + 2) for a staleness window W puts the mean age beta / (1 - beta) at W / 2, the
-middle of the version window. Auto-reset: theta_prox <- theta when the active-token fraction
+The window is counted in the unit the EWMA is updated in: one update per optimizer step. A
+staleness window of W versions with m optimizer steps per version (minibatches_per_step) is
+W·m updates, so beta = W·m / (W·m + 2) puts the mean age beta / (1 - beta) at W·m / 2 updates =
+W / 2 versions, the middle of the version window. (beta = W / (W + 2) with m > 1 would put the
+reference at W / (2m) versions.) Auto-reset: theta_prox <- theta when the active-token fraction
 (kept by the r_d mask and unclipped) falls below tau (default 0.9).
 
 Step order in the trainer: score the batch with theta_prox, take the optimizer step, then
@@ -23,11 +26,15 @@ from torch import Tensor
 StateDict = dict[str, Tensor]
 
 
-def ewma_beta(window: int) -> float:
-    """beta = W / (W + 2): mean age W / 2 steps. W = 0 gives beta = 0 (prox = current)."""
+def ewma_beta(window: int, updates_per_version: int = 1) -> float:
+    """beta = n / (n + 2) for a window of n = window · updates_per_version EWMA updates: mean age
+    n / 2 updates = window / 2 versions. window = 0 gives beta = 0 (prox = current)."""
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
-    return window / (window + 2)
+    if updates_per_version < 1:
+        raise ValueError(f"updates_per_version must be >= 1, got {updates_per_version}")
+    updates = window * updates_per_version
+    return updates / (updates + 2)
 
 
 def ewma_mean_age(beta: float) -> float:
@@ -108,7 +115,7 @@ class EwmaProximal:
 
     @property
     def age(self) -> float:
-        """Mean age in optimizer steps of the current weighted average (0 right after a reset)."""
+        """Mean age in updates (optimizer steps) of the current weighted average (0 right after a reset)."""
         return self._age_sum / self.norm
 
     def prox_state_dict(self) -> StateDict:

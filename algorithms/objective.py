@@ -13,9 +13,12 @@ strategy supplies as pi_old, see proximal.py):
                               none      1
   w_d  min(r_d, C) if tis_cap = C is set, else 1 (truncated IS, detached: a weight, not a path)
   r_s  token level as above, or sequence level (GSPO-token): value exp(mean_t log r_s) shared by
-       all tokens of the sequence, gradient per token:  s_i · exp(log pi_t - sg(log pi_t))
+       all tokens of the sequence, gradient per token:  s_i · exp(log pi_t - sg(log pi_t));
+       clip level "none": no clip at all (a strategy that bounds the update otherwise, e.g. M2PO)
   dual clip (optional, A < 0):  max(·, c_dual · A), i.e. the per-token loss is at most c_dual |A|
   agg  token-mean | seq-mean-token-mean | token-sum-norm over tokens with loss_mask & M_d
+  M_t  optional trust mask from the strategy (M2PO): a kept token outside it contributes 0 and
+       no gradient but stays in the aggregation's denominator, like a clipped token
 
 The paper's runs bound both factors at sequence level with [1/c, c]:
 `CorrectionConfig.paper(c_ti=1.003, c_stale=1.004)` gives M_d on the geometric mean with
@@ -39,11 +42,11 @@ from torch import Tensor
 from .masked import broadcast_to_tokens, masked_mean
 
 MaskLevel = Literal["token", "sequence", "none"]
-ClipLevel = Literal["token", "sequence"]
+ClipLevel = Literal["token", "sequence", "none"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "token-sum-norm"]
 
 MASK_LEVELS = ("token", "sequence", "none")
-CLIP_LEVELS = ("token", "sequence")
+CLIP_LEVELS = ("token", "sequence", "none")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum-norm")
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ≈ 4.9e8: finite in float32, squares still finite
@@ -58,8 +61,8 @@ class CorrectionConfig:
     mask_c_token      token mask keeps 1/c <= r_d <= c
     mask_c_seq        sequence mask keeps 1/c <= exp(mean_t log r_d) <= c
     tis_cap           truncated IS weight min(r_d, C) on kept tokens; None = off (the default)
-    clip_level        "token" (PPO) or "sequence" (GSPO-style geometric mean of r_s over the
-                      sequence's loss tokens)
+    clip_level        "token" (PPO), "sequence" (GSPO-style geometric mean of r_s over the
+                      sequence's loss tokens) or "none" (no clip: r_s A unbounded)
     eps_low/eps_high  asymmetric clip interval [1 - eps_low, 1 + eps_high] on r_s
     dual_clip_c       for A < 0, bound the per-token loss by c·|A| (c > 1); None = off
     aggregation       "token-mean": sum over kept tokens / number of kept tokens;
@@ -139,10 +142,14 @@ class LossOutput:
     clipped_low       [B, T] bool, loss tokens with A < 0 and r_s < 1 - eps_low (no gradient)
     clipped_high      [B, T] bool, loss tokens with A > 0 and r_s > 1 + eps_high (no gradient)
     dual_clipped      [B, T] bool, loss tokens with A < 0 and r_s > dual_clip_c (no gradient)
-    active            [B, T] bool, kept by the mask and not clipped: the tokens that carry gradient
+    trust_masked      [B, T] bool, loss tokens kept by the r_d mask but outside the strategy's
+                      trust mask (no gradient, zero contribution, still in the denominator)
+    active            [B, T] bool, kept by the mask, inside the trust mask and not clipped: the
+                      tokens that carry gradient
     log_rd            [B, T] clamped log r_d (0 off loss tokens)
     log_rs            [B, T] clamped log r_s as the clip saw it (the sequence value if
                       clip_level="sequence"; 0 off loss tokens)
+    log_rs_token      [B, T] clamped per-token log r_s = current - old (0 off loss tokens)
     is_weights        [B, T] w_d (1 without TIS)
     token_weights     [B, T] aggregation weight of each token (0 off kept tokens), so that
                       loss = -sum(token_weights · w_d · min(...))
@@ -154,9 +161,11 @@ class LossOutput:
     clipped_low: Tensor
     clipped_high: Tensor
     dual_clipped: Tensor
+    trust_masked: Tensor
     active: Tensor
     log_rd: Tensor
     log_rs: Tensor
+    log_rs_token: Tensor
     is_weights: Tensor
     token_weights: Tensor
 
@@ -198,16 +207,26 @@ def decoupled_loss(
     advantages: Tensor,
     loss_mask: Tensor,
     config: CorrectionConfig = CorrectionConfig(),
+    trust_mask: Tensor | None = None,
 ) -> LossOutput:
     """The decoupled objective of the module docstring.
 
     current_logprobs [B, T] (with grad), old_logprobs / inference_logprobs [B, T] (treated as
-    constants), advantages [B] or [B, T], loss_mask [B, T] bool.
+    constants), advantages [B] or [B, T], loss_mask [B, T] bool, trust_mask [B, T] bool or None
+    (None: every token may carry gradient).
+
+    Every loss token must have finite log-probs: a token the sampling filter excludes under
+    training numerics (-inf) is taken out of `loss_mask` by the caller and counted there.
     """
     if loss_mask.dtype != torch.bool:
         raise TypeError(f"loss_mask must be bool, got {loss_mask.dtype}")
-    for name, t in (("current_logprobs", current_logprobs), ("old_logprobs", old_logprobs),
-                    ("inference_logprobs", inference_logprobs)):
+    named = [("current_logprobs", current_logprobs), ("old_logprobs", old_logprobs),
+             ("inference_logprobs", inference_logprobs)]
+    if trust_mask is not None:
+        if trust_mask.dtype != torch.bool:
+            raise TypeError(f"trust_mask must be bool, got {trust_mask.dtype}")
+        named.append(("trust_mask", trust_mask))
+    for name, t in named:
         if t.shape != loss_mask.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, loss_mask has {tuple(loss_mask.shape)}")
     m = loss_mask
@@ -233,7 +252,7 @@ def decoupled_loss(
     # r_d mask still measures drift) and each token keeps its own gradient path: x - sg(x) is
     # exactly 0 in value, 1 in gradient (GSPO-token).
     log_rs_tok = _log_ratio(cur, old)
-    if config.clip_level == "token":
+    if config.clip_level in ("token", "none"):
         log_rs = log_rs_tok
     else:
         seq = masked_mean(log_rs_tok.detach(), m, dim=-1)
@@ -245,8 +264,9 @@ def decoupled_loss(
     # gradient-carrying set exactly `active` (no split gradient at a floating-point tie).
     lo, hi = 1.0 - config.eps_low, 1.0 + config.eps_high
     r_val = r_s.detach()
-    clipped_high = m & (adv > 0) & (r_val > hi)
-    clipped_low = m & (adv < 0) & (r_val < lo)
+    clipping = config.clip_level != "none"
+    clipped_high = m & (adv > 0) & (r_val > hi) & clipping
+    clipped_low = m & (adv < 0) & (r_val < lo) & clipping
     pg = torch.where(clipped_low | clipped_high, r_val.clamp(lo, hi) * adv, r_s * adv)
     if config.dual_clip_c is not None:  # A < 0 and r > c: r A < c A, so max(., c A) = c A
         dual_clipped = m & (adv < 0) & (r_val > config.dual_clip_c)
@@ -254,11 +274,14 @@ def decoupled_loss(
     else:
         dual_clipped = torch.zeros_like(m)
 
+    # The trust mask narrows what carries gradient, not the denominator (M2PO's objective divides
+    # by all loss tokens).
     weights = aggregation_weights(keep, config)
-    per_token = torch.where(keep, -w_d * pg, zero)
+    trusted = keep if trust_mask is None else keep & trust_mask
+    per_token = torch.where(trusted, -w_d * pg, zero)
     loss = (per_token * weights).sum()
 
-    active = keep & ~(clipped_low | clipped_high | dual_clipped)
+    active = trusted & ~(clipped_low | clipped_high | dual_clipped)
     return LossOutput(
         loss=loss,
         loss_mask=m,
@@ -266,9 +289,11 @@ def decoupled_loss(
         clipped_low=clipped_low,
         clipped_high=clipped_high,
         dual_clipped=dual_clipped,
+        trust_masked=keep & ~trusted,
         active=active,
         log_rd=log_rd,
         log_rs=torch.where(m, log_rs.detach(), zero),
+        log_rs_token=torch.where(m, log_rs_tok.detach(), zero),
         is_weights=w_d,
         token_weights=weights,
     )

@@ -1,8 +1,8 @@
-"""Where the "old" (proximal) log-probs come from, for each correction strategy.
+"""The train-time proximal ("old") log-probs that are pure functions of the batch's tensors.
 
-The objective (objective.py) takes `old_logprobs` as given; the strategy decides what goes there.
-Exact strategies and EWMA produce them with a forward pass outside this module (an operator, or
-the trainer scoring with its EWMA weights); the train-time baselines are computed here.
+The objective (objective.py) takes `old_logprobs` as given; each strategy (one file each in
+operators/strategies/) decides what goes there and calls these. Exact strategies and EWMA produce
+them with a forward pass instead (an operator, or the trainer scoring with its EWMA weights).
 
 Version convention (A-3PO): v_behav is the version that sampled the token (the `versions`
 column), v_theta is the version this update produces (the trainer holds weights v_theta - 1 and
@@ -13,47 +13,8 @@ holds before the update, i.e. what `recompute` scores with. If the trainer is at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import Tensor
-
-StrategyKind = Literal["exact", "approximate", "baseline"]
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    kind: StrategyKind
-    source: Literal["operator", "trainer"]  # who fills old_logprobs
-    meaning: str
-
-
-STRATEGIES: dict[str, Strategy] = {
-    s.name: s
-    for s in (
-        Strategy("snapshot", "exact", "operator",
-                 "score each token with the stored weights of its own version (policy-store snapshots)"),
-        Strategy("dedicated", "exact", "operator",
-                 "a separate old-logit model follows the rollout versions and scores each batch as it is generated"),
-        Strategy("interrupt", "exact", "operator",
-                 "at each weight publish, score in-flight prefixes with the still-resident version, then resume"),
-        Strategy("ewma", "approximate", "trainer",
-                 "score with an EWMA of the trainer's weights (beta = W/(W+2)), reset when active fraction < tau"),
-        Strategy("recompute", "baseline", "trainer",
-                 "score with the trainer's current weights before the update (pi_async): drift leaks into r_d"),
-        Strategy("behavior", "baseline", "trainer",
-                 "old := inference log-probs (r_d = 1): one clip absorbs both numerics and staleness"),
-        Strategy("loglinear", "baseline", "trainer",
-                 "log mu + alpha (log pi_theta - log mu), alpha from versions (A-3PO); Prop. 1: only rescales a bound on pi_theta/mu"),
-    )
-}
-
-
-def format_strategies() -> str:
-    """The STRATEGIES table as aligned text, for the pipeline to log at start."""
-    return "\n".join(f"{s.name:<10} {s.kind:<12} {s.source:<9} {s.meaning}" for s in STRATEGIES.values())
 
 
 def behavior_logprobs(inference_logprobs: Tensor) -> Tensor:
@@ -98,34 +59,3 @@ def linear_logprobs(current_logprobs: Tensor, inference_logprobs: Tensor, alpha:
     cur, inf = current_logprobs.detach(), inference_logprobs.detach()
     alpha = torch.as_tensor(alpha, dtype=cur.dtype, device=cur.device)
     return torch.logaddexp(torch.log1p(-alpha) + inf, torch.log(alpha) + cur)
-
-
-def proximal_logprobs(
-    strategy: str,
-    *,
-    current_logprobs: Tensor,
-    inference_logprobs: Tensor,
-    old_logprobs: Tensor | None = None,
-    versions: Tensor | None = None,
-    theta_version: int | None = None,
-) -> Tensor:
-    """The `old_logprobs` the objective should use under `strategy` (detached).
-
-    snapshot / dedicated / interrupt / ewma: `old_logprobs` computed upstream (required).
-    recompute: `old_logprobs` if scored before the update, else current_logprobs.detach().
-    behavior: the inference log-probs. loglinear: needs `versions` and `theta_version`.
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
-    if strategy == "behavior":
-        return behavior_logprobs(inference_logprobs)
-    if strategy == "recompute":
-        return recompute_logprobs(current_logprobs if old_logprobs is None else old_logprobs)
-    if strategy == "loglinear":
-        if versions is None or theta_version is None:
-            raise ValueError("strategy 'loglinear' needs versions and theta_version")
-        alpha = loglinear_alpha(versions, theta_version).to(current_logprobs.device)
-        return loglinear_logprobs(current_logprobs, inference_logprobs, alpha)
-    if old_logprobs is None:
-        raise ValueError(f"strategy {strategy!r} needs old_logprobs computed upstream, got None")
-    return old_logprobs.detach()

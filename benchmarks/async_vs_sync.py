@@ -20,9 +20,13 @@ def run(steps: int = 40, max_staleness: int = 2, decode_seconds: float = 0.0) ->
         "speedup (sync/async)": sync.seconds_per_step() / async_.seconds_per_step(),
         "sync wall s": sync.wall_seconds,
         "async wall s": async_.wall_seconds,
-        "trainer busy frac sync": float(sync.metrics["trainer_busy_frac"][-1]),
-        "trainer busy frac async": float(async_.metrics["trainer_busy_frac"][-1]),
+        "trainer busy frac sync": sync.trainer_busy(),
+        "trainer busy frac async": async_.trainer_busy(),
         "async mean lag": float(async_.metrics["staleness/mean"].mean()),
+        "sync critical-path compute s/step": sync.critical_path(True),
+        "sync wall / compute": sync.seconds_per_step() / sync.critical_path(True),
+        "async critical-path compute s/step": async_.critical_path(False),
+        "async wall / compute": async_.seconds_per_step() / async_.critical_path(False),
     }
 
 

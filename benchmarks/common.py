@@ -83,30 +83,137 @@ class ActorMemory:
         self._thread.join()
 
 
+class ProcessTree:
+    """Peak PSS, process count and thread count of this process and all its descendants — with an
+    embedded Ray, that is the whole run: driver, Ray's own services, idle workers and actors."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self.peak_pss_bytes = 0
+        self.peak_processes = 0
+        self.peak_threads = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        me = psutil.Process()
+        pss = threads = processes = 0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                pss += proc.memory_full_info().pss
+                threads += proc.num_threads()
+                processes += 1
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        self.peak_pss_bytes = max(self.peak_pss_bytes, pss)
+        self.peak_processes = max(self.peak_processes, processes)
+        self.peak_threads = max(self.peak_threads, threads)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "ProcessTree":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @dataclass
 class RunResult:
     metrics: pl.DataFrame
     wall_seconds: float
     memory_mb: dict[str, float] = field(default_factory=dict)
+    layout: list[list[str]] = field(default_factory=list)  # stage names per actor process
+    tree: ProcessTree | None = None
+
+    # Steady state: the steps after `skip` (start-up) and before the last one (which copies the
+    # final version into the store's ownership, and has no generation left to overlap with).
+    def _per_step(self, column: str, skip: int) -> float:
+        values = self.metrics[column].to_list()
+        return (values[-2] - values[skip]) / max(1, len(values) - 2 - skip)
 
     def seconds_per_step(self, skip: int = 3) -> float:
-        """Steady-state wall seconds per step: from the end of step `skip` to the end (no startup)."""
-        t = self.metrics["finished_at"].to_list()
-        return (t[-1] - t[skip]) / max(1, len(t) - 1 - skip)
+        """Steady-state wall seconds per step, measured by the driver as metrics rows arrive —
+        from outside the stages."""
+        return self._per_step("finished_at", skip)
+
+    def driver_cpu_per_step(self, skip: int = 3) -> float:
+        """CPU seconds of the driver process (Ray Data's executor, the source, all its threads)."""
+        return self._per_step("driver_cpu", skip)
+
+    def stage_seconds(self, skip: int = 3) -> dict[str, float]:
+        """Compute seconds per step of each stage, steady state: the time each stage's process
+        spent in it (`stage_seconds/<stage>`), except that generation counts without its wait
+        for an admission permit (the generator's own `generate_seconds`)."""
+        m = self.metrics[skip + 1:-1]
+        out = {c.removeprefix("stage_seconds/"): float(m[c].mean()) for c in m.columns if c.startswith("stage_seconds/")}
+        if "generate" in out and "seconds/generate_seconds" in m.columns:
+            out["generate"] = float(m["seconds/generate_seconds"].fill_null(0.0).mean())
+        return out
+
+    def critical_path(self, synchronous: bool, cores: int = 2, skip: int = 3) -> float:
+        """The compute a step cannot go below. Sync: every stage in turn, so their sum. Async: the
+        busiest process (its stages run one after another), or all compute spread over the cores
+        if that is more."""
+        stages = self.stage_seconds(skip)
+        if synchronous:
+            return sum(stages.values())
+        per_process = [sum(stages.get(name, 0.0) for name in group) for group in self.layout]
+        return max(max(per_process, default=0.0), sum(stages.values()) / cores)
+
+    def trainer_busy(self, skip: int = 3) -> float:
+        """Steady-state fraction of wall time the train stage computes."""
+        return self.stage_seconds(skip).get("train", 0.0) / self.seconds_per_step(skip)
 
 
-def run_pipeline(**config) -> RunResult:
+def run_pipeline(*, executor_patch: bool = True, **config) -> RunResult:
+    """Run one pipeline to the end on the current Ray; `executor_patch=False` runs Ray Data's
+    executor as shipped (pipelines/executor_patch.py), for side-by-side comparisons."""
+    from trajflow.pipelines import executor_patch as patch
     from trajflow.pipelines.config import PipelineConfig
     from trajflow.pipelines.rl_loop import RLPipeline
 
     pipe = RLPipeline(PipelineConfig(**config))
+    layout = [[s.name for s in group] for group in pipe.process_groups()]
+    previous = os.environ.get("TRAJFLOW_EXECUTOR_PATCH")
+    os.environ["TRAJFLOW_EXECUTOR_PATCH"] = "1" if executor_patch else "0"
+    patch.revert()
     rows = []
     started = time.perf_counter()
-    with ActorMemory() as memory:
-        for row in pipe.iter_metrics():
-            row["finished_at"] = time.perf_counter() - started
-            rows.append(row)
-    return RunResult(pl.DataFrame(rows), time.perf_counter() - started, memory.peaks_mb)
+    try:
+        with ActorMemory() as memory, ProcessTree() as tree:
+            for row in pipe.iter_metrics():
+                row["finished_at"] = time.perf_counter() - started
+                row["driver_cpu"] = time.process_time()
+                rows.append(row)
+    finally:
+        if previous is None:
+            os.environ.pop("TRAJFLOW_EXECUTOR_PATCH")
+        else:
+            os.environ["TRAJFLOW_EXECUTOR_PATCH"] = previous
+        patch.revert()
+    return RunResult(pl.DataFrame(rows), time.perf_counter() - started, memory.peaks_mb, layout, tree)
+
+
+def run_script(script: str, *argv: str, timeout: float = 1800) -> dict:
+    """Run `script` in a fresh Python process (cold: nothing imported, no Ray) from the repository
+    root; it reports by printing one line `RESULT <json>`."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
+    line = next((line for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"benchmark process failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def ensure_ray() -> None:

@@ -18,6 +18,7 @@ from trajflow.operators.filter import Filter
 from trajflow.operators.reward import Reward
 from trajflow.pipelines.rl_loop import Fused
 from trajflow.schemas import SamplingSemantics, conform
+from trajflow.tasks.workload import Workload
 
 
 def synthetic_step(rows: int, group_size: int, response_len: int, seed: int = 0) -> pa.Table:
@@ -38,6 +39,7 @@ def synthetic_step(rows: int, group_size: int, response_len: int, seed: int = 0)
         "finish_reason": ["stop"] * rows,
         "reward": pa.nulls(rows, pa.float32()),
         "advantage": pa.nulls(rows, pa.float32()),
+        "prompt": [f"{i // group_size}+1=" for i in range(rows)],
         "answer": [str(rng.integers(0, 1000)) for _ in range(rows)],
         "rollout_step": pa.array(np.zeros(rows, np.int32)),
     })
@@ -48,7 +50,8 @@ def run(rows: int = 4096, group_size: int = 8, response_len: int = 32, repeats: 
     torch.set_num_threads(1)
     batch = synthetic_step(rows, group_size, response_len)
     tokens = int(np.sum([len(r) for r in batch["response_tokens"].to_pylist()]))
-    stages = {"reward": Reward(WARM_START_DIR, "addition"), "advantage": Advantage("grpo"), "filter": Filter(True)}
+    stages = {"reward": Reward(WARM_START_DIR, Workload(task="addition")), "advantage": Advantage("grpo"),
+              "filter": Filter(True)}
     stages["reward"](batch)  # load the tokenizer outside the timing
     results = {}
     out = batch

@@ -1,6 +1,6 @@
-"""Run the four benchmarks side by side and write benchmarks/RESULTS.md.
+"""Run the benchmarks side by side and write benchmarks/RESULTS.md.
 
-    python -m benchmarks.run_all                    # all four, full settings (~1.5 h on 2 cores)
+    python -m benchmarks.run_all                    # all of them, full settings (~2 h on 2 cores)
     python -m benchmarks.run_all --only overhead    # refresh one section
     python -m benchmarks.run_all --quick            # a smoke pass with tiny settings
 """
@@ -16,25 +16,38 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks import async_vs_sync, data_plane, strategy_overhead, strategy_quality  # noqa: E402
+from benchmarks import (  # noqa: E402
+    async_vs_sync,
+    compute_bound,
+    data_plane,
+    hops,
+    orchestration,
+    publish,
+    startup,
+    store_calls,
+    strategy_overhead,
+    strategy_quality,
+    trl_compare,
+)
 from benchmarks.common import machine  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 SECTIONS = HERE / "results"  # one file per benchmark, so each can be refreshed on its own
-ORDER = ["quality", "async_vs_sync", "overhead", "data_plane"]
+ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "hops", "store_calls", "orchestration", "compute_bound", "publish",
+         "startup", "trl"]
 
 
 def table(rows: list[dict]) -> str:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(row[k]) for k in keys) + " |")
+        lines.append("| " + " | ".join(_fmt(row.get(k)) for k in keys) + " |")
     return "\n".join(lines)
 
 
 def _fmt(v) -> str:
-    return f"{v:,.3f}" if isinstance(v, float) else str(v)
+    return f"{v:,.3f}" if isinstance(v, float) else "" if v is None else str(v)
 
 
 def run_section(name: str, quick: bool) -> tuple[str, str]:
@@ -55,6 +68,27 @@ def run_section(name: str, quick: bool) -> tuple[str, str]:
                 f"{seeds} seeds, lr {strategy_quality.LR}; held-out greedy accuracy on "
                 f"{strategy_quality.EVAL_PROMPTS} prompts; warm start {strategy_quality.WARM_START_ACCURACY})",
                 table(rows))
+    if name == "hops":
+        return ("5. One operator hop while a long task is active (4 one-actor stages x 20 ms, synchronous chain)",
+                table(hops.run(items=20 if q else 40)))
+    if name == "store_calls":
+        return ("5b. The policy store's per-step calls, from an actor", table(store_calls.run(calls=50 if q else 200)))
+    if name == "orchestration":
+        return ("6. The pipeline's own cost per step (quickstart size: 16 prompts x 8 samples, 6 tokens, snapshot)",
+                table(orchestration.run(steps=10 if q else 40)))
+    if name == "compute_bound":
+        return ("7. Compute-bound point (25 M-parameter Llama, random init, 2 prompts x 8 samples, 64 tokens)",
+                table(compute_bound.run(steps=6 if q else 12, strategies=["behavior", "snapshot"] if q
+                                        else compute_bound.STRATEGIES)))
+    if name == "publish":
+        return ("8. Publishing a weight version, per model size (trainer -> policy store -> a reader)",
+                table(publish.run(sizes=("0.6M", "25M") if q else tuple(publish.SIZES), repeats=2 if q else 5)))
+    if name == "startup":
+        return ("9. Start-up to the end of the first step, and the process tree (quickstart config, cold process)",
+                table(startup.run()))
+    if name == "trl":
+        return ("10. Side by side with TRL's GRPOTrainer (quickstart size: 16 prompts x 8 samples, 6 tokens)",
+                table(trl_compare.run(steps=12 if q else 60, repeats=1 if q else 3)))
     raise ValueError(f"unknown benchmark {name!r}; choose from {ORDER}")
 
 
@@ -78,8 +112,11 @@ def main() -> None:
         started = time.time()
         title, body = run_section(name, a.quick)
         command = f"python -m benchmarks.run_all --only {name}{' --quick' if a.quick else ''}"
+        load = os.getloadavg()
         text = (f"## {title}\n\nCommand: `{command}`  \nMachine: {machine()}  \n"
-                f"Date: {datetime.date.today()}; wall time {time.time() - started:.0f} s\n\n{body}\n")
+                f"Date: {datetime.date.today()}; wall time {time.time() - started:.0f} s; load average at the end "
+                f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min; above 2 the numbers are inflated "
+                f"by other work)\n\n{body}\n")
         (SECTIONS / f"{name}.md").write_text(text)
         print(text, flush=True)
     RESULTS.write_text(assemble())

@@ -22,6 +22,8 @@ def run(steps: int = 30, max_staleness: int = 2) -> list[dict]:
             "s/step": round(r.seconds_per_step(), 3),
             "extra s/step vs behavior": round(r.seconds_per_step() - base.seconds_per_step(), 3),
             "ratio vs behavior": round(r.seconds_per_step() / base.seconds_per_step(), 2),
+            "critical-path compute s/step": round(r.critical_path(synchronous=max_staleness == 0), 3),
+            "wall / compute": round(r.seconds_per_step() / r.critical_path(synchronous=max_staleness == 0), 2),
             "actors peak RSS MiB": round(sum(r.memory_mb.values())),
             "extra RSS MiB vs behavior": round(sum(r.memory_mb.values()) - base_mem),
             "max snapshot MiB (store)": round(float(m["snapshot_bytes"].max()) / 2**20, 2),

@@ -1,4 +1,4 @@
-"""Checkpoints without pickle: weights and optimizer/EWMA tensors as safetensors, structure as JSON.
+"""Checkpoints without pickle: weights, optimizer and strategy state as safetensors + JSON structure.
 
 A checkpoint of version v (the weights after v optimizer updates) is a directory
 
@@ -6,7 +6,7 @@ A checkpoint of version v (the weights after v optimizer updates) is a directory
         model.safetensors        the weights (float32, every state-dict key, tied ones duplicated)
         optimizer.safetensors    every tensor of optimizer.state_dict() ...
         optimizer.json           ... and its structure (scalars, param groups) with tensor keys
-        ewma.safetensors/.json   the EWMA proximal state, when the strategy has one
+        strategy.safetensors/.json   the strategy's state (e.g. EWMA), when it has one
         meta.json                version, step, time; written last
 
 It is written atomically: into a hidden temp dir beside it, fsynced, then renamed. A process killed
@@ -145,7 +145,7 @@ def _save_safetensors(tensors: StateDict, path: Path) -> None:
 
 
 def save_state(obj: Any, directory: Path, name: str) -> None:
-    """`name.safetensors` + `name.json` for a nested state (optimizer, EWMA)."""
+    """`name.safetensors` + `name.json` for a nested state (optimizer, strategy)."""
     tensors, structure = flatten_state(obj)
     _save_safetensors(tensors, directory / f"{name}.safetensors")
     (directory / f"{name}.json").write_text(json.dumps(structure))
@@ -214,8 +214,8 @@ class Checkpoint:
     def optimizer_state(self) -> dict | None:
         return load_state(self.path, "optimizer") if (self.path / "optimizer.json").is_file() else None
 
-    def ewma_state(self) -> dict | None:
-        return load_state(self.path, "ewma") if (self.path / "ewma.json").is_file() else None
+    def strategy_state(self) -> dict | None:
+        return load_state(self.path, "strategy") if (self.path / "strategy.json").is_file() else None
 
 
 def checkpoint_dir(root: str | os.PathLike, version: int) -> Path:
@@ -227,7 +227,7 @@ def save_checkpoint(
     version: int,
     model_state: StateDict,
     optimizer_state: dict | None = None,
-    ewma_state: dict | None = None,
+    strategy_state: dict | None = None,
     meta: dict | None = None,
 ) -> Checkpoint:
     """Write checkpoint `version` under `root` atomically (temp dir, fsync, rename)."""
@@ -240,8 +240,8 @@ def save_checkpoint(
         _save_safetensors(model_state, tmp / "model.safetensors")
         if optimizer_state is not None:
             save_state(optimizer_state, tmp, "optimizer")
-        if ewma_state is not None:
-            save_state(ewma_state, tmp, "ewma")
+        if strategy_state:
+            save_state(strategy_state, tmp, "strategy")
         meta = {"version": version, "complete": True, **(meta or {})}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         _fsync_file(tmp / "meta.json")

@@ -22,7 +22,8 @@ def make_engine(name: str, model: Any, **kwargs: Any) -> Engine:
     """Build the named engine: `TorchEngine(model, **kwargs)` or `VllmEngine(model, **kwargs)`.
 
     `model`: a `PreTrainedModel` or a local Hugging Face model directory (either engine).
-    `kwargs`: the shared contract (eos_id, pad_id, sampling, inference_dtype, seed, version), and
+    `kwargs`: the shared contract (eos_id, pad_id, sampling, inference_dtype, seed, version,
+stop_token_ids, tokenizer — the last two for extra stop ids and `sampling.stop` strings), and
     for "vllm" its own knobs (see `VllmEngine`); an option the engine does not take is a TypeError
     that names it.
     """

@@ -25,8 +25,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 16
+    stop: tuple[str, ...] = ()  # strings that end a response (engines.tokenizer.StopStrings)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

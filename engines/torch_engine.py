@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from trajflow.engines.numerics import check_inference_dtype, load_inference_weights, make_inference_model
 from trajflow.engines.sampling import SamplingParams, sample_tokens
 from trajflow.engines.scoring import pack_batch
+from trajflow.engines.tokenizer import StopStrings
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -42,6 +43,9 @@ BetweenSteps = Callable[["TorchEngine", list[Generation]], None]
 class TorchEngine:
     """Batched sampling with a KV cache, per-token log-probs and versions, and mid-flight weight swaps.
 
+    A response ends ("stop") at `eos_id` or any of `stop_token_ids` (kept as its last token), or at
+    the token that completes one of `sampling.stop` (decoded with `tokenizer`).
+
     The engine owns an inference copy of `model` with `inference_dtype` numerics (see
     engines/numerics.py); the caller's model is never modified. Sampling draws from a torch.Generator
     seeded with `seed`, so an engine built with the same seed and given the same calls (and weight
@@ -58,11 +62,15 @@ class TorchEngine:
         inference_dtype: str = "float32",
         seed: int = 0,
         version: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        tokenizer=None,
     ) -> None:
         self.inference_dtype = check_inference_dtype(inference_dtype)
         self.model = make_inference_model(model, inference_dtype)
         self.eos_id = int(eos_id)
         self.pad_id = int(pad_id)
+        self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
+        self.tokenizer = tokenizer  # decodes responses for sampling.stop strings
         self.sampling = sampling
         self.version = int(version)
         self.device = next(self.model.parameters()).device
@@ -116,6 +124,8 @@ class TorchEngine:
         if not prompts:
             return []
         max_new = self.sampling.max_new_tokens
+        stop_ids = {self.eos_id, *self.stop_token_ids}
+        stop_strings = StopStrings(self.tokenizer, self.sampling.stop)
         gens = [Generation(prompt_index=i) for i in range(len(prompts)) for _ in range(n)]
         self._weights_changed = False
         self._abort_requested = False
@@ -138,7 +148,7 @@ class TorchEngine:
                 g.response_tokens.append(token)
                 g.logprobs.append(logprob)
                 g.versions.append(version)
-                if token == self.eos_id:
+                if token in stop_ids or (stop_strings and stop_strings.hit(g.response_tokens)):
                     g.finish_reason = "stop"
                 elif len(g.response_tokens) >= max_new:
                     g.finish_reason = "length"
@@ -183,7 +193,9 @@ class TorchEngine:
         return gens
 
 
-def greedy_engine(model: PreTrainedModel, tokenizer, max_new_tokens: int) -> TorchEngine:
+def greedy_engine(model: PreTrainedModel, tokenizer, max_new_tokens: int,
+                  stop_token_ids: Sequence[int] = ()) -> TorchEngine:
     """A float32 greedy engine for evaluation (held-out accuracy, episode success)."""
     return TorchEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                       sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
+                       sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
+                       stop_token_ids=stop_token_ids)

@@ -27,9 +27,12 @@ Design
   Greedy (temperature 0): vLLM drops top-k/top-p and reports log_softmax(logits); trajflow's
   semantics keep the filters, so with filters the engine asks for the top-N log-probs and
   renormalises over the kept set itself (`_greedy_filtered_logprob`).
-* EOS: `ignore_eos=True, stop_token_ids=[eos_id]`, so the stop token is the engine's `eos_id` (not
-  whatever the checkpoint's generation config says) and is kept as the last response token, as in
-  the torch engine. `generation_config="vllm"` keeps a checkpoint's sampling defaults (Qwen's
+* EOS: `ignore_eos=True, stop_token_ids=[eos_id, *stop_token_ids]`, so the stop tokens are the
+  engine's (the caller passes the tokenizer's eos and the generation config's eos ids), kept as
+  the last response token, as in the torch engine. `sampling.stop` strings are detected by the
+  engine itself on the decoded tail (vLLM runs without a tokenizer): the sample ends at the token
+  that completes one, its later tokens are dropped, and the request is aborted once all its
+  samples have ended. `generation_config="vllm"` keeps a checkpoint's sampling defaults (Qwen's
   top_k=20, repetition_penalty, ...) out of the requests.
 * Weight updates: `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` (in place;
   on the CPU backend `model.load_weights` must not be called directly, it repacks weights), then
@@ -80,6 +83,7 @@ from torch import Tensor
 
 from trajflow.engines.numerics import check_inference_dtype
 from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.tokenizer import StopStrings
 from trajflow.engines.torch_engine import Generation
 
 BetweenSteps = Callable[["VllmEngine", list[Generation]], None]
@@ -139,6 +143,8 @@ class VllmEngine:
         enable_prefix_caching: bool = True,
         max_logprobs: int = 64,
         llm_kwargs: dict[str, Any] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        tokenizer=None,
     ) -> None:
         self.inference_dtype = check_inference_dtype(inference_dtype)
         if not vllm_available():
@@ -160,6 +166,8 @@ class VllmEngine:
 
         self.eos_id = int(eos_id)
         self.pad_id = int(pad_id)
+        self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
+        self.tokenizer = tokenizer  # decodes responses for sampling.stop strings
         self.sampling = sampling
         self.version = int(version)
         self.generator = torch.Generator()  # draws the per-request seeds; reseed with manual_seed
@@ -302,7 +310,7 @@ class VllmEngine:
             logprobs=logprobs,
             seed=seed,
             ignore_eos=True,
-            stop_token_ids=[self.eos_id],
+            stop_token_ids=[self.eos_id, *(t for t in self.stop_token_ids if t != self.eos_id)],
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
@@ -358,6 +366,7 @@ class VllmEngine:
         self._gens = gens = [Generation(prompt_index=i) for i in range(len(prompts)) for _ in range(n)]
         self._resubmit = []
         self._abort_requested = False
+        stop_strings = StopStrings(self.tokenizer, self.sampling.stop)
         try:
             for i in range(len(prompts)):
                 if self.sampling.greedy:  # vLLM allows n > 1 only when sampling
@@ -376,6 +385,8 @@ class VllmEngine:
                     assert segment.version == self.version, "a token of an aborted segment reached the engine"
                     for c in out.outputs:  # DELTA: the tokens of this step, one entry per child
                         g = gens[segment.gens[c.index]]
+                        if g.finished:  # ended by a stop string: its later tokens are dropped
+                            continue
                         token_ids = list(c.token_ids)
                         if token_ids and (c.logprobs is None or len(c.logprobs) != len(token_ids)):
                             raise RuntimeError("vLLM returned tokens without log-probs")
@@ -383,14 +394,20 @@ class VllmEngine:
                             g.response_tokens.append(int(token))
                             g.logprobs.append(self._token_logprob(lp_entry, int(token)))
                             g.versions.append(segment.version)
+                            if stop_strings and stop_strings.hit(g.response_tokens):
+                                g.finish_reason = "stop"
+                                segment.open.discard(c.index)
+                                break
                         produced = produced or bool(token_ids)
-                        if c.finish_reason is not None:
+                        if c.finish_reason is not None and not g.finished:
                             reason = _VLLM_FINISH.get(c.finish_reason)
                             if reason is None:
                                 raise RuntimeError(f"unexpected vLLM finish reason {c.finish_reason!r}")
                             g.finish_reason = reason
                             segment.open.discard(c.index)
                     if not segment.open:
+                        if not out.finished:  # every sample ended on a stop string: free the request
+                            self._engine.abort_request([out.request_id])
                         del self._live[out.request_id]
                 if produced and between_steps is not None:
                     between_steps(self, gens)

@@ -134,10 +134,13 @@ def _checked_address(address: str) -> str:
 
 def _cmd_configs(args: argparse.Namespace) -> int:
     from trajflow.jobs.config import CONFIGS_DIR, bundled_configs
+    from trajflow.operators.strategies import format_strategies
 
     for name in bundled_configs():
         first = (CONFIGS_DIR / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ").strip()
         print(f"{name:<12} {first}")
+    print("\nstrategies (`strategy:` a name below, or your own as module:Class / file.py:Class):")
+    print(format_strategies())
     return 0
 
 
@@ -276,7 +279,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         means = metrics.group_by("strategy", maintain_order=True).mean().to_dicts()
         print("mean over steps:")
         print(format_table(means, [c for c in columns if c[0] != "step"]))
-    _compare_with_logged(metrics, run_root, config.strategy, mode)
+    _compare_with_logged(metrics, run_root, config.build_strategy().name, mode)
     print(f"trajflow: replay written to {out}")
     return 0
 
@@ -438,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--checkpoints", required=True,
                     help="dir with the versions' weights (a run dir, its versions/ or checkpoints/)")
     rp.add_argument("--strategy", action="append", required=True,
-                    help="strategy to replay under; repeat (or comma-separate) to compare in --diagnose")
+                    help="strategy to replay under (a name, or module:Class / file.py:Class); repeat "
+                         "(or comma-separate) to compare in --diagnose")
     mode = rp.add_mutually_exclusive_group()
     mode.add_argument("--diagnose", action="store_true", help="correction diagnostics per step, no training (default)")
     mode.add_argument("--train", action="store_true", help="train on the logged data")
@@ -450,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "OUT/quarantine.parquet, never trained (default: refuse the log)")
     rp.set_defaults(func=_cmd_replay)
 
-    cf = command("configs", "list the bundled job configs")
+    cf = command("configs", "list the bundled job configs and the strategies")
     cf.set_defaults(func=_cmd_configs)
 
     def add_plot_options(p: argparse.ArgumentParser) -> None:
@@ -484,6 +488,8 @@ _BAD_INPUT = (
     ("trajflow.pipelines.replay", "ReplayError"),
     ("trajflow.schemas.trajectory", "SchemaError"),
     ("trajflow.engines.checkpoint", "CheckpointError"),
+    ("trajflow.tasks.dataset", "DataError"),  # a dataset problem found while reading it (e.g. a null prompt)
+    ("trajflow.tasks.rewards", "RewardSpecError"),
 )
 # a path the user gave that cannot be used: `trajflow: PATH: reason`
 _BAD_PATH = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)

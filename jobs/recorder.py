@@ -9,7 +9,8 @@
       trajectories/step=000012/part-0.parquet   every trajectory of train step 12, schema v1 +
                                         extras (answer, rollout_step, filter_reason, trainer_version)
       quarantine/step=000012.parquet    rows with non-finite log-probs (not schema-valid; rare)
-      checkpoints/step-000012/          weights + optimizer (+ EWMA) state of version 12
+      checkpoints/step-000012/          weights + optimizer (+ strategy, e.g. EWMA) state of version 12
+                                        (+ the dataset position and fingerprint in meta.json, for a dataset run)
       versions/v000012.safetensors      every version's weights (save_all_versions only)
       tensorboard/                      event files (when tensorboard is installed)
       summary.txt                       the final summary table
@@ -193,8 +194,10 @@ def read_metrics(paths: RunPaths):
 class RunRecorder:
     """The trainer-side hooks of a job run (picklable: shipped to the trainer actor).
 
-    on_start: restores optimizer and EWMA state when resuming, and saves the starting version's
-    weights when every version is kept. on_step: writes the logs and checkpoints of each step.
+    on_start: restores optimizer and strategy state when resuming, and saves the starting
+    version's weights when every version is kept. on_step: writes the logs and checkpoints of each
+    step. Both use only the train step's public methods: version, strategy, policy_state_dict(),
+    checkpoint_state(), load_checkpoint_state().
     """
 
     run_dir: str
@@ -203,7 +206,8 @@ class RunRecorder:
     keep_checkpoints: int
     save_all_versions: bool
     trajectory_log: bool
-    resume_from: str | None = None  # checkpoint dir whose optimizer/EWMA state the trainer restores
+    resume_from: str | None = None  # checkpoint dir whose optimizer/strategy state the trainer restores
+    data_state: dict | None = None  # a dataset run: fingerprint, epoch_size, ... (RLPipeline.data_state)
 
     @property
     def paths(self) -> RunPaths:
@@ -219,18 +223,11 @@ class RunRecorder:
                     f"resume: the trainer starts at version {trainstep.version}, "
                     f"checkpoint {checkpoint.path} holds version {meta['version']}"
                 )
-            optimizer_state = checkpoint.optimizer_state()
-            if optimizer_state is not None:
-                trainstep.optimizer.load_state_dict(optimizer_state)
-            ewma_state = checkpoint.ewma_state()
-            if trainstep.ewma is not None:
-                if ewma_state is None:
-                    raise RuntimeError(f"resume: checkpoint {checkpoint.path} has no EWMA state")
-                trainstep.ewma.load_state_dict(ewma_state)
+            trainstep.load_checkpoint_state(checkpoint.optimizer_state(), checkpoint.strategy_state())
         if self.save_all_versions:
             path = ckpt.version_file(self.paths.versions, trainstep.version)
             if not path.is_file():
-                ckpt.save_weights(trainstep._state_dict(), path)
+                ckpt.save_weights(trainstep.policy_state_dict(), path)
 
     def on_step(self, trainstep, batch: pa.Table, metrics: dict) -> None:
         import ray
@@ -239,24 +236,27 @@ class RunRecorder:
         step, version = int(metrics["step"]), int(metrics["version"])
         # which node trained (get_runtime_context() would start a Ray outside of one: check first)
         metrics["trainer_node"] = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-        # the optimizer's own step count: continues across a resume (restored state), restarts without
-        metrics["optimizer_steps"] = _optimizer_steps(trainstep.optimizer)
         metrics["time/step_end"] = time.time()  # wall clock: report's seconds_per_step is its difference
+        if self.data_state is not None:
+            metrics["data/epoch"] = step * self.data_state["prompts_per_step"] // self.data_state["epoch_size"]
+            metrics["data/prompts_too_long"] = self.data_state["prompts_dropped_too_long"]
         if self.trajectory_log:
             self._log_trajectories(paths, step, batch)
         write_table_atomic(pa.Table.from_pylist([_plain(metrics)]), paths.metrics_file(step))
-        state = trainstep._state_dict()
+        state = trainstep.policy_state_dict()
         if self.save_all_versions:
             ckpt.save_weights(state, ckpt.version_file(paths.versions, version))
         final = version >= self.steps
         if final or (self.checkpoint_every and version % self.checkpoint_every == 0):
+            extra = trainstep.checkpoint_state()
             ckpt.save_checkpoint(
                 paths.checkpoints,
                 version,
                 state,
-                optimizer_state=trainstep.optimizer.state_dict(),
-                ewma_state=trainstep.ewma.state_dict() if trainstep.ewma is not None else None,
-                meta={"steps_done": version, "time": time.time(), "strategy": trainstep.strategy},
+                optimizer_state=extra["optimizer"],
+                strategy_state=extra["strategy"],
+                meta={"steps_done": version, "time": time.time(), "strategy": trainstep.strategy.name,
+                      **({"data": data_position(self.data_state, version)} if self.data_state else {})},
             )
             ckpt.prune_checkpoints(paths.checkpoints, self.keep_checkpoints)
             metrics["checkpoint"] = version
@@ -272,10 +272,12 @@ class RunRecorder:
         write_parquet(batch, paths.trajectory_file(step))
 
 
-def _optimizer_steps(optimizer) -> int:
-    steps = [state.get("step") for state in optimizer.state_dict().get("state", {}).values()]
-    steps = [float(s) for s in steps if s is not None]
-    return int(max(steps)) if steps else 0
+def data_position(data_state: dict, next_step: int) -> dict:
+    """The dataset position a checkpoint records: where step `next_step` starts (epoch, index in
+    the epoch) and the dataset's identity, which a resume checks."""
+    start = next_step * data_state["prompts_per_step"]
+    return {**data_state, "next_step": next_step, "epoch": start // data_state["epoch_size"],
+            "index_in_epoch": start % data_state["epoch_size"]}
 
 
 def _plain(metrics: dict) -> dict:

@@ -79,7 +79,7 @@ class RunError(RuntimeError):
 
 def default_run_dir(config: JobConfig) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path(config.runs_root) / f"{config.name}-{config.strategy}-{stamp}"
+    base = Path(config.runs_root) / f"{config.name}-{config.build_strategy().name}-{stamp}"
     path, n = base, 1
     while path.exists():
         n += 1
@@ -208,10 +208,11 @@ def record_placement(paths: RunPaths) -> dict[str, list[str]]:
         name = getattr(actor, "class_name", "") or ""
         if "MapBatches(" not in name and "PolicyStore" not in name:
             continue
-        stage = name.split("MapBatches(")[-1].rstrip(")") if "MapBatches(" in name else name
-        placement.setdefault(stage, [])
-        if actor.node_id and actor.node_id not in placement[stage]:
-            placement[stage].append(actor.node_id)
+        # a process running several stages is named after all of them: Generate+Reward+...
+        for stage in name.split("MapBatches(")[-1].rstrip(")").split("+") if "MapBatches(" in name else [name]:
+            placement.setdefault(stage, [])
+            if actor.node_id and actor.node_id not in placement[stage]:
+                placement[stage].append(actor.node_id)
     if placement:
         nodes = {n["NodeID"]: {"address": n.get("NodeManagerAddress"), "resources": n.get("Resources", {})}
                  for n in ray.nodes() if n.get("Alive")}
@@ -336,6 +337,7 @@ def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *
         print(f"trajflow: {root} already finished all {config.steps} steps ({sessions} session"
               f"{'s' if sessions > 1 else ''}); nothing to do (to train longer: --set steps=N)")
         return root
+    check_same_data(config, latest)
     if overrides:
         ckpt.atomic_write_text(paths.config, config.model_copy(update={"run_dir": root}).to_yaml())
     removed = truncate_after(paths, first_step)
@@ -344,6 +346,20 @@ def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *
           + (f" (discarded partial logs of steps {removed[0]}..{removed[-1]})" if removed else ""), flush=True)
     _execute(config, paths, first_step=first_step, checkpoint=latest, progress=progress, verbose=verbose)
     return root
+
+
+def check_same_data(config: JobConfig, checkpoint: ckpt.Checkpoint | None) -> None:
+    """A resumed dataset run must see the dataset (and settings) its checkpoint was made with."""
+    import json
+
+    if checkpoint is None or config.data is None:
+        return
+    recorded = json.loads((checkpoint.path / "meta.json").read_text()).get("data", {}).get("fingerprint")
+    now = config.workload().fingerprint(config.model_path, config.seed, config.prompts_per_step)
+    if recorded != now:
+        raise RunError(f"resume: data.train_files (or the tokenizer, seed, prompts_per_step or data settings) changed "
+                       f"since checkpoint {checkpoint.path.name} (fingerprint {recorded} -> {now}); resume needs "
+                       "the data the run started with")
 
 
 def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ckpt.Checkpoint | None,
@@ -375,6 +391,7 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
                 save_all_versions=config.save_all_versions,
                 trajectory_log=config.trajectory_log,
                 resume_from=str(checkpoint.path) if checkpoint is not None else None,
+                data_state=pipeline.data_state(),
             )
             pipeline.train_step_kwargs.update(on_start=recorder.on_start, on_step=recorder.on_step)
             weights = checkpoint.model_state() if checkpoint is not None else None
@@ -391,7 +408,7 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
 
 def _stream(config, paths, pipeline, first_step, started, interactive, step_seconds, tqdm) -> None:
     tb = _TensorBoard(paths.tensorboard, purge_step=first_step if first_step else None) if config.tensorboard else None
-    bar = tqdm(total=config.steps, initial=first_step, desc=f"trajflow {config.strategy}", disable=not interactive,
+    bar = tqdm(total=config.steps, initial=first_step, desc=f"trajflow {pipeline.strategy.name}", disable=not interactive,
                file=sys.stderr, dynamic_ncols=True, leave=False)
     say = bar.write if interactive else (lambda line: print(line, flush=True))
     placement_done = False

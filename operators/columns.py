@@ -96,4 +96,5 @@ def step_metrics(batch: pa.Table, step: int, rollout_step: int, trained: np.ndar
     reasons = filter_reasons(batch)
     for reason in sorted({r for r in reasons if r is not None}):
         metrics[f"filtered/{reason}"] = int((reasons == reason).sum())
+    metrics["reward/errors"] = int((reasons == "reward_error").sum())  # always present: plottable
     return metrics

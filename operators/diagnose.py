@@ -1,29 +1,25 @@
 """Diagnose: the correction diagnostics a train step would report, without training (Ray Data actor).
 
-Batch in: all rows of one logged train step (with rewards, advantages, filter reasons and, for the
-exact strategies, old log-probs from the old-logit operator). Batch out: one metrics row per
-strategy asked for — what would the mask / clip / active fractions, mismatch KL, IS ESS and
-staleness have been under that strategy at that step?
+Batch in: all rows of one logged train step (with rewards, advantages, filter reasons and, for
+the strategies that read it, the old_logprobs column from the old-logit operator). Batch out: one
+metrics row per strategy asked for — what would the mask / clip / active fractions, mismatch KL,
+IS ESS and staleness have been under that strategy at that step?
 
 "The trainer's weights of that step" are the weights of version k for train step k (the trainer
 trains step k at version k and publishes k + 1), taken from the store; a replay therefore needs
-every version's weights (`save_all_versions: true`). The step mirrors TrainStep: the same
-staleness bound, the same rows (the filter's survivors), the same padding, `decoupled_loss` with
-current = pi_theta(version k) under no_grad, then `correction_diagnostics`. With one minibatch per
-step, diagnosing a logged run under its own strategy reproduces its logged diagnostics.
+every version's weights (`save_all_versions: true`). The step is the train step's own code: the
+same staleness bound, the same rows, `StepBatch`, `correct` (the strategy's proximal, tokens
+outside the sampling support taken out, its trust mask, the decoupled loss) and
+`step_diagnostics`, with current = pi_theta(version k) under no_grad and the same training
+numerics. With one minibatch per step, diagnosing a logged run under its own strategy
+reproduces its logged diagnostics.
 
-Per strategy, old log-probs are:
-- snapshot / dedicated / interrupt: the `old_logprobs` column (scored at each token's version);
-- recompute: pi_theta itself (the trainer's weights before the update), so r_s = 1;
-- behavior: the inference log-probs (r_d = 1);
-- loglinear: log mu + alpha (log pi_theta - log mu), alpha from versions (or fixed);
-- ewma: an EWMA of the trainer's weights over the replayed versions (reset when the active
-  fraction falls below tau), advanced after each step with the weights of version k + 1.
+A strategy whose state follows the weights (`follows_updates`, e.g. EWMA) is advanced after step k
+with the weights of version k + 1 — one update per version, the unit it then counts its window in.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 
@@ -32,30 +28,25 @@ import pyarrow as pa
 import ray
 import torch
 
-from trajflow.algorithms import CorrectionConfig, decoupled_loss
-from trajflow.algorithms.diagnostics import correction_diagnostics
-from trajflow.algorithms.ewma import EwmaProximal, ewma_beta
-from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs
+from trajflow.algorithms import CorrectionConfig
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
-from trajflow.engines.scoring import response_logprobs
-from trajflow.operators.columns import apply_staleness_bound, padded, step_metrics
+from trajflow.engines.training_numerics import TrainingNumerics
+from trajflow.operators.columns import apply_staleness_bound, step_metrics
+from trajflow.operators.correction import PolicyHolder, StepBatch, correct, step_diagnostics
+from trajflow.operators.strategies.base import Strategy
 
-EXACT_STRATEGIES = ("snapshot", "dedicated", "interrupt")
 
-
-class Diagnose:
+class Diagnose(PolicyHolder):
     def __init__(
         self,
         store: ray.actor.ActorHandle,
         model_path: str | Path,
-        strategies: list[str],
+        strategies: list[Strategy],
         correction: CorrectionConfig,
         sampling: SamplingParams,
         max_staleness: int,
-        ewma_window: int = 1,
-        ewma_tau: float = 0.9,
-        loglinear_alpha: float | None = None,
+        numerics: TrainingNumerics = TrainingNumerics(),
         torch_threads: int = 1,
     ) -> None:
         torch.set_num_threads(torch_threads)
@@ -64,99 +55,62 @@ class Diagnose:
         self.correction = correction
         self.sampling = sampling
         self.max_staleness = max_staleness
-        self.ewma_beta = ewma_beta(ewma_window)
-        self.ewma_tau = ewma_tau
-        self.fixed_alpha = loglinear_alpha
-        self.model = load_model(model_path)
-        self.resident: int | None = None
-        self.ewma: EwmaProximal | None = None
-        self.prox_model = copy.deepcopy(self.model) if "ewma" in self.strategies else None
+        self.numerics = numerics
+        self.updates_per_version = 1  # the log holds one set of weights per version
+        self.model = numerics.prepare(load_model(model_path))
+        self.version: int | None = None
+        self.bound = False
 
-    def _weights(self, version: int) -> dict[str, torch.Tensor]:
-        _, (ref,) = ray.get(self.store.get.remote(version))
-        return ray.get(ref)
-
-    def _ensure(self, version: int) -> None:
-        if self.resident != version:
-            self.model.load_state_dict(self._weights(version))
-            self.resident = version
+    def _load(self, version: int) -> bool:
+        """Make `version` the resident weights; False if the store does not hold it."""
+        if self.version != version:
+            try:
+                _, (ref,) = ray.get(self.store.get.remote(version))
+            except ray.exceptions.RayTaskError:
+                return False
+            self.model.load_state_dict(ray.get(ref))
+            self.version = version
+        return True
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         started = time.perf_counter()
-        if "trainer_version" in batch.column_names:
-            versions_here = np.unique(batch["trainer_version"].to_numpy())
-        else:
-            versions_here = np.unique(batch["rollout_step"].to_numpy())
+        column = "trainer_version" if "trainer_version" in batch.column_names else "rollout_step"
+        versions_here = np.unique(batch[column].to_numpy())
         if len(versions_here) != 1:
             raise RuntimeError(f"a diagnose batch must hold exactly one train step, got {versions_here.tolist()}")
         k = int(versions_here[0])
         batch, trained, stale_tokens = apply_staleness_bound(batch, k, self.max_staleness)
         rollout_step = int(batch["rollout_step"][0].as_py()) if "rollout_step" in batch.column_names else k
         base = step_metrics(batch, k, rollout_step, trained, stale_tokens)
-        if "ewma" in self.strategies and self.ewma is None:  # as TrainStep: EWMA starts at the first version
-            self.ewma = EwmaProximal(self._weights(k), self.ewma_beta, tau=self.ewma_tau)
-        rows = []
+        if not self._load(k):
+            raise RuntimeError(f"diagnose: the weights of version {k} are not in the store")
+        if not self.bound:  # as in the train step: strategies start from the first step's weights
+            for strategy in self.strategies:
+                strategy.bind(self)
+            self.bound = True
+
+        results: dict[str, dict] = {s.name: {} for s in self.strategies}
         if len(trained):
-            sub = batch.take(pa.array(trained))
-            results = self._diagnose(sub, k)
-        else:
-            results = {s: {} for s in self.strategies}
-        if "ewma" in results and results["ewma"]:
-            self._advance_ewma(k, results["ewma"])
+            step = StepBatch.from_table(batch.take(pa.array(trained)), k)
+            current = self.current(step, grad=False)
+            for strategy in self.strategies:
+                strategy.before_step(step, self)
+                result = correct(strategy, step, current, self, self.correction)
+                results[strategy.name] = step_diagnostics(result.loss, step, k, result.outside_support)
+            self._after_step(k, results)
+        rows = [{**base, "strategy": s.name, **results[s.name], "diagnose_seconds": time.perf_counter() - started}
+                for s in self.strategies]
+        keys = list(dict.fromkeys(key for row in rows for key in row))  # from_pylist reads only row 0's keys
+        return pa.Table.from_pylist([{key: row.get(key) for key in keys} for row in rows])
+
+    def _after_step(self, k: int, results: dict[str, dict]) -> None:
+        """The strategies' after-update / after-step hooks, in the train step's order: strategies that
+        follow the weights see version k + 1 (skipped at the end of a partial log)."""
+        followers = [s for s in self.strategies if s.follows_updates]
+        advanced = bool(followers) and self._load(k + 1)
         for strategy in self.strategies:
-            rows.append({**base, "strategy": strategy, **results[strategy],
-                         "diagnose_seconds": time.perf_counter() - started})
-        return pa.Table.from_pylist(rows)
-
-    @torch.no_grad()
-    def _diagnose(self, batch: pa.Table, k: int) -> dict[str, dict]:
-        prompts = batch["prompt_tokens"].to_pylist()
-        responses = batch["response_tokens"].to_pylist()
-        width = max(len(r) for r in responses)
-        inference = torch.from_numpy(padded(batch["inference_logprobs"], width, 0.0))
-        versions = torch.from_numpy(padded(batch["versions"], width, k, np.int64))
-        loss_mask = torch.from_numpy(padded(batch["loss_mask"], width, False, bool))
-        advantages = torch.from_numpy(batch["advantage"].to_numpy(zero_copy_only=False).astype(np.float32))
-
-        def score(model) -> torch.Tensor:
-            logprobs, _ = response_logprobs(model, prompts, responses, self.sampling, grad=False)
-            return torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1]))
-
-        self._ensure(k)
-        current = score(self.model)
-        out: dict[str, dict] = {}
-        for strategy in self.strategies:
-            if strategy in EXACT_STRATEGIES:
-                if batch["old_logprobs"].null_count:
-                    raise RuntimeError(f"diagnose {strategy}: rows arrived without old_logprobs")
-                old = torch.from_numpy(padded(batch["old_logprobs"], width, 0.0))
-            elif strategy == "recompute":
-                old = current
-            elif strategy == "behavior":
-                old = inference
-            elif strategy == "loglinear":
-                alpha = self.fixed_alpha if self.fixed_alpha is not None else loglinear_alpha(versions, theta_version=k + 1)
-                old = loglinear_logprobs(current, inference, alpha)
-            elif strategy == "ewma":
-                self.prox_model.load_state_dict(self.ewma.prox_state_dict())
-                old = score(self.prox_model)
-            else:
-                raise ValueError(f"unknown strategy {strategy!r}")
-            result = decoupled_loss(current, old, inference, advantages, loss_mask, self.correction)
-            diagnostics = correction_diagnostics(result, versions=versions, trainer_version=k, advantages=advantages)
-            diagnostics["loss"] = float(result.loss.item())
-            out[strategy] = diagnostics
-        return out
-
-    def _advance_ewma(self, k: int, diagnostics: dict) -> None:
-        """After step k: fold in version k + 1 (the weights the update produced), reset if the
-        active fraction was below tau — the order TrainStep uses."""
-        try:
-            after = self._weights(k + 1)
-        except ray.exceptions.RayTaskError:
-            return  # the last version of a partial log: nothing after it to fold in
-        self.ewma.update(after)
-        if "active_frac" in diagnostics:
-            fired = self.ewma.maybe_reset(diagnostics["active_frac"], after)
-            diagnostics.update({"ewma/reset": float(fired), "ewma/reset_count": float(self.ewma.reset_count),
-                                "ewma/age": self.ewma.age})
+            if strategy.follows_updates:
+                if not advanced:
+                    continue
+                strategy.after_update(self)
+            results[strategy.name].update(strategy.after_step(self, results[strategy.name]))

@@ -3,8 +3,8 @@
 `run_episodes` plays `n` episodes per prompt in lockstep turns. Each turn, the live episodes'
 contexts (prompt + everything so far) go to `engine.generate` as prompts; a turn ends at eos or at
 the per-turn limit (the engine's `sampling.max_new_tokens`, lowered to what is left of the token
-budget). The environment then answers each turn; its observation text is tokenized with the char
-tokenizer and appended as environment tokens. The response of an episode is everything after the
+budget). The environment then answers each turn; its observation text is tokenized with the
+model's tokenizer and appended as environment tokens. The response of an episode is everything after the
 prompt, policy and environment tokens concatenated, with per-token
 
     loss_mask   True on policy tokens, False on environment tokens (never trained)
@@ -93,12 +93,16 @@ def run_episodes(
     prompts: Sequence[Prompt],
     n: int = 1,
     *,
+    prompt_tokens: Sequence[list[int]] | None = None,
     before_turn: Hook | None = None,
     between_steps: Hook | None = None,
 ) -> list[Episode]:
-    """Play n episodes per prompt (prompt-major order, like `engine.generate`)."""
+    """Play n episodes per prompt (prompt-major order, like `engine.generate`). `prompt_tokens`:
+    the prompts' ids as the prompt source encoded them (default: `encode_prompt` of the text)."""
+    if prompt_tokens is None:
+        prompt_tokens = [encode_prompt(tokenizer, p.text) for p in prompts]
     batch = EpisodeBatch([
-        Episode(i, encode_prompt(tokenizer, p.text), env.reset(p)) for i, p in enumerate(prompts) for _ in range(n)
+        Episode(i, list(ids), env.reset(p)) for i, (p, ids) in enumerate(zip(prompts, prompt_tokens)) for _ in range(n)
     ])
     episodes = batch.episodes
     budget = env.max_response_tokens
@@ -135,7 +139,8 @@ def run_episodes(
                 if g.finish_reason == "abort":
                     e.finish_reason = "abort"
                     continue
-                result = e.env.step(decode_response(tokenizer, tokens))
+                stop_ids = [engine.eos_id, *engine.stop_token_ids]
+                result = e.env.step(decode_response(tokenizer, tokens, stop_ids, base_sampling.stop))
                 e.reward += float(result.reward)
                 obs = tokenizer.encode(result.observation, add_special_tokens=False) if result.observation else []
                 left = budget - len(e.response_tokens)

@@ -1,9 +1,11 @@
 """Generate: the rollout of one train step per call (Ray Data actor).
 
-Batch in: one row `{"id": step}`. Batch out: `prompts_per_step * group_size` trajectory rows
-(schema v1 plus the extra columns `answer` and `rollout_step`), a group's samples contiguous.
+Batch in: the prompt rows of one train step (`rollout_step`, `prompt_id`, `prompt`,
+`prompt_tokens` and the passthrough columns, as tasks.workload.PromptSource emits them). Batch
+out: `len(rows) * group_size` trajectory rows (schema v1, then `prompt`, the passthrough columns
+and `rollout_step`), a group's samples contiguous, each repeating its prompt row's columns.
 
-For an environment task (`tasks.environments.Environment`) each row is a multi-turn episode
+For an environment workload (`tasks.environments.Environment`) each row is a multi-turn episode
 (operators/episodes.py): `response_tokens` hold policy turns and environment observations,
 `loss_mask` is false on the observation tokens, `reward` is already filled in by the environment,
 and the extra column `turns` counts policy turns. Before every turn the generator takes the
@@ -12,9 +14,12 @@ newest weights, so the turns of one episode may come from different versions.
 Before sampling, the actor takes an admission permit from the policy store: the rollout of
 step b starts only once version b - max_staleness exists, which bounds policy lag. With
 `mid_generation_updates` it also takes newer weights between decode steps, so one trajectory can
-span versions; for the `interrupt` strategy it first scores the prefix generated so far with the
-still-resident weights under training numerics — the exact old log-probs — then switches. The
-prefix is scored with its full context (for episodes: prompt, earlier turns and observations).
+span versions; for a strategy that scores at a switch (`interrupt`: `score_on_switch`) it first
+scores the prefix generated so far with the still-resident weights under the training numerics
+(`numerics`, the trainer's) — the exact old log-probs — then switches. The prefix is scored with
+its full context (for episodes: prompt, earlier turns and observations).
+Sampling stops at the tokenizer's eos (and the model's generation-config eos ids) and at the
+`sampling.stop` strings.
 """
 
 from __future__ import annotations
@@ -27,22 +32,26 @@ import pyarrow as pa
 import ray
 import torch
 
+from trajflow.engines.factory import make_engine
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
-from trajflow.engines.scoring import score
-from trajflow.engines.tokenizer import encode_prompt
-from trajflow.engines.factory import make_engine
+from trajflow.engines.tokenizer import stop_token_ids
+from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.engines.torch_engine import Generation, TorchEngine
 from trajflow.operators.episodes import Episode, EpisodeBatch, EpisodeView, run_episodes
 from trajflow.schemas import SamplingSemantics, conform
-from trajflow.tasks import get_task, is_environment
+from trajflow.tasks.workload import Workload, prompt_of
+
+# Columns of a prompt row that generation replaces with per-trajectory values.
+PROMPT_ROW_COLUMNS = ("rollout_step", "prompt_id", "prompt_tokens")
 
 
-def step_prompts(task, seed: int, step: int, count: int) -> list:
-    """The prompts of train step `step`: a deterministic function of (seed, step), so a resumed
-    run or a second generator reproduces them without shared state."""
-    stream = task.prompts("train", seed=seed * 1_000_003 + step)
-    return [next(stream) for _ in range(count)]
+def rollout_step_of(batch: pa.Table) -> int:
+    """The one train step a batch of prompt rows belongs to."""
+    steps = np.unique(batch["rollout_step"].to_numpy())
+    if len(steps) != 1:
+        raise ValueError(f"Generate takes the prompt rows of one step per call, got steps {steps.tolist()}")
+    return int(steps[0])
 
 
 class Generate:
@@ -50,8 +59,7 @@ class Generate:
         self,
         store: ray.actor.ActorHandle,
         model_path: str | Path,
-        task: str,
-        prompts_per_step: int,
+        workload: Workload,
         group_size: int,
         sampling: SamplingParams,
         inference_dtype: str,
@@ -62,12 +70,12 @@ class Generate:
         torch_threads: int = 1,
         engine: str = "torch",
         engine_kwargs: dict | None = None,
+        numerics: TrainingNumerics = TrainingNumerics(),
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
-        self.task = get_task(task)
+        self.environment = workload.environment()
         self.tokenizer = load_tokenizer(model_path)
-        self.prompts_per_step = prompts_per_step
         self.group_size = group_size
         self.sampling = sampling
         self.seed = seed
@@ -82,6 +90,8 @@ class Generate:
             model if engine == "torch" else model_path,
             eos_id=self.tokenizer.eos_token_id,
             pad_id=self.tokenizer.pad_token_id,
+            stop_token_ids=stop_token_ids(self.tokenizer, model_path),
+            tokenizer=self.tokenizer,
             sampling=sampling,
             inference_dtype=inference_dtype,
             seed=seed,
@@ -89,7 +99,8 @@ class Generate:
             **(engine_kwargs or {}),
         )
         # Training numerics of the resident version, for scoring prefixes at a switch (interrupt).
-        self.scoring_model = model if score_on_switch else None
+        self.numerics = numerics
+        self.scoring_model = numerics.prepare(model) if score_on_switch else None
         self.semantics = SamplingSemantics(sampling.temperature, sampling.top_p, sampling.top_k)
 
     def _load(self, version: int, ref: ray.ObjectRef) -> None:
@@ -116,25 +127,22 @@ class Generate:
             self._take_newest(pins)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        step = int(batch["id"][0].as_py())
-        if batch.num_rows != 1:
-            raise ValueError(f"Generate takes one step per call, got {batch.num_rows} rows")
+        step = rollout_step_of(batch)
         started = time.perf_counter()
         ray.get(self.store.admit.remote(step))
         waited = time.perf_counter() - started
         pins: set[int] = set()
         self._take_newest(pins)
 
-        prompts = step_prompts(self.task, self.seed, step, self.prompts_per_step)
-        prompt_tokens = [encode_prompt(self.tokenizer, p.text) for p in prompts]
+        prompt_tokens = batch["prompt_tokens"].to_pylist()
         self.engine.generator.manual_seed(self.seed * 1_000_003 + step)
         old_logprobs: list[list[float]] | None = None
         if self.mid_generation_updates and self.score_on_switch:
-            old_logprobs = [[] for _ in range(len(prompts) * self.group_size)]
+            old_logprobs = [[] for _ in range(len(prompt_tokens) * self.group_size)]
 
-        if is_environment(self.task):
+        if self.environment is not None:
             if self.score_on_switch and old_logprobs is None:  # switches happen between turns too
-                old_logprobs = [[] for _ in range(len(prompts) * self.group_size)]
+                old_logprobs = [[] for _ in range(len(prompt_tokens) * self.group_size)]
 
             def before_turn(engine: TorchEngine, episodes: EpisodeBatch) -> None:
                 self._switch_if_newer(pins, episodes.current, old_logprobs)
@@ -145,8 +153,10 @@ class Generate:
                 if self.mid_generation_updates:
                     self._switch_if_newer(pins, episodes.current, old_logprobs)
 
-            episodes = run_episodes(self.engine, self.task, self.tokenizer, prompts, self.group_size,
-                                    before_turn=before_turn, between_steps=episode_hook)
+            prompts = [prompt_of(row) for row in batch.to_pylist()]
+            episodes = run_episodes(self.engine, self.environment, self.tokenizer, prompts, self.group_size,
+                                    prompt_tokens=prompt_tokens, before_turn=before_turn,
+                                    between_steps=episode_hook)
             rows = [EpisodeView(e.prompt_tokens, e.response_tokens, e.versions, e.loss_mask) for e in episodes]
         else:
             def views() -> list[EpisodeView]:
@@ -175,7 +185,7 @@ class Generate:
         self.store.add_counters.remote(
             {"generate_seconds": time.perf_counter() - started - waited, "admission_wait_seconds": waited}
         )
-        return self._to_table(step, prompts, prompt_tokens, episodes, old_logprobs)
+        return self._to_table(step, batch, prompt_tokens, episodes, old_logprobs)
 
     def _score_resident(self, rows: list[EpisodeView], old_logprobs: list[list[float]]) -> None:
         """Fill old log-probs of every token appended under the resident version, with training
@@ -191,7 +201,7 @@ class Generate:
             return
         t0 = time.perf_counter()
         needs_scoring = [i for i in todo if any(rows[i].loss_mask[len(old_logprobs[i]):])]
-        scored = dict(zip(needs_scoring, score(
+        scored = dict(zip(needs_scoring, self.numerics.score(
             self.scoring_model,
             [rows[i].prompt_tokens for i in needs_scoring],
             [rows[i].response_tokens for i in needs_scoring],
@@ -204,10 +214,10 @@ class Generate:
                 old_logprobs[i].append(float(lp[t]) if row.loss_mask[t] else 0.0)
         self.store.add_counters.remote({"interrupt_scoring_seconds": time.perf_counter() - t0})
 
-    def _to_table(self, step, prompts, prompt_tokens, gens, old_logprobs) -> pa.Table:
+    def _to_table(self, step, rows: pa.Table, prompt_tokens, gens, old_logprobs) -> pa.Table:
         n = self.group_size
-        prompt_idx = np.repeat(np.arange(len(prompts)), n)
-        sample_idx = np.tile(np.arange(n), len(prompts))
+        prompt_idx = np.repeat(np.arange(rows.num_rows), n)
+        sample_idx = np.tile(np.arange(n), rows.num_rows)
         int_list, float_list = pa.list_(pa.int32()), pa.list_(pa.float32())
         multi_turn = bool(gens) and isinstance(gens[0], Episode)
         if multi_turn:
@@ -216,10 +226,11 @@ class Generate:
         else:
             loss_mask = [[True] * len(g.response_tokens) for g in gens]
             reward = pa.nulls(len(gens), pa.float32())
+        prompt_ids = rows["prompt_id"].to_pylist()
         columns = {
             "trajectory_id": [f"s{step:06d}-p{p:03d}-n{j:03d}" for p, j in zip(prompt_idx, sample_idx)],
             "group_id": [f"s{step:06d}-p{p:03d}" for p in prompt_idx],
-            "prompt_id": [prompts[p].prompt_id for p in prompt_idx],
+            "prompt_id": [prompt_ids[p] for p in prompt_idx],
             "prompt_tokens": pa.array([prompt_tokens[p] for p in prompt_idx], int_list),
             "response_tokens": pa.array([g.response_tokens for g in gens], int_list),
             "loss_mask": pa.array(loss_mask, pa.list_(pa.bool_())),
@@ -229,9 +240,12 @@ class Generate:
             "finish_reason": [g.finish_reason for g in gens],
             "reward": reward,
             "advantage": pa.nulls(len(gens), pa.float32()),
-            "answer": [prompts[p].answer for p in prompt_idx],
-            "rollout_step": pa.array(np.full(len(gens), step, dtype=np.int32)),
         }
+        # the prompt and every passthrough column, repeated onto each sample of its group
+        passthrough = rows.drop_columns(list(PROMPT_ROW_COLUMNS)).take(pa.array(prompt_idx))
+        for name in passthrough.column_names:
+            columns[name] = passthrough[name]
+        columns["rollout_step"] = pa.array(np.full(len(gens), step, dtype=np.int32))
         if multi_turn:
             columns["turns"] = pa.array([g.turns for g in gens], pa.int32())
         return conform(pa.table(columns), self.semantics)

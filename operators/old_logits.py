@@ -1,17 +1,23 @@
 """Old logits at the behaviour version: pi_v^train for every token, exactly (Ray Data actor).
 
 For each version v carried by the batch's tokens, the operator loads the weights of v from the
-policy store into a float32 model with training numerics, scores the responses teacher-forced and
-keeps the log-probs of the tokens stamped v. A trajectory spanning versions is thus scored under
-each token's own version. After scoring it releases the batch's pins on those versions, so the
-store frees a snapshot as soon as no in-flight token needs it.
+policy store into a model scored under the training numerics (engines/training_numerics.py: the
+trainer's device kind and autocast, dropout off), scores the responses teacher-forced and keeps
+the log-probs of the tokens stamped v. A trajectory spanning versions is thus scored under each
+token's own version. A token outside the sampling filter's support under these numerics gets
+-inf (the train step takes it out of the loss and counts it). After scoring it releases the
+batch's pins on those versions, so the store frees a snapshot as soon as no in-flight token
+needs it.
 
-The same operator serves two strategies; what differs is where the pipeline places it:
+The same operator serves the exact strategies; what differs is where each places it
+(operators/strategies/):
 - `dedicated`: right after generate, on its own actor (its own CPU/GPU share). It follows the
   generator's versions in lockstep — the store holds a version only until its batch is scored —
   so it switches at most as often as the generator and keeps no history.
 - `snapshot`: right before the train step. Rows the filter dropped are never scored, but the
   store must keep every version still inside the staleness window (up to max_staleness + 1).
+- in an offline replay, for any strategy that reads the column (e.g. `interrupt`, whose live
+  values come from the generator).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
-from trajflow.engines.scoring import score
+from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.columns import filter_reasons, mark_filtered, replace_column
 
 
@@ -37,11 +43,13 @@ class OldLogitsAtBehaviourVersion:
         model_path: str | Path,
         sampling: SamplingParams,
         skip_filtered: bool,
+        numerics: TrainingNumerics = TrainingNumerics(),
         torch_threads: int = 1,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
-        self.model = load_model(model_path)
+        self.numerics = numerics
+        self.model = numerics.prepare(load_model(model_path))
         self.sampling = sampling
         self.skip_filtered = skip_filtered
         self.resident_version: int | None = None
@@ -75,7 +83,8 @@ class OldLogitsAtBehaviourVersion:
                 evicted.add(version)  # out of the staleness window: its tokens cannot be trained
                 continue
             todo = [i for i in rows if version in versions[i]]
-            scored = score(self.model, [prompts[i] for i in todo], [responses[i] for i in todo], self.sampling)
+            scored = self.numerics.score(self.model, [prompts[i] for i in todo], [responses[i] for i in todo],
+                                         self.sampling)
             for i, lp in zip(todo, scored):
                 if old[i] is None:
                     old[i] = [float("nan")] * len(responses[i])

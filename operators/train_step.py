@@ -1,75 +1,72 @@
-"""Train step: one optimizer step per rollout step, then publish the new weights (Ray Data actor).
+"""Train step: one step of the policy per rollout step (Ray Data actor).
 
 Batch in: all rows of one rollout step (trajectories with rewards, advantages, filter reasons and,
 for the exact strategies, old log-probs). Batch out: one metrics row.
 
 The step, top to bottom:
-1. Staleness check where tokens are trained: lag = trainer version - token version. Tokens with
+1. Staleness bound where tokens are trained: lag = trainer version - token version. Tokens with
    lag > max_staleness are removed from the loss and counted (rows left with no token: reason
    `over_stale`). Admission already bounds lag; this makes the bound hold whatever Ray Data does.
-2. The proximal ("old") log-probs of the strategy: the column (snapshot, dedicated, interrupt),
-   mu (behavior), the current weights before the update (recompute), the EWMA weights (ewma) or
-   the log-linear interpolation (loglinear).
-3. decoupled_loss from algorithms/, backward, clip, optimizer step (per minibatch).
-4. EWMA update/reset, publish the weights to the policy store, emit diagnostics.
+2. Per minibatch: pi_theta under the training numerics (engines/training_numerics.py: dropout
+   off, the same autocast as every pi_old), then the strategy's correction (operators/correction.py:
+   its proximal, tokens outside the sampling support taken out and counted, its trust mask, the
+   decoupled loss), backward, gradient clip and the optimizer update. An update whose gradient
+   is not finite is skipped and counted (`grad/nonfinite_skipped`), never applied.
+3. The strategy's after-update / after-step hooks (EWMA update and reset, M2PO's metrics); the
+   trainer now holds version k + 1.
+4. The `after_step` services (operators/after_step.py: publish, held-out evaluation, store
+   statistics), then the job's `on_step` hook — all in this process.
+
+Public for the jobs layer: `version`, `strategy`, `policy()`, `policy_state_dict()`,
+`checkpoint_state()` / `load_checkpoint_state()` (optimizer + strategy state, for resume).
 """
 
 from __future__ import annotations
 
-import copy
+import math
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import ray
 import torch
-from accelerate import Accelerator
 
-from trajflow.algorithms import CorrectionConfig, decoupled_loss
-from trajflow.algorithms.diagnostics import correction_diagnostics
-from trajflow.algorithms.ewma import EwmaProximal, ewma_beta
-from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs
-from trajflow.engines.models import load_model, load_tokenizer
+from trajflow.algorithms import CorrectionConfig
+from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
-from trajflow.engines.scoring import response_logprobs
-from trajflow.operators.columns import apply_staleness_bound, padded, replace_column, step_metrics
-from trajflow.operators.evaluate import heldout_accuracy
+from trajflow.engines.training_numerics import TrainingNumerics
+from trajflow.operators.after_step import AfterStep
+from trajflow.operators.columns import apply_staleness_bound, replace_column, step_metrics
+from trajflow.operators.correction import (
+    PolicyHolder,
+    StepBatch,
+    correct,
+    merge_outputs,
+    old_column,
+    step_diagnostics,
+)
+from trajflow.operators.strategies.base import Strategy
 from trajflow.schemas import conform
-from trajflow.tasks import get_task
-
-OPERATOR_STRATEGIES = ("snapshot", "dedicated", "interrupt")
 
 
-def publish_weights(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int | None = None) -> int:
-    """Put a float32 copy of the weights in the object store and register it as a new version."""
-    state = {k: v.detach().to(torch.float32).clone() for k, v in model.state_dict().items()}
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    return ray.get(store.publish.remote([ray.put(state)], nbytes, version))
-
-
-class TrainStep:
+class TrainStep(PolicyHolder):
     def __init__(
         self,
         store: ray.actor.ActorHandle,
         model_path: str | Path,
-        task: str,
-        strategy: str,
+        strategy: Strategy,
         correction: CorrectionConfig,
         sampling: SamplingParams,
         max_staleness: int,
+        numerics: TrainingNumerics = TrainingNumerics(),
         lr: float = 1.5e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.99),
         grad_clip: float | None = 1.0,
         minibatches_per_step: int = 1,
-        mixed_precision: str = "no",
-        ewma_window: int = 1,
-        ewma_tau: float = 0.9,
-        loglinear_alpha: float | None = None,
-        eval_every: int = 0,
-        eval_prompts: int = 200,
+        after_step: Sequence[AfterStep] = (),
         torch_threads: int = 1,
         on_start: Callable[["TrainStep"], None] | None = None,
         on_step: Callable[["TrainStep", pa.Table, dict], None] | None = None,
@@ -80,172 +77,94 @@ class TrainStep:
         self.correction = correction
         self.sampling = sampling
         self.max_staleness = max_staleness
+        self.numerics = numerics
         self.grad_clip = grad_clip
-        self.minibatches = minibatches_per_step
-        self.fixed_alpha = loglinear_alpha
-        self.eval_every = eval_every
-        self.eval_prompts = eval_prompts
-        self.task = get_task(task)
-        self.tokenizer = load_tokenizer(model_path)
-        self.on_step = on_step  # e.g. the job's trajectory log and checkpoints (after publishing)
+        self.updates_per_version = minibatches_per_step
+        self.after_step = list(after_step)
+        self.on_step = on_step  # the job's hook (trajectory log, checkpoints), after the services
 
-        model = load_model(model_path)
         # Start from the store's newest weights: version 0 on a fresh run, the resumed one later.
         self.version, (ref,) = ray.get(store.get.remote(None))
-        model.load_state_dict(ray.get(ref))
-        self.accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self.model.train()
-        self.ewma: EwmaProximal | None = None
-        self.prox_model = None
-        if strategy == "ewma":
-            self.ewma = EwmaProximal(self._state_dict(), ewma_beta(ewma_window), tau=ewma_tau)
-            self.prox_model = copy.deepcopy(self._unwrapped()).eval()
+        self.model = numerics.prepare(load_model(model_path))
+        self.model.load_state_dict(ray.get(ref))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        self.optimizer_steps = 0
+        self.strategy.bind(self)
         self.busy_seconds = 0.0
         self.started = time.perf_counter()
         if on_start is not None:
-            on_start(self)  # e.g. a resumed job restores optimizer and EWMA state here
+            on_start(self)  # e.g. a resumed job restores optimizer and strategy state here
 
-    def _unwrapped(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+    # -- for the jobs layer ----------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint keeps besides the weights: optimizer and strategy state."""
+        return {"optimizer": self.optimizer.state_dict(), "strategy": self.strategy.state_dict()}
 
-    def _state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self._unwrapped().state_dict().items()}
+    def load_checkpoint_state(self, optimizer: dict | None, strategy: dict | None) -> None:
+        if optimizer is not None:
+            self.optimizer.load_state_dict(optimizer)
+            steps = [float(s["step"]) for s in self.optimizer.state_dict()["state"].values() if "step" in s]
+            self.optimizer_steps = int(max(steps)) if steps else 0
+        if strategy:
+            self.strategy.load_state_dict(strategy)
+        elif self.strategy.state_dict():
+            raise RuntimeError(f"resume: the checkpoint holds no state of strategy {self.strategy.name}")
 
-    # -- the step ------------------------------------------------------------------------------
+    # -- the step ----------------------------------------------------------------------------------
     def __call__(self, batch: pa.Table) -> pa.Table:
-        wall_started = time.perf_counter()
+        started = time.perf_counter()
         steps = np.unique(batch["rollout_step"].to_numpy())
         if len(steps) != 1:
             raise RuntimeError(f"a train batch must hold exactly one rollout step, got steps {steps.tolist()}")
         trainer_version = self.version
         batch, trained, stale_tokens = apply_staleness_bound(batch, trainer_version, self.max_staleness)
         metrics = step_metrics(batch, trainer_version, int(steps[0]), trained, stale_tokens)
-        metrics["strategy"] = self.strategy
+        metrics["strategy"] = self.strategy.name
 
         if len(trained):
-            diagnostics, old_used = self._optimize(batch.take(pa.array(trained)), trainer_version)
+            diagnostics, old_used = self._update(batch.take(pa.array(trained)), trainer_version)
             metrics.update(diagnostics)
-            old_column = np.full(batch.num_rows, None, dtype=object)
-            old_column[trained] = old_used
-            batch = replace_column(batch, "old_logprobs", pa.array(old_column.tolist(), pa.list_(pa.float32())))
-        # A step with nothing to train still publishes (unchanged weights, new version): the
-        # rollouts of later steps wait on this version.
-        self.version = publish_weights(self.store, self._unwrapped())
+            old = np.full(batch.num_rows, None, dtype=object)
+            old[trained] = old_used
+            batch = replace_column(batch, "old_logprobs", pa.array(old.tolist(), pa.list_(pa.float32())))
+        self.version = trainer_version + 1
         metrics["version"] = self.version
-        metrics["train_seconds"] = time.perf_counter() - wall_started
+        metrics["optimizer_steps"] = self.optimizer_steps
+        for hook in self.after_step:
+            hook(self, batch, metrics)
+        metrics["train_seconds"] = time.perf_counter() - started
         self.busy_seconds += metrics["train_seconds"]
         metrics["trainer_busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
-        if self.eval_every and self.version % self.eval_every == 0:
-            self.model.eval()
-            metrics["heldout_accuracy"] = heldout_accuracy(
-                self._unwrapped(), self.tokenizer, self.task, self.eval_prompts, self.sampling.max_new_tokens
-            )
-            self.model.train()
-        stats = ray.get(self.store.stats.remote(True))
-        metrics.update(
-            {
-                "snapshot_versions_held": len(stats.versions_held),
-                "snapshot_bytes": stats.snapshot_bytes,
-                "snapshot_max_versions_held": stats.max_versions_held,
-                **{f"seconds/{k}" if k.endswith("seconds") else k: v for k, v in stats.counters.items()},
-            }
-        )
         if self.on_step is not None:
             self.on_step(self, conform(batch), metrics)
         return pa.Table.from_pylist([metrics])
 
-    def _tensors(self, batch: pa.Table) -> dict[str, torch.Tensor]:
-        width = max(len(r) for r in batch["response_tokens"].to_pylist())
-        t = {
-            "inference": torch.from_numpy(padded(batch["inference_logprobs"], width, 0.0)),
-            "versions": torch.from_numpy(padded(batch["versions"], width, self.version, np.int64)),
-            "loss_mask": torch.from_numpy(padded(batch["loss_mask"], width, False, bool)),
-            "advantages": torch.from_numpy(batch["advantage"].to_numpy(zero_copy_only=False).astype(np.float32)),
-        }
-        if self.strategy in OPERATOR_STRATEGIES:
-            if batch["old_logprobs"].null_count:
-                raise RuntimeError(f"strategy {self.strategy}: rows reached the train step without old_logprobs")
-            t["old"] = torch.from_numpy(padded(batch["old_logprobs"], width, 0.0))
-        return t
-
-    def _current(self, prompts, responses, grad: bool, model=None) -> torch.Tensor:
-        """Per-token log-probs [b, width] (right-padded with 0 to the whole batch's width)."""
-        logprobs, _ = response_logprobs(model or self.model, prompts, responses, self.sampling, grad=grad)
-        return torch.nn.functional.pad(logprobs, (0, self.width - logprobs.shape[1]))
-
-    def _optimize(self, batch: pa.Table, trainer_version: int) -> tuple[dict, list]:
-        prompts = batch["prompt_tokens"].to_pylist()
-        responses = batch["response_tokens"].to_pylist()
-        t = self._tensors(batch)
-        self.width = t["inference"].shape[1]
-        if self.strategy == "recompute":
-            with torch.no_grad():  # pi_async: the trainer's weights before this step's update
-                t["old"] = self._current(prompts, responses, grad=False)
-        rows = np.arange(batch.num_rows)
-        outputs, olds = [], torch.zeros_like(t["inference"])
-        for chunk in np.array_split(rows, self.minibatches):
-            idx = torch.from_numpy(chunk)
-            p, r = [prompts[i] for i in chunk], [responses[i] for i in chunk]
-            current = self._current(p, r, grad=True)
-            old = self._proximal(t, idx, current, p, r, trainer_version)
-            olds[idx] = old
-            out = decoupled_loss(
-                current, old, t["inference"][idx], t["advantages"][idx], t["loss_mask"][idx], self.correction
-            )
+    def _update(self, table: pa.Table, trainer_version: int) -> tuple[dict, list]:
+        batch = StepBatch.from_table(table, trainer_version)
+        self.strategy.before_step(batch, self)
+        parts, olds = [], torch.zeros_like(batch.inference)
+        outside, norms, skipped = 0, [], 0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for chunk in np.array_split(np.arange(len(batch)), self.updates_per_version):
+            minibatch = batch.select(torch.from_numpy(chunk))
+            result = correct(self.strategy, minibatch, self.current(minibatch, grad=True), self, self.correction)
+            olds[minibatch.rows] = result.old
+            outside += result.outside_support
+            parts.append((minibatch.rows, result.loss))
             self.optimizer.zero_grad(set_to_none=True)
-            self.accelerator.backward(out.loss)
-            if self.grad_clip:
-                self.accelerator.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            result.loss.loss.backward()
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip or math.inf))
+            if not math.isfinite(norm):  # never step on a NaN/inf gradient: count it instead
+                skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                continue
+            norms.append(norm)
             self.optimizer.step()
-            outputs.append((idx, out))
-            if self.ewma is not None:
-                self.ewma.update(self._state_dict())
+            self.optimizer_steps += 1
+            self.strategy.after_update(self)
 
-        merged = _merge_outputs(outputs, t["loss_mask"].shape)
-        diagnostics = correction_diagnostics(merged, versions=t["versions"], trainer_version=trainer_version,
-                                             advantages=t["advantages"])
-        diagnostics["loss"] = float(sum(out.loss.item() for _, out in outputs) / len(outputs))
-        if self.ewma is not None:
-            fired = self.ewma.maybe_reset(diagnostics["active_frac"], self._state_dict())
-            diagnostics.update({"ewma/reset": float(fired), "ewma/reset_count": float(self.ewma.reset_count),
-                                "ewma/age": self.ewma.age})
-        versions_per_row = batch["versions"].to_pylist()
-        diagnostics["rows_spanning_versions"] = sum(len(set(v)) > 1 for v in versions_per_row)
-        lengths = [len(r) for r in responses]
-        return diagnostics, [row[:n].tolist() for row, n in zip(olds.numpy(), lengths)]
-
-    def _proximal(self, t, idx, current, prompts, responses, trainer_version) -> torch.Tensor:
-        if self.strategy in OPERATOR_STRATEGIES or self.strategy == "recompute":
-            return t["old"][idx]
-        if self.strategy == "behavior":
-            return t["inference"][idx]
-        if self.strategy == "ewma":
-            self.prox_model.load_state_dict(self.ewma.prox_state_dict())
-            with torch.no_grad():
-                return self._current(prompts, responses, grad=False, model=self.prox_model)
-        if self.strategy == "loglinear":
-            alpha = (
-                self.fixed_alpha
-                if self.fixed_alpha is not None
-                else loglinear_alpha(t["versions"][idx], theta_version=trainer_version + 1)
-            )
-            return loglinear_logprobs(current.detach(), t["inference"][idx], alpha)
-        raise ValueError(f"unknown strategy {self.strategy!r}")
-
-
-def _merge_outputs(outputs, shape) -> "object":
-    """Reassemble per-minibatch LossOutputs into one with full-batch [B, T] bookkeeping."""
-    if len(outputs) == 1:
-        return outputs[0][1]
-    first = outputs[0][1]
-    merged = copy.copy(first)
-    for name in ("loss_mask", "discrepancy_mask", "clipped_low", "clipped_high", "dual_clipped", "active",
-                 "log_rd", "log_rs", "is_weights", "token_weights"):
-        full = torch.zeros(shape, dtype=getattr(first, name).dtype)
-        for idx, out in outputs:
-            part = getattr(out, name)
-            full[idx, : part.shape[1]] = part
-        setattr(merged, name, full)
-    return merged
+        diagnostics = step_diagnostics(merge_outputs(parts, batch.loss_mask.shape), batch, trainer_version, outside)
+        diagnostics["grad/norm"] = float(np.mean(norms)) if norms else None
+        diagnostics["grad/nonfinite_skipped"] = float(skipped)
+        diagnostics.update(self.strategy.after_step(self, diagnostics))
+        return diagnostics, old_column(olds, [len(r) for r in batch.responses])

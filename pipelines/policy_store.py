@@ -12,8 +12,16 @@ trainer publishes each new version; generators take the newest one. The store al
 - collects timing counters from the actors (seconds generating, scoring, waiting) so that each
   train step can report them.
 
-Weights travel as object refs (zero-copy on one node); the store only holds the refs. A ref is
-always wrapped in a list when passed around so that Ray does not resolve it on the way.
+Weights travel as object refs (zero-copy on one node, see schemas/weights.py); the store
+only holds the refs. A ref is always wrapped in a list when passed around so that Ray does not
+resolve it on the way.
+
+Ownership: an object lives as long as the process that put it. The trainer's versions are owned
+by the trainer actor, which is alive whenever a generator or scorer reads them; only the run's
+*final* version is read after the stream has ended and Ray Data has torn the trainer down (e.g.
+replay's final weights), so only that one is copied into the store's ownership on publish
+(`final_version`; without it, every version is, the safe choice for a caller that does not
+know where the run ends).
 """
 
 from __future__ import annotations
@@ -51,8 +59,9 @@ class StoreStats:
 class PolicyStore:
     """Owner of versions, snapshots, the admission bound and the step counters."""
 
-    def __init__(self, max_staleness: int, keep_history: bool) -> None:
+    def __init__(self, max_staleness: int, keep_history: bool, final_version: int | None = None) -> None:
         self.max_staleness = max_staleness
+        self.final_version = final_version
         # Strategies that recompute old logits after generation (snapshot, dedicated) need the
         # weights of a version until its tokens are scored; the others only need the newest.
         self.keep_history = keep_history
@@ -67,17 +76,18 @@ class PolicyStore:
     async def publish(self, wrapped_ref: list[ray.ObjectRef], nbytes: int, version: int | None = None) -> int:
         """Register new weights; returns their version (latest + 1 unless given, e.g. on resume).
 
-        The store re-puts the weights so that it owns them: an object is lost with the process that
-        put it, and Ray Data tears the train-step actor down as soon as the stream ends, before a
-        reader of the last version (replay's final weights) gets to it. Cost: one copy of the
-        weights per publish inside the object store.
+        Versions from `final_version` on are copied into an object the store owns (one copy,
+        once per run): they are read after the stream ends, when the trainer actor that put them
+        is gone. Every other version stays the publisher's object: no copy.
         """
-        owned = ray.put(await wrapped_ref[0])  # before the version check: nothing awaits after it
+        ref = wrapped_ref[0]
+        if self.final_version is None or (self.latest + 1 if version is None else version) >= self.final_version:
+            ref = ray.put(await ref)  # before the version check: nothing awaits after it
         version = self.latest + 1 if version is None else version
         if version <= self.latest:
             raise ValueError(f"version {version} is not newer than the latest published {self.latest}")
         async with self.changed:
-            self.versions[version] = _Version(owned, nbytes)
+            self.versions[version] = _Version(ref, nbytes)
             self.latest = version
             self._evict()
             self.changed.notify_all()
@@ -148,9 +158,6 @@ class PolicyStore:
             self.counters.clear()
         return stats
 
-
-def state_dict_nbytes(state_dict: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in state_dict.values())
 
 
 def get_store() -> ray.actor.ActorHandle:

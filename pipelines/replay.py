@@ -1,23 +1,38 @@
 """Offline replay: a logged trajectory dataset + its version weights, under any strategy.
 
-    logged Parquet (validated) ─▶ one block per train step ─▶ advantage ─▶ filter
-        ─▶ [old logits at each token's version]  (snapshot / dedicated / interrupt)
-        ─▶ diagnose (metrics only)   or   train step (a new training run on the logged data)
+The stages are the live pipeline's own (`RLPipeline(config).stages`, or the stages of a pipeline
+you pass, with the stages you inserted), turned into a replay by one rule:
+
+    live:    generate ─▶ reward ─▶ [your stages] ─▶ advantage ─▶ filter ─▶ [strategy's] ─▶ train
+    replay:  the log ─────────────▶ [your stages] ─▶ advantage ─▶ filter ─▶ [strategies'] ─▶ diagnose | train
+
+- `generate` is replaced by the log, one block per logged train step (every step must hold the
+  config's rows_per_step rows).
+- `reward` is the log's: the reward as trained, after the verifier or the environment (whose
+  reward the generator wrote) and after every live stage that edited it. The reward stage is not
+  re-run (an external reward may be slow, paid or not deterministic) and no replayed stage can
+  change the reward: a stage you inserted that edits it is already in the logged value, so it is
+  not applied twice. Stages still *read* it as trained.
+- Everything else a stage writes is recomputed: `advantage`, `filter_reason` and `old_logprobs`
+  are cleared and rebuilt by replaying advantage, filter and the strategies' stages, and a stage
+  you inserted runs again (e.g. your row filter marks its rows again).
+- The live strategy's own stages are dropped; each replayed strategy brings its replay stages
+  (`Strategy.replay_stages`: e.g. the old-logit operator at each token's version for the exact
+  strategies — for `interrupt` too, whose live values came from the generator).
+- `train` becomes `Diagnose` (metrics only, several strategies at once) or a fresh train step
+  under the one strategy asked for.
 
 The weights of each needed version are read from the checkpoints dir (`versions/v000012.safetensors`
 as written with `save_all_versions: true`, or `checkpoints/step-000012/model.safetensors`) and
-published into a policy store, so the same old-logit operator the live pipeline uses
-(`OldLogitsAtBehaviourVersion`) scores each token under its own version. Every needed version is
-checked before Ray starts: the ones missing are reported by number (`ReplayError`).
+published into a policy store. Every needed version is checked before Ray starts: the ones missing
+are reported by number (`ReplayError`).
 
-    --diagnose  needs, per step k, the trainer's weights of version k (pi_theta), plus each
-                token's behaviour version for the exact strategies and k + 1 for ewma.
-    --train     needs the weights of the first step's version (the trainer starts there) and,
-                for the exact strategies, each token's behaviour version. The trainer publishes
-                its own new versions to a separate store, so they never mix with the logged ones.
-
-Rewards come from the log; advantages and filter reasons are recomputed (as live). Every step
-must hold the same number of rows (the logged run's rows_per_step).
+    --diagnose  needs, per step k, the trainer's weights of version k (pi_theta), plus what each
+                strategy asks (`Strategy.replay_versions`: each token's behaviour version for the
+                strategies that read old_logprobs, k + 1 for one that follows the updates, EWMA).
+    --train     needs the weights of the first step's version (the trainer starts there) and
+                what the strategy asks. The trainer publishes its own new versions to a separate
+                store, so they never mix with the logged ones.
 
 Memory: all needed versions are held in the object store at once (fine for small models; a
 streaming variant would publish and release versions as the steps advance).
@@ -28,7 +43,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import polars as pl
@@ -43,9 +58,8 @@ from trajflow.schemas import nonfinite_rows, read_parquet
 
 log = logging.getLogger("trajflow")
 
-EXACT_STRATEGIES = ("snapshot", "dedicated", "interrupt")
-ALL_STRATEGIES = ("snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior", "loglinear")
 STEP_COLUMN = "trainer_version"  # the job's trajectory log records the train step of each row
+PINNED = "reward"  # the column a replay takes from the log as trained (see the module docstring)
 
 
 class ReplayError(ValueError):
@@ -137,19 +151,34 @@ def _prepare(table: pa.Table) -> pa.Table:
 
 
 # -- which versions are needed, where they are -----------------------------------------------------
-def required_versions(steps: dict[int, pa.Table], strategies: list[str], mode: str) -> set[int]:
-    needed: set[int] = set()
-    exact = any(s in EXACT_STRATEGIES for s in strategies)
-    if exact:
-        for table in steps.values():
-            needed.update(pc.unique(pc.list_flatten(table["versions"])).to_pylist())
-    if mode == "diagnose":
-        needed.update(steps)
-        if "ewma" in strategies:
-            needed.update(k + 1 for k in steps)
-    else:
-        needed.add(min(steps))
+def required_versions(steps: dict[int, pa.Table], strategies: list, mode: str) -> set[int]:
+    """Versions whose weights a replay of `steps` under `strategies` (Strategy objects) needs."""
+    needed: set[int] = {min(steps)} if mode == "train" else set(steps)
+    for k, table in steps.items():
+        tokens = set(pc.unique(pc.list_flatten(table["versions"])).to_pylist())
+        for strategy in strategies:
+            needed |= strategy.replay_versions(k, tokens, mode)
     return needed
+
+
+def resolve_strategies(config: PipelineConfig, strategies: list) -> list:
+    """Strategy objects from names / import paths (settings from `config`) or objects."""
+    from trajflow.operators.strategies import resolve_strategy, strategy_class
+
+    out = []
+    for s in strategies:
+        try:
+            if isinstance(s, str):
+                out.append(resolve_strategy(s).from_config(config))
+            else:
+                strategy_class(s)
+                out.append(s)
+        except ValueError as e:
+            raise ReplayError(f"--strategy: {e}") from None
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise ReplayError(f"--strategy: each strategy once, got {', '.join(names)}")
+    return out
 
 
 def version_candidates(checkpoints: Path, version: int) -> list[Path]:
@@ -175,20 +204,63 @@ def locate_versions(checkpoints: str | Path, versions: Iterable[int]) -> tuple[d
     return found, missing
 
 
+# -- the pinned reward ---------------------------------------------------------------------------
+def keep_logged(before: pa.Table, after: pa.Table, column: str = PINNED) -> pa.Table:
+    """`after` with `column` put back to its value in `before` (rows matched by trajectory_id)."""
+    from trajflow.operators.columns import replace_column
+
+    index = pc.index_in(after["trajectory_id"], value_set=before["trajectory_id"])
+    return replace_column(after, column, pc.take(before[column], index))
+
+
+class KeepLoggedReward:
+    """A replayed light stage that cannot change the logged reward."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return keep_logged(batch, self.fn(batch))
+
+
+class KeepLoggedRewardActor:
+    """A replayed actor stage that cannot change the logged reward (`inner` built as live)."""
+
+    def __init__(self, inner: type, **kwargs) -> None:
+        self.inner = inner(**kwargs)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return keep_logged(batch, self.inner(batch))
+
+
+def replayed(stage):
+    """The replay form of a live stage that runs after the logged reward."""
+    import dataclasses
+
+    if stage.is_actor:
+        return dataclasses.replace(stage, fn=KeepLoggedRewardActor, kwargs={"inner": stage.fn, **stage.kwargs})
+    return dataclasses.replace(stage, fn=KeepLoggedReward(stage.fn))
+
+
 # -- the replay ----------------------------------------------------------------------------------
 @dataclass
 class Replay:
-    """A validated replay, ready to run (everything is checked in __post_init__, before Ray)."""
+    """A validated replay, ready to run (everything is checked in __post_init__, before Ray).
+
+    strategies: names, import paths or Strategy objects. pipeline: the live RLPipeline whose stages
+    to replay (default: the config's own, `RLPipeline(config)`).
+    """
 
     config: PipelineConfig
     trajectories: str | Path
     checkpoints: str | Path
-    strategies: list[str]
+    strategies: list
     mode: str = "diagnose"  # or "train"
     model_path: str | Path | None = None
     # NaN/inf log-probs: refuse the log (default), or keep such rows out of training and the
     # diagnostics (the filter marks them `nonfinite`) and count them in `quarantined`
     quarantine_nonfinite: bool = False
+    pipeline: Any = None
     steps: dict[int, pa.Table] = field(init=False)
     weights: dict[int, Path] = field(init=False)
     quarantined: dict[int, int] = field(init=False)  # step -> rows with NaN/inf log-probs
@@ -196,16 +268,14 @@ class Replay:
     def __post_init__(self) -> None:
         if self.mode not in ("diagnose", "train"):
             raise ReplayError(f"mode must be diagnose or train, got {self.mode!r}")
-        unknown = [s for s in self.strategies if s not in ALL_STRATEGIES]
-        if unknown or not self.strategies:
-            raise ReplayError(f"unknown strategy {unknown or self.strategies}; choose from {', '.join(ALL_STRATEGIES)}")
+        if not self.strategies:
+            raise ReplayError("--strategy: give at least one strategy")
+        self.strategies = resolve_strategies(self.config, list(self.strategies))
         if self.mode == "train" and len(self.strategies) != 1:
             raise ReplayError("--train replays one strategy at a time")
-        if self.model_path is None and self.config.model is None:
-            from trajflow.engines.paths import WARM_START_DIR
-
-            self.model_path = WARM_START_DIR
-        self.model_path = str(self.model_path or self.config.model)
+        if self.model_path is None:
+            self.model_path = self.pipeline.model_path if self.pipeline is not None else self.config.model_path
+        self.model_path = str(self.model_path)
         checkpoints = Path(self.checkpoints)
         if not checkpoints.is_dir():
             raise ReplayError(f"--checkpoints {checkpoints}: no such directory")
@@ -223,100 +293,101 @@ class Replay:
         needed = required_versions(self.steps, self.strategies, self.mode)
         self.weights, missing = locate_versions(checkpoints, needed)
         if missing:
+            names = ",".join(s.name for s in self.strategies)
             raise ReplayError(
                 f"weights of {len(missing)} version(s) missing from {checkpoints}: {format_versions(missing)} "
-                f"(needed {len(needed)} for {self.mode} {','.join(self.strategies)}; "
+                f"(needed {len(needed)} for {self.mode} {names}; "
                 "a run keeps every version with save_all_versions: true)"
             )
 
-    # -- execution --------------------------------------------------------------------------------
-    def _correction(self):
-        from trajflow.algorithms import CorrectionConfig
+    # -- the stages --------------------------------------------------------------------------------
+    def stages(self, stores: dict) -> list:
+        """The live stage list turned into the replay's (the rule of the module docstring)."""
+        from trajflow.operators.diagnose import Diagnose
+        from trajflow.operators.stage import Stage, place
+        from trajflow.pipelines.rl_loop import RLPipeline
 
+        live = self.pipeline or RLPipeline(self.config, model_path=self.model_path)
+        ctx = live.stage_context()
+        own = {p.stage.name for p in live.strategy.stages(ctx)}
+        # Sentinels where generate and train were, so strategies can place relative to them.
+        chain = [Stage("generate", _nothing)]
+        chain += [replayed(s) for s in live.stages if s.name not in {"generate", "reward", "train"} | own]
+        chain.append(Stage("train", _nothing))
+        placed: set[str] = set()
+        for strategy in self.strategies:
+            for placement in strategy.replay_stages(ctx):
+                if placement.stage.name not in placed:
+                    place(chain, placement)
+                    placed.add(placement.stage.name)
+        chain = [s for s in chain if s.fn is not _nothing]
         c = self.config
-        return CorrectionConfig(**c.correction.model_dump(), loss_norm_tokens=c.sampling.max_new_tokens)
+        if self.mode == "diagnose":
+            diagnose = dict(model_path=self.model_path, strategies=self.strategies, correction=c.correction_config(),
+                            sampling=live.sampling, max_staleness=c.max_staleness, numerics=c.training_numerics(),
+                            torch_threads=c.trainer.torch_threads)
+            return chain + [Stage("diagnose", Diagnose, diagnose, c.trainer)]
+        train = live.train_stage(self.strategies[0])
+        train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones
+        return chain + [train]
 
+    # -- execution --------------------------------------------------------------------------------
     def _publish_logged_versions(self):
         """A policy store holding every needed logged version (pinned for the whole replay)."""
         import ray
 
-        from trajflow.pipelines.policy_store import PolicyStore, state_dict_nbytes
+        from trajflow.pipelines.policy_store import PolicyStore
+        from trajflow.schemas.weights import SharedStateDict
 
-        store = PolicyStore.remote(10**9, True)
+        # The driver put these versions and outlives the replay: the store never copies them.
+        store = PolicyStore.remote(10**9, True, final_version=max(self.weights) + 1)
         uses: dict[int, int] = {}
         for table in self.steps.values():  # the old-logit operator releases each version once per batch
             for v in pc.unique(pc.list_flatten(table["versions"])).to_pylist():
                 uses[v] = uses.get(v, 0) + 1
         for version in sorted(self.weights):
-            state = ckpt.load_weights(self.weights[version])
-            ray.get(store.publish.remote([ray.put(state)], state_dict_nbytes(state), version))
+            state = SharedStateDict.of(ckpt.load_weights(self.weights[version]))
+            ray.get(store.publish.remote([ray.put(state)], state.nbytes, version))
             ray.get([store.get.remote(version, True) for _ in range(uses.get(version, 0) + 1)])
         return store
 
     def dataset(self, stores: dict):
         import ray
-        from ray.data import DataContext, TaskPoolStrategy
+        from ray.data import DataContext
 
-        from trajflow.engines.sampling import SamplingParams
-        from trajflow.operators.advantage import Advantage
-        from trajflow.operators.diagnose import Diagnose
-        from trajflow.operators.filter import Filter
-        from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
-        from trajflow.operators.train_step import TrainStep
-        from trajflow.pipelines.rl_loop import Fused, in_order_pool
+        from trajflow.pipelines.colocation import plan_groups
+        from trajflow.pipelines.rl_loop import map_stages
 
-        c = self.config
-        ctx = DataContext.get_current()
-        ctx.execution_options.preserve_order = True
-        rows = c.rows_per_step
-        sampling = SamplingParams(**c.sampling.model_dump())
+        DataContext.get_current().execution_options.preserve_order = True
         ds = ray.data.from_arrow([_prepare(t) for _, t in sorted(self.steps.items())])
-        # One task at a time: every step is available at once, and each new task worker would
-        # import torch (seconds and ~350 MB each) for a millisecond of numpy.
-        ds = ds.map_batches(Fused([Advantage(c.advantage), Filter(c.drop_zero_variance_groups)]), batch_size=rows,
-                            batch_format="pyarrow", num_cpus=c.light_stage_cpus, zero_copy_batch=True,
-                            compute=TaskPoolStrategy(size=1))
-
-        def actor(ds, fn, kwargs, res):
-            extra = {"resources": res.resources} if res.resources else {}
-            return ds.map_batches(fn, fn_constructor_kwargs=kwargs, batch_size=rows, batch_format="pyarrow",
-                                  compute=in_order_pool(1), num_cpus=res.num_cpus,
-                                  num_gpus=res.num_gpus or None, **extra)
-
-        if any(s in EXACT_STRATEGIES for s in self.strategies):
-            ds = actor(ds, OldLogitsAtBehaviourVersion,
-                       dict(store=stores["logged"], model_path=self.model_path, sampling=sampling,
-                            skip_filtered=True, torch_threads=c.scorer.torch_threads), c.scorer)
-        if self.mode == "diagnose":
-            return actor(ds, Diagnose, dict(
-                store=stores["logged"], model_path=self.model_path, strategies=self.strategies,
-                correction=self._correction(), sampling=sampling, max_staleness=c.max_staleness,
-                ewma_window=c.ewma_window, ewma_tau=c.ewma.reset_threshold, loglinear_alpha=c.loglinear_alpha,
-                torch_threads=c.trainer.torch_threads), c.trainer)
-        (strategy,) = self.strategies
-        return actor(ds, TrainStep, dict(
-            store=stores["trainer"], model_path=self.model_path, task=c.task, strategy=strategy,
-            correction=self._correction(), sampling=sampling, max_staleness=c.max_staleness,
-            **c.optimizer.model_dump(), ewma_window=c.ewma_window, ewma_tau=c.ewma.reset_threshold,
-            loglinear_alpha=c.loglinear_alpha, eval_every=c.eval_every, eval_prompts=c.eval_prompts,
-            torch_threads=c.trainer.torch_threads), c.trainer)
+        # Everything before the last stage shares one process, the last (diagnose or train) its own:
+        # every logged step is available at once, so scoring step b + 1 overlaps diagnosing step b.
+        groups = plan_groups(self.stages(stores), synchronous=False, colocate=self.config.colocate == "auto")
+        rows = self.config.rows_per_step
+        return map_stages(ds, groups, store=stores["logged"], rows=rows, first_rows=rows,
+                          light_stage_cpus=self.config.light_stage_cpus)
 
     def iter_rows(self):
         """Run on the current Ray (started by the caller); yields metrics rows as they complete.
         In train mode the final weights are in `self.final_weights` afterwards."""
         import ray
 
-        from trajflow.pipelines.policy_store import PolicyStore, state_dict_nbytes
+        from trajflow.pipelines.policy_store import PolicyStore
+        from trajflow.schemas.weights import SharedStateDict
 
         stores = {"logged": self._publish_logged_versions()}
         if self.mode == "train":
             first = min(self.steps)
-            state = ckpt.load_weights(self.weights[first])
-            stores["trainer"] = PolicyStore.remote(self.config.max_staleness, False)
-            ray.get(stores["trainer"].publish.remote([ray.put(state)], state_dict_nbytes(state), first))
+            state = SharedStateDict.of(ckpt.load_weights(self.weights[first]))
+            # The trainer's last version is read after Ray Data has torn the trainer down: the
+            # store copies that one (and only that one) into its own ownership.
+            stores["trainer"] = PolicyStore.remote(self.config.max_staleness, False,
+                                                   final_version=first + len(self.steps))
+            ray.get(stores["trainer"].publish.remote([ray.put(state)], state.nbytes, first))
         try:
-            for row in self.dataset(stores).iter_rows():
-                yield row
+            for batch in self.dataset(stores).iter_batches(batch_size=None, batch_format="pyarrow",
+                                                           prefetch_batches=0):
+                yield from batch.to_pylist()
             if self.mode == "train":
                 _, (ref,) = ray.get(stores["trainer"].get.remote(None))
                 self.final_weights = ray.get(ref)
@@ -327,3 +398,7 @@ class Replay:
     def run(self) -> pl.DataFrame:
         rows = list(self.iter_rows())
         return pl.from_dicts(rows, infer_schema_length=None) if rows else pl.DataFrame()
+
+
+def _nothing(batch: pa.Table) -> pa.Table:
+    return batch

@@ -1,86 +1,73 @@
 """The asynchronous RL loop as one Ray Data pipeline whose output stream is metrics rows.
 
-    steps ─▶ generate ─▶ [dedicated old logits] ─▶ reward ─▶ advantage ─▶ filter
+  prompts ─▶ generate ─▶ [dedicated old logits] ─▶ reward ─▶ advantage ─▶ filter
           ─▶ [snapshot old logits] ─▶ train step ─▶ metrics
                  ▲                                       │
                  └──────── policy store (versions) ◀─────┘
 
 `RLPipeline(config)` holds the stages as a list you can edit before running — swap the strategy
-in the config, or insert your own operator in one line:
+in the config (or pass one: `RLPipeline(config, strategy=MyStrategy())`), or insert your own
+operator in one line:
 
     pipe = RLPipeline(config)
     pipe.insert_after("advantage", Stage("clip_rewards", MyOp()))
     metrics = pipe.run()            # a polars DataFrame, one row per train step
 
-Ordering: the source emits one row per train step and Ray Data runs with `preserve_order`, so
-step b reaches the trainer as its b-th batch; every stage after generate sees whole steps
-(batch_size = rows per step), so a group's samples always travel together. Consecutive light
-stages are fused into one long-lived actor to keep operator boundaries (and imports) few.
+The strategy object (operators/strategies/) decides the bracketed stages, what the policy store
+keeps and whether generation scores prefixes at a weight switch; the builder asks it, never its
+name. A `replay` of a logged run starts from this same stage list (pipelines/replay.py).
+
+Source: one block per train step holding that step's prompt rows (`config.workload()`: a built-in
+task or the user's dataset, see tasks/workload.py). Ordering: Ray Data runs with `preserve_order`,
+so step b reaches the trainer as its b-th batch; every stage after generate sees whole steps
+(batch_size = rows per step), so a group's samples always travel together.
+
+Processes: which consecutive stages share one actor process is decided apart from the stage list
+(pipelines/colocation.py; `pipe.layout()` shows it), and Ray Data's executor is patched to hand a
+batch on as soon as it is ready (pipelines/executor_patch.py).
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import polars as pl
-import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext
 
-from trajflow.algorithms import CorrectionConfig
-from trajflow.algorithms.proximal import STRATEGIES, format_strategies
 from trajflow.engines.models import WARM_START_DIR
 from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.training_numerics import checkpoint_dropout
 from trajflow.operators.advantage import Advantage
+from trajflow.operators.after_step import HeldoutEvaluation, PublishWeights, StoreStatistics, publish_weights
 from trajflow.operators.filter import Filter
 from trajflow.operators.generate import Generate
-from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
 from trajflow.operators.reward import Reward
-from trajflow.operators.train_step import TrainStep, publish_weights
-from trajflow.pipelines.config import PipelineConfig, ResourceConfig
+from trajflow.operators.stage import Placement, Stage, place, stage_index
+from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
+from trajflow.operators.train_step import TrainStep
+from trajflow.pipelines import executor_patch
+from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups
+from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.local_ray import start_local_ray
 from trajflow.pipelines.policy_store import PolicyStore
+from trajflow.tasks.workload import PromptSource
+
+__all__ = ["Fused", "Placement", "RLPipeline", "Stage", "build_pipeline", "ensure_ray", "in_order_pool", "map_stages"]
 
 log = logging.getLogger("trajflow")
 
 
-@dataclass
-class Stage:
-    """One operator of the pipeline.
-
-    `fn` is either a class (run as a Ray Data actor pool, constructed with `kwargs` on each actor)
-    or a callable instance/function (run as a Ray task; Arrow table in, Arrow table out).
-    """
-
-    name: str
-    fn: Callable | type
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    resources: ResourceConfig | None = None
-    pool_size: int = 1
-
-    @property
-    def is_actor(self) -> bool:
-        return isinstance(self.fn, type)
-
-
-class Fused:
-    """Consecutive light stages applied in order inside one long-lived actor.
-
-    An actor rather than a task on purpose: a fresh Ray task worker re-imports torch and
-    transformers (measured: ~15 s per step under load on 2 cores), an actor pays that once.
-    """
+class Fused(StageGroup):
+    """Light stages (callables) applied in order in one process. An actor or a long-lived task
+    rather than a fresh task per batch on purpose: a fresh Ray task worker re-imports torch and
+    transformers (measured: ~15 s per step under load on 2 cores)."""
 
     def __init__(self, fns: list[Callable]) -> None:
-        self.fns = fns
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        for fn in self.fns:
-            batch = fn(batch)
-        return batch
+        super().__init__([Stage(type(fn).__name__, fn) for fn in fns])
 
 
 def in_order_pool(size: int) -> ActorPoolStrategy:
@@ -99,21 +86,57 @@ def ensure_ray(**init_kwargs) -> None:
     start_local_ray(**init_kwargs)
 
 
+def map_stages(ds: ray.data.Dataset, groups: list[list[Stage]], *, store: ray.actor.ActorHandle, rows: int,
+               first_rows: int, light_stage_cpus: float,
+               extra_kwargs: Callable[[Stage], dict] = lambda stage: {}) -> ray.data.Dataset:
+    """Apply the stages of `groups` to `ds`, one actor pool per group (pipelines/colocation.py).
+
+    Each group's actor constructs its class stages with `store=`, their kwargs and
+    `extra_kwargs(stage)`, and passes each batch through its stages in order. Batches are whole
+    steps: `first_rows` rows into the first group (the prompt rows of a step), `rows` after it.
+    The last group adds the stages' timings to the metrics rows."""
+    for i, group in enumerate(groups):
+        num_cpus, num_gpus, custom = group_resources(group, light_stage_cpus)
+        ds = ds.map_batches(
+            type(group_name(group), (StageGroup,), {}),
+            fn_constructor_kwargs=dict(
+                stages=group,
+                store=store,
+                extra_kwargs={s.name: extra_kwargs(s) for s in group},
+                timings="emit" if i == len(groups) - 1 else "carry",
+            ),
+            batch_size=first_rows if i == 0 else rows,
+            batch_format="pyarrow",
+            compute=in_order_pool(max([s.pool_size for s in group if s.is_actor], default=1)),
+            num_cpus=num_cpus,
+            num_gpus=num_gpus or None,
+            **({"resources": custom} if custom else {}),
+        )
+    return ds
+
+
 class RLPipeline:
-    def __init__(self, config: PipelineConfig, model_path: str | Path | None = None) -> None:
+    def __init__(self, config: PipelineConfig, model_path: str | Path | None = None,
+                 strategy: Strategy | None = None) -> None:
         self.config = config
         self.model_path = str(model_path or config.model or WARM_START_DIR)
         self.sampling = SamplingParams(**config.sampling.model_dump())
+        if strategy is None:
+            strategy = config.build_strategy()
+        else:  # an object from Python (a notebook, a test): checked like a config's, before Ray starts
+            strategy_class(strategy)
+            strategy.check(config)
+        self.strategy = strategy
+        self.workload = config.workload()
+        self._prompts: PromptSource | None = None
         self.store: ray.actor.ActorHandle | None = None
         self.train_step_kwargs: dict[str, Any] = {}  # extra TrainStep kwargs (e.g. the job's on_step)
+        self.colocation: list[list[str]] | None = None  # stage names per process; None: the default plan
         self.stages = self._default_stages()
 
     # -- editing -----------------------------------------------------------------------------------
     def _index(self, name: str) -> int:
-        for i, stage in enumerate(self.stages):
-            if stage.name == name:
-                return i
-        raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
+        return stage_index(self.stages, name)
 
     def stage(self, name: str) -> Stage:
         return self.stages[self._index(name)]
@@ -135,57 +158,68 @@ class RLPipeline:
         return self
 
     # -- the default stage list ----------------------------------------------------------------
+    def stage_context(self) -> StageContext:
+        """What a strategy's operator stages are built from."""
+        return StageContext(self.model_path, self.sampling, self.config.training_numerics(), self.config.scorer)
+
+    def train_stage(self, strategy: Strategy) -> Stage:
+        """The train step under `strategy`, with the services that run in its process after each
+        step: publish, held-out evaluation (every eval_every versions), store statistics."""
+        c, o = self.config, self.config.optimizer
+        services: list = [PublishWeights()]
+        if c.eval_every:
+            services.append(HeldoutEvaluation(self.model_path, self.workload, c.eval_every, c.eval_prompts,
+                                              c.sampling.max_new_tokens, c.sampling.stop))
+        services.append(StoreStatistics())
+        train = dict(
+            model_path=self.model_path,
+            strategy=strategy,
+            correction=c.correction_config(),
+            sampling=self.sampling,
+            max_staleness=c.max_staleness,
+            numerics=c.training_numerics(),
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=o.betas,
+            grad_clip=o.grad_clip,
+            minibatches_per_step=o.minibatches_per_step,
+            after_step=services,
+            torch_threads=c.trainer.torch_threads,
+        )
+        return Stage("train", TrainStep, train, c.trainer)
+
     def _default_stages(self) -> list[Stage]:
-        c = self.config
+        c, strategy = self.config, self.strategy
         generate = Stage(
             "generate",
             Generate,
             dict(
                 model_path=self.model_path,
-                task=c.task,
-                prompts_per_step=c.prompts_per_step,
+                workload=self.workload,
                 group_size=c.group_size,
                 sampling=self.sampling,
                 inference_dtype=c.inference_dtype,
                 seed=c.seed,
-                mid_generation_updates=c.mid_generation_updates,
-                score_on_switch=c.strategy == "interrupt",
+                mid_generation_updates=c.partial_rollout or strategy.scores_at_switch,
+                score_on_switch=strategy.scores_at_switch,
                 simulate_decode_seconds=c.simulate_decode_seconds,
                 torch_threads=c.generator.torch_threads,
                 engine=c.engine,
                 engine_kwargs=c.vllm.model_dump(exclude_none=True) if c.engine == "vllm" else {},
+                numerics=c.training_numerics(),
             ),
             c.generator,
             pool_size=c.num_generators,
         )
-        old_logits = dict(model_path=self.model_path, sampling=self.sampling, torch_threads=c.scorer.torch_threads)
-        stages = [generate]
-        if c.strategy == "dedicated":
-            stages.append(Stage("old_logits", OldLogitsAtBehaviourVersion, dict(old_logits, skip_filtered=False), c.scorer))
-        stages += [
-            Stage("reward", Reward(self.model_path, c.task)),
-            Stage("advantage", Advantage(c.advantage)),
+        stages = [
+            generate,
+            Stage("reward", Reward(self.model_path, self.workload, self.sampling.stop)),
+            Stage("advantage", Advantage(**c.advantage.model_dump())),
             Stage("filter", Filter(c.drop_zero_variance_groups)),
+            self.train_stage(strategy),
         ]
-        if c.strategy == "snapshot":
-            stages.append(Stage("old_logits", OldLogitsAtBehaviourVersion, dict(old_logits, skip_filtered=True), c.scorer))
-        correction = CorrectionConfig(**c.correction.model_dump(), loss_norm_tokens=c.sampling.max_new_tokens)
-        train = dict(
-            model_path=self.model_path,
-            task=c.task,
-            strategy=c.strategy,
-            correction=correction,
-            sampling=self.sampling,
-            max_staleness=c.max_staleness,
-            **c.optimizer.model_dump(),
-            ewma_window=c.ewma_window,
-            ewma_tau=c.ewma.reset_threshold,
-            loglinear_alpha=c.loglinear_alpha,
-            eval_every=c.eval_every,
-            eval_prompts=c.eval_prompts,
-            torch_threads=c.trainer.torch_threads,
-        )
-        stages.append(Stage("train", TrainStep, train, c.trainer))
+        for placement in strategy.stages(self.stage_context()):
+            place(stages, placement)
         return stages
 
     # -- building and running --------------------------------------------------------------------
@@ -194,9 +228,8 @@ class RLPipeline:
         from trajflow.engines.models import load_model
 
         ensure_ray()
-        keep_history = self.config.strategy in ("snapshot", "dedicated")
         self.store = PolicyStore.options(name=f"trajflow_store_{uuid.uuid4().hex[:8]}").remote(
-            self.config.max_staleness, keep_history
+            self.config.max_staleness, self.strategy.keep_history, final_version=self.config.steps
         )
         model = load_model(self.model_path)
         if initial_weights is not None:
@@ -204,62 +237,81 @@ class RLPipeline:
         publish_weights(self.store, model, initial_version)
         return self.store
 
+    def process_groups(self) -> list[list[Stage]]:
+        """The stages of each actor process, in order: `self.colocation` (lists of stage names) if
+        set, else the default plan for the config (see pipelines/colocation.py)."""
+        if self.colocation is None:
+            return plan_groups(self.stages, synchronous=self.config.max_staleness == 0,
+                               colocate=self.config.colocate == "auto")
+        names = [name for group in self.colocation for name in group]
+        if names != [s.name for s in self.stages]:
+            raise ValueError(f"colocation {self.colocation} must list every stage once, in order: "
+                             f"{[s.name for s in self.stages]}")
+        return [[self.stage(name) for name in group] for group in self.colocation]
+
+    def layout(self) -> str:
+        """One line: which stages share which process, e.g. `[generate reward ...] [train]`."""
+        return "processes: " + " ".join("[" + " ".join(s.name for s in g) + "]" for g in self.process_groups())
+
     def build(self, first_step: int = 0) -> ray.data.Dataset:
         """The Ray Dataset whose rows are the metrics of train steps first_step .. steps-1."""
         c = self.config
         if self.store is None:
             self.start_store(first_step)
+        executor_patch.apply()  # Ray Data's executor otherwise hands a batch on at most every 0.1 s
         ctx = DataContext.get_current()
         ctx.execution_options.preserve_order = True  # step b must reach the trainer as batch b
-        rows = c.rows_per_step
-        # One block per step, built on the driver: a read task would ask for a whole CPU.
-        ds = ray.data.from_arrow([pa.table({"id": pa.array([step], pa.int64())}) for step in range(first_step, c.steps)])
-        pending: list[Callable] = []
+        # The source: one block per train step holding that step's prompt rows, built on the driver
+        # (a read task would ask for a whole CPU); Generate reads the step from the rows.
+        ds = ray.data.from_arrow([self.prompts.step_rows(step) for step in range(first_step, c.steps)])
+        train_kwargs = lambda stage: self.train_step_kwargs if stage.is_actor and issubclass(stage.fn, TrainStep) else {}  # noqa: E731
+        return map_stages(ds, self.process_groups(), store=self.store, rows=c.rows_per_step,
+                          first_rows=c.prompts_per_step, light_stage_cpus=c.light_stage_cpus,
+                          extra_kwargs=train_kwargs)
 
-        def flush(ds: ray.data.Dataset) -> ray.data.Dataset:
-            if not pending:
-                return ds
-            fns = list(pending)
-            pending.clear()
-            return ds.map_batches(Fused, fn_constructor_kwargs={"fns": fns}, batch_size=rows,
-                                  batch_format="pyarrow", num_cpus=c.light_stage_cpus, zero_copy_batch=True,
-                                  compute=in_order_pool(1))
+    @property
+    def prompts(self) -> PromptSource:
+        """The prompt rows of each step (a dataset is read with Ray Data on first use)."""
+        if self._prompts is None:
+            from trajflow.engines.models import load_tokenizer
 
-        for stage in self.stages:
-            if not stage.is_actor:
-                pending.append(stage.fn)
-                continue
-            ds = flush(ds)
-            res = stage.resources or ResourceConfig()
-            ray_args = {"resources": res.resources} if res.resources else {}
-            ds = ds.map_batches(
-                stage.fn,
-                fn_constructor_kwargs={"store": self.store, **stage.kwargs,
-                                       **(self.train_step_kwargs if issubclass(stage.fn, TrainStep) else {})},
-                batch_size=1 if issubclass(stage.fn, Generate) else rows,
-                batch_format="pyarrow",
-                compute=in_order_pool(stage.pool_size),
-                num_cpus=res.num_cpus,
-                num_gpus=res.num_gpus or None,
-                **ray_args,
-            )
-        return flush(ds)
+            ensure_ray()
+            self._prompts = self.workload.prompt_source(load_tokenizer(self.model_path), self.config.seed,
+                                                        self.config.prompts_per_step)
+        return self._prompts
+
+    def data_state(self) -> dict | None:
+        """The dataset's identity and size, recorded with each checkpoint (None: a built-in task)."""
+        if self.workload.data is None:
+            return None
+        dataset = self.prompts.dataset
+        return {"fingerprint": self.workload.fingerprint(self.model_path, self.config.seed, self.config.prompts_per_step),
+                "epoch_size": dataset.epoch_size, "prompts_dropped_too_long": dataset.dropped,
+                "prompts_per_step": self.config.prompts_per_step}
 
     def describe(self) -> str:
-        s = STRATEGIES[self.config.strategy]
+        s, c = self.strategy, self.config
+        dropout = checkpoint_dropout(self.model_path)
+        off = f"; the checkpoint's {', '.join(f'{k} {v}' for k, v in dropout.items())} is off" if dropout else ""
         return (
             f"strategy {s.name} ({s.kind}): {s.meaning}\n"
             f"stages: {' -> '.join(stage.name for stage in self.stages)}\n"
-            f"max_staleness {self.config.max_staleness}, inference_dtype {self.config.inference_dtype}, "
-            f"{self.config.steps} steps x {self.config.rows_per_step} rows"
+            f"training numerics: {c.training_numerics().describe()}{off}\n"
+            f"max_staleness {c.max_staleness}, inference_dtype {c.inference_dtype}, "
+            f"{c.steps} steps x {c.rows_per_step} rows"
         )
 
     def iter_metrics(self, first_step: int = 0):
         """Run the pipeline, yielding one metrics dict per train step as it completes."""
-        log.info("trajflow pipeline\n%s\nall strategies:\n%s", self.describe(), format_strategies())
+        log.info("trajflow pipeline\n%s\n%s\nall strategies:\n%s", self.describe(), self.layout(),
+                 format_strategies())
         try:
-            for row in self.build(first_step).iter_rows():
-                yield row
+            # Not iter_rows(): it prefetches one block, so row b would surface only once step b+1
+            # has finished (measured: the status line, the progress bar and the end of the first
+            # step were one step late).
+            for batch in self.build(first_step).iter_batches(batch_size=None, batch_format="pyarrow",
+                                                             prefetch_batches=0):
+                yield from batch.to_pylist()
         finally:
             self.shutdown()
 
@@ -268,7 +320,7 @@ class RLPipeline:
         from tqdm.auto import tqdm
 
         rows = []
-        with tqdm(total=self.config.steps, desc=f"trajflow {self.config.strategy}", disable=not progress) as bar:
+        with tqdm(total=self.config.steps, desc=f"trajflow {self.strategy.name}", disable=not progress) as bar:
             for row in self.iter_metrics():
                 rows.append(row)
                 bar.update(1)

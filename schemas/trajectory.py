@@ -41,6 +41,18 @@ LIST_COLUMNS: tuple[str, ...] = tuple(c for c, (t, _) in _V1.items() if pa.types
 # per-token columns: aligned element-wise with response_tokens
 PER_TOKEN_COLUMNS: tuple[str, ...] = ("loss_mask", "inference_logprobs", "versions", "old_logprobs")
 LOGPROB_COLUMNS: tuple[str, ...] = ("inference_logprobs", "old_logprobs")
+# -inf is a valid old log-prob: the token lies outside the sampling filter's support (top-k/top-p)
+# under training numerics. The train step takes such tokens out of the loss and counts them. A
+# sampled token always lies inside its sampler's support, so inference log-probs must be finite.
+NEG_INF_ALLOWED: frozenset[str] = frozenset({"old_logprobs"})
+
+
+def _invalid_values(flat: pa.Array, name: str) -> pa.Array:
+    """Per element: NaN/inf that column `name` cannot hold (null for null elements)."""
+    bad = pc.invert(pc.is_finite(flat))
+    if name in NEG_INF_ALLOWED:
+        bad = pc.and_(bad, pc.not_equal(flat, float("-inf")))
+    return bad
 
 
 @dataclass(frozen=True)
@@ -167,7 +179,7 @@ def validate(table: pa.Table, *, allow_nonfinite: bool = False) -> None:
         for name in LOGPROB_COLUMNS:
             col = table.column(name)
             flat = pc.list_flatten(col)
-            bad = _first_true(pc.invert(pc.is_finite(flat)))
+            bad = _first_true(_invalid_values(flat, name))
             if bad is not None:
                 parents = pc.list_parent_indices(col)
                 row = parents[bad].as_py()
@@ -184,13 +196,14 @@ def validate(table: pa.Table, *, allow_nonfinite: bool = False) -> None:
 
 
 def nonfinite_rows(table: pa.Table) -> np.ndarray:
-    """Bool mask of rows with NaN/inf in inference_logprobs or old_logprobs."""
+    """Bool mask of rows with NaN/inf in inference_logprobs or old_logprobs (-inf is valid in
+    old_logprobs: a token outside the sampling support)."""
     out = np.zeros(table.num_rows, dtype=bool)
     for name in LOGPROB_COLUMNS:
         if name not in table.column_names:
             continue
         col = table.column(name)
-        bad = pc.invert(pc.fill_null(pc.is_finite(pc.list_flatten(col)), True))
+        bad = pc.fill_null(_invalid_values(pc.list_flatten(col), name), False)
         if not pc.any(bad).as_py():
             continue
         bad_idx = pc.indices_nonzero(bad)

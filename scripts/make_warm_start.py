@@ -125,8 +125,12 @@ def make_batch(tokenizer, prompts: Sequence[Prompt]) -> dict[str, torch.Tensor]:
         response_ids = encode_response(tokenizer, p.answer)
         rows.append(prompt_ids + response_ids)
         labels.append([-100] * len(prompt_ids) + response_ids)
+    return sft_tensors(rows, labels, tokenizer.pad_token_id)
+
+
+def sft_tensors(rows: Sequence[list[int]], labels: Sequence[list[int]], pad: int) -> dict[str, torch.Tensor]:
+    """Right-pad token rows (with `pad`) and their labels (with -100) into a teacher-forcing batch."""
     width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
     input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
     label_t = torch.tensor([l + [-100] * (width - len(l)) for l in labels], dtype=torch.long)
     attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
@@ -140,8 +144,10 @@ def _take(stream: Iterator[Prompt], n: int) -> list[Prompt]:
 def sft_until_band(next_batch: Callable[[object], dict[str, torch.Tensor]],
                    score: Callable[[torch.nn.Module, object], float], *, metric: str, seed: int,
                    band: tuple[float, float], lr: float, warmup: int, eval_every: int, max_steps: int,
-                   log: Callable[[str], None] = print) -> tuple[torch.nn.Module, object, dict]:
-    """SFT ``build_tiny_model(seed)`` on ``next_batch(tokenizer)`` until ``score(model, tokenizer)``
+                   log: Callable[[str], None] = print,
+                   build: Callable[[int], tuple[torch.nn.Module, object]] = build_tiny_model,
+                   ) -> tuple[torch.nn.Module, object, dict]:
+    """SFT ``build(seed)`` (default: the built-in tiny model) on ``next_batch(tokenizer)`` until ``score(model, tokenizer)``
     (named ``metric``) first enters ``band``; on overshooting, roll back to the last evaluated state
     and evaluate twice as often. Shared by every warm-start script.
 
@@ -151,7 +157,7 @@ def sft_until_band(next_batch: Callable[[object], dict[str, torch.Tensor]],
     torch.set_num_threads(2)
     torch.use_deterministic_algorithms(True)
     low, high = band
-    model, tokenizer = build_tiny_model(seed)
+    model, tokenizer = build(seed)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))

@@ -39,7 +39,7 @@ from trajflow.operators.episodes import heldout_success_rate, run_episodes
 from trajflow.tasks import Prompt, get_task
 from trajflow.tasks.environments import CalculatorEnv
 
-from make_warm_start import sft_until_band, write_record  # noqa: E402 (the sibling script, on sys.path when run)
+from make_warm_start import sft_tensors, sft_until_band, write_record  # noqa: E402 (the sibling script, on sys.path when run)
 
 TURN_TOKENS = 8  # per-turn limit (sampling.max_new_tokens) used in evaluation and in jobs/configs/calc.yaml
 
@@ -68,13 +68,7 @@ def make_batch(env, tokenizer, prompts: list[Prompt]) -> dict[str, torch.Tensor]
         response, mask = expert_episode(env, tokenizer, p)
         rows.append(prompt_ids + response)
         labels.append([-100] * len(prompt_ids) + [t if m else -100 for t, m in zip(response, mask)])
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    return {
-        "input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
-        "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
-        "labels": torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels]),
-    }
+    return sft_tensors(rows, labels, tokenizer.pad_token_id)
 
 
 def sampled_report(model, tokenizer, env, prompts: list[Prompt], k: int, seed: int) -> dict:

@@ -65,7 +65,7 @@ def publish_inside_rollouts():
 
     class GenerateWithPublishInsideRollout(Generate):
         def __call__(self, batch):
-            self._rollout_step = int(batch["id"][0].as_py())
+            self._rollout_step = int(batch["rollout_step"][0].as_py())
             self._waited_this_rollout = False
             return super().__call__(batch)
 
@@ -82,3 +82,108 @@ def publish_inside_rollouts():
         return pipe.replace("generate", generate)
 
     return apply
+
+
+@pytest.fixture(scope="session")
+def bpe():
+    """A byte-level BPE tokenizer with a chat template, trained here (scripts/make_byo_example.py),
+    and the word problems it was trained on: (tokenizer, train rows, test rows)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import make_byo_example
+
+    train, test = make_byo_example.make_problems(seed=3, n_train=48, n_test=8)
+    return make_byo_example.train_tokenizer(train, 320), train, test
+
+
+@pytest.fixture(scope="session")
+def bpe_model_dir(bpe, tmp_path_factory):
+    """A tiny randomly initialised Qwen2 saved with the BPE tokenizer (generation config: two eos)."""
+    import make_byo_example
+
+    from trajflow.engines.models import save_model
+
+    path = tmp_path_factory.mktemp("bpe_model")
+    save_model(make_byo_example.build_model(bpe[0], seed=0), bpe[0], path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def run_in_process(ray_session):
+    """Run an RLPipeline's own stage list step by step in this process: the same operator objects
+    Ray Data would run (each is a callable, Arrow in, Arrow out), with the real policy store actor,
+    but without Ray Data's executor and its per-run actor start-up. Steps are synchronous (a
+    rollout never runs ahead of the trainer). Returns the metrics as a polars DataFrame."""
+    import polars as pl
+    import pyarrow as pa
+
+    def run(pipe):
+        store = pipe.start_store()
+        try:
+            fns = []
+            for stage in pipe.stages:
+                if not stage.is_actor:
+                    fns.append(stage.fn)
+                    continue
+                extra = pipe.train_step_kwargs if stage.name == "train" else {}
+                fns.append(stage.fn(store=store, **stage.kwargs, **extra))
+            rows = []
+            for step in range(pipe.config.steps):
+                batch = pipe.prompts.step_rows(step)
+                for fn in fns:
+                    batch = fn(batch)
+                rows += batch.to_pylist()
+            return pl.from_dicts(rows, infer_schema_length=None)
+        finally:
+            pipe.shutdown()
+
+    return run
+
+
+USER_STRATEGY_MODULE = '''
+import dataclasses
+
+from trajflow.operators.strategies import Strategy
+
+
+class HalfwayOld(Strategy):
+    """A strategy the package does not know: old := the log-space midpoint of mu and pi_theta."""
+
+    name = "halfway"
+    kind = "baseline"
+    meaning = "old := (log mu + log pi_theta) / 2, clip 0.1"
+
+    def correction(self, base):
+        return dataclasses.replace(base, eps_low=0.1, eps_high=0.1)
+
+    def proximal(self, batch, current, trainer):
+        return 0.5 * (batch.inference + current.detach())
+
+
+class NotAStrategy:
+    pass
+
+
+class Nameless(Strategy):
+    kind = "baseline"
+'''
+
+
+@pytest.fixture
+def user_strategy_module(tmp_path):
+    """Write a module defining strategies outside the package; returns (its dir, module name).
+    The module is forgotten after the test (another test writes its own)."""
+    import sys
+
+    names = []
+
+    def write(name: str = "my_corrections"):
+        (tmp_path / f"{name}.py").write_text(USER_STRATEGY_MODULE)
+        names.append(name)
+        return tmp_path, name
+
+    yield write
+    for name in names:
+        sys.modules.pop(name, None)

@@ -15,16 +15,24 @@ GROUPS = np.array(["a", "b", "a", "c", "a", "b", "a"])
 
 
 def test_grpo_population_std():
-    adv = grpo(REWARDS, GROUPS, eps=0.0)
+    adv = grpo(REWARDS, GROUPS, std="population", eps=0.0)
     assert adv.dtype == np.float32
     assert np.allclose(adv, [1, 0, -1, 0, -1, 0, 1])
 
 
-def test_grpo_unbiased_std():
-    # unbiased std of group a: sqrt(4 * 0.25 / 3) = 1/sqrt(3): advantages ±0.5 sqrt(3)
-    adv = grpo(REWARDS, GROUPS, unbiased=True, eps=0.0)
+def test_grpo_sample_std_is_the_default_and_matches_torch_std():
+    # sample std of group a: sqrt(4 * 0.25 / 3) = 1/sqrt(3): advantages ±0.5 sqrt(3)
+    adv = grpo(REWARDS, GROUPS, eps=0.0)
     h = 0.5 * np.sqrt(3)
     assert np.allclose(adv, [h, 0, -h, 0, -h, 0, h])
+    # veRL and TRL: (r - mean) / (torch.std(r) + eps), torch.std being the sample std
+    a = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    assert np.allclose(adv[[0, 2, 4, 6]], ((a - a.mean()) / a.std()).numpy())
+    # at G = 4 the two conventions differ by sqrt(G / (G - 1)) = 1.155
+    pop = grpo(REWARDS, GROUPS, std="population", eps=0.0)
+    assert np.allclose(pop[0] / adv[0], np.sqrt(4 / 3))
+    with pytest.raises(ValueError, match="std must be one of"):
+        grpo(REWARDS, GROUPS, std="unbiased")
 
 
 def test_dr_grpo_no_std():

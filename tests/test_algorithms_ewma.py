@@ -29,6 +29,17 @@ def test_beta_from_window_and_mean_age():
         assert ewma_mean_age(ewma_beta(window)) == pytest.approx(window / 2)
 
 
+def test_window_is_counted_in_updates():
+    # W = 2 versions with m = 3 optimizer updates per version: a window of 6 updates, beta = 6/8;
+    # the mean age is 3 updates = W / 2 versions (beta = W/(W+2) would sit at W/(2m) = 1/3 version)
+    assert ewma_beta(2, updates_per_version=3) == pytest.approx(0.75)
+    for window, m in ((1, 2), (2, 2), (2, 4), (3, 5)):
+        age_in_updates = ewma_mean_age(ewma_beta(window, m))
+        assert age_in_updates / m == pytest.approx(window / 2)
+    with pytest.raises(ValueError, match="updates_per_version"):
+        ewma_beta(2, 0)
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5, 0.8])
 def test_ewma_equals_closed_form(beta):
     seq = [weights_at(k) for k in range(7)]

@@ -197,6 +197,27 @@ def test_aggregation_skips_fully_masked_sequences():
     assert close(out.loss, -2.0)
 
 
+def test_clip_level_none_never_clips():
+    # r_s = 3 with A > 0 and r_s = 0.1 with A < 0: both would be clipped at token level
+    out, grad = run([[ln(3), ln(0.1)]], [[0.0, 0.0]], [[0.0, 0.0]], [[1.0, -1.0]], clip_level="none")
+    assert not (out.clipped_low | out.clipped_high).any() and out.active.all()
+    assert close(out.loss, -(3 * 1 + 0.1 * -1) / 2)                # -(r A) token-mean, unbounded
+    assert close(grad, [[-3 / 2, 0.1 / 2]])                         # d(-r A / 2)/d log pi = -r A / 2
+
+
+def test_trust_mask_keeps_masked_tokens_in_the_denominator_without_gradient():
+    # M2PO-style: token 1 outside the trust mask contributes nothing, the loss still divides by 2
+    cur = t([[0.0, ln(2)]]).requires_grad_(True)
+    out = decoupled_loss(cur, t([[0.0, 0.0]]), t([[0.0, 0.0]]), t([1.0]), torch.ones(1, 2, dtype=torch.bool),
+                         CorrectionConfig(clip_level="none"), trust_mask=torch.tensor([[True, False]]))
+    out.loss.backward()
+    assert close(out.loss, -1 / 2) and close(cur.grad, [[-1 / 2, 0.0]])
+    assert out.trust_masked.tolist() == [[False, True]] and out.active.tolist() == [[True, False]]
+    assert close(out.log_rs_token, [[0.0, ln(2)]])
+    with pytest.raises(TypeError, match="trust_mask"):
+        decoupled_loss(cur, cur, cur, t([1.0]), torch.ones(1, 2, dtype=torch.bool), trust_mask=torch.ones(1, 2))
+
+
 def test_everything_masked_gives_zero_loss_with_graph():
     cur = torch.zeros(1, 2, requires_grad=True)
     out = decoupled_loss(cur, torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.zeros(1, 2, dtype=torch.bool))
@@ -210,7 +231,7 @@ def test_everything_masked_gives_zero_loss_with_graph():
     "field, value",
     [
         ("mask_level", "tokens"),
-        ("clip_level", "none"),
+        ("clip_level", "nothing"),
         ("aggregation", "mean"),
         ("mask_c_token", 0.5),
         ("mask_c_seq", float("inf")),

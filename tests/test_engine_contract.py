@@ -70,17 +70,20 @@ def make(request):
     """make(model, sampling, seed=, version=, eos_id=) -> an engine holding `model`'s weights."""
     name = request.param
     if name == "torch":
-        def _torch(model, sampling, *, seed=0, version=0, eos_id=EOS_ID):
+        def _torch(model, sampling, *, seed=0, version=0, eos_id=EOS_ID, stop_token_ids=(), tokenizer=None):
             return make_engine("torch", model, eos_id=eos_id, pad_id=PAD_ID, sampling=sampling,
-                               inference_dtype="float32", seed=seed, version=version)
+                               inference_dtype="float32", seed=seed, version=version,
+                               stop_token_ids=stop_token_ids, tokenizer=tokenizer)
         return _torch
     require_vllm()
     engine = request.getfixturevalue("shared_vllm")
 
-    def _vllm(model, sampling, *, seed=0, version=0, eos_id=EOS_ID):
+    def _vllm(model, sampling, *, seed=0, version=0, eos_id=EOS_ID, stop_token_ids=(), tokenizer=None):
         engine.load_weights({k: v.detach().clone() for k, v in model.state_dict().items()}, version)
         engine.sampling = sampling
         engine.eos_id = eos_id
+        engine.stop_token_ids = tuple(stop_token_ids)
+        engine.tokenizer = tokenizer
         engine.generator.manual_seed(seed)
         return engine
     return _vllm
@@ -234,19 +237,43 @@ def test_abort_from_between_steps(make, model, prompts):
     assert all(len(g.logprobs) == len(g.versions) == len(g.response_tokens) for g in gens)
 
 
-def test_stop_token_ends_the_response(make, model, prompts):
+@pytest.mark.parametrize("declared_as", ["eos_id", "stop_token_ids"])
+def test_stop_token_ends_the_response(make, model, prompts, declared_as):
+    """eos, and any extra stop id (a chat model's generation-config eos), ends a response (kept)."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     reference = make(model, greedy).generate(prompts)
     assert all(g.finish_reason == "length" and EOS_ID not in g.response_tokens for g in reference)
-    fake_eos = reference[0].response_tokens[2]  # declare the 3rd greedy token of prompt 0 to be eos
-    stopped = make(model, greedy, eos_id=fake_eos).generate(prompts)
+    stop = reference[0].response_tokens[2]  # declare the 3rd greedy token of prompt 0 a stop token
+    kwargs = {"eos_id": stop} if declared_as == "eos_id" else {"stop_token_ids": (stop,)}
+    stopped = make(model, greedy, **kwargs).generate(prompts)
     for g, ref in zip(stopped, reference):
         tokens = ref.response_tokens
-        if fake_eos in tokens:
-            assert g.response_tokens == tokens[: tokens.index(fake_eos) + 1] and g.finish_reason == "stop"
+        if stop in tokens:
+            assert g.response_tokens == tokens[: tokens.index(stop) + 1] and g.finish_reason == "stop"
         else:
             assert g.response_tokens == tokens and g.finish_reason == "length"
     assert stopped[0].finish_reason == "stop"
+
+
+def test_stop_strings_end_the_response(make, model, tiny, prompts):
+    """A `sampling.stop` string ends the response at the token that completes it (kept, "stop")."""
+    tokenizer = tiny[1]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    reference = make(model, greedy).generate(prompts, n=2)
+    stop = tokenizer.decode(reference[0].response_tokens[2:4])  # two characters greedy prompt 0 produces
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8, stop=(stop, "never-sampled"))
+    stopped = make(model, sampling, tokenizer=tokenizer).generate(prompts, n=2)
+    for g, ref in zip(stopped, reference):
+        text = [tokenizer.decode(ref.response_tokens[: k + 1]) for k in range(len(ref.response_tokens))]
+        hit = next((k for k, t in enumerate(text) if stop in t), None)
+        if hit is None:
+            assert g.response_tokens == ref.response_tokens and g.finish_reason == "length"
+        else:
+            assert g.response_tokens == ref.response_tokens[: hit + 1] and g.finish_reason == "stop"
+            assert len(g.logprobs) == len(g.versions) == hit + 1
+    assert stopped[0].finish_reason == "stop" and len(stopped[0].response_tokens) <= 4
+    with pytest.raises(ValueError, match="need the engine's tokenizer"):
+        make(model, sampling).generate(prompts)
 
 
 def test_rejects_bad_arguments(make, model, prompts):

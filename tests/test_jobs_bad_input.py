@@ -45,6 +45,7 @@ def _run_dir_files(config: str, state: dict | None = None) -> dict[str, str]:
 
 GOOD = _config()
 RUN = ["run", "quickstart", "--run-dir", "out", "--set"]  # + one override
+BYO = ["run", "byo", "--run-dir", "out", "--set"]  # + one override
 CASES = [
     # -- the command line itself
     Case("no-command", [], ("required: COMMAND",)),
@@ -90,6 +91,22 @@ CASES = [
     Case("run-dir-not-empty", ["run", "quickstart", "--run-dir", "used"], ("run dir", "used", "not empty"),
          {"used/notes.txt": "mine"}),
     Case("run-no-config", ["run"], ("run: a CONFIG",)),
+    # -- run: strategies, rewards, datasets (resolved in PipelineConfig, before Ray)
+    Case("run-strategy-no-module", [*RUN, "strategy=no_such_module:MyStrategy"], ("strategy:", "no_such_module")),
+    Case("run-strategy-file-missing", [*RUN, "strategy=mine.py:MyStrategy"], ("strategy:", "mine.py")),
+    Case("run-strategy-not-a-strategy", [*RUN, "strategy=json:JSONDecoder"], ("strategy:", "JSONDecoder")),
+    Case("run-strategy-option-unknown", [*RUN, "strategy_options={bogus: 1}"], ("strategy_options:", "bogus")),
+    Case("run-m2po-threshold-negative", [*RUN, "strategy=m2po", "--set", "strategy_options={m2_threshold: -1}"],
+         ("strategy_options:", "m2_threshold")),
+    Case("run-reward-no-module", [*RUN, "reward=no_such_module:score"], ("reward:", "no_such_module")),
+    Case("run-reward-no-function", [*BYO, "reward=rewards.py:missing"], ("reward:", "missing"),
+         {"rewards.py": "def score(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n"}),
+    Case("run-reward-bad-signature", [*BYO, "reward=rewards.py:score"], ("reward:", "score"),
+         {"rewards.py": "def score(completion):\n    return 0.0\n"}),
+    Case("run-data-file-missing", [*BYO, "data.train_files=[nope.jsonl]"], ("data.train_files", "nope.jsonl")),
+    Case("run-data-column-missing", [*BYO, "data.prompt_key=question"], ("question",)),
+    Case("run-data-and-task", [*BYO, "task=addition"], ("task:", "data")),
+    Case("run-env-no-module", [*RUN, "env=no_such_module:Env", "--set", "task=null"], ("env:", "no_such_module")),
     # -- run --resume
     Case("resume-missing-dir", ["run", "--resume", "gone"], ("gone: not a run dir",)),
     Case("resume-and-config", ["run", "quickstart", "--resume", "old"], ("either CONFIG or --resume",),

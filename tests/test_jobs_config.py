@@ -29,7 +29,14 @@ from trajflow.jobs.config import (
         ({"optimizer": {"lr": 0}}, [], "config error: optimizer.lr: Input should be greater than 0"),
         ({"optimiser": {"lr": 1e-3}}, [], "config error: optimiser: unknown key"),
         ({"sampling": {"temprature": 1.0}}, [], "config error: sampling.temprature: unknown key"),
-        ({"strategy": "exactish"}, [], "config error: strategy: Input should be 'snapshot'"),
+        ({"strategy": "exactish"}, [], "config error: strategy: unknown strategy 'exactish': built-in snapshot, "),
+        ({"strategy": "no_such_module:Thing"}, [], "config error: strategy: cannot import no_such_module "),
+        ({"strategy": "interrupt", "num_generators": 2}, [], "config error: num_generators: the interrupt strategy"),
+        ({"advantage": {"std": "unbiased"}}, [], "config error: advantage.std: Input should be 'sample' or"),
+        ({"strategy": "m2po", "strategy_options": {"m2_treshold": 0.1}}, [],
+         "config error: strategy_options: m2po: M2po.__init__() got an unexpected keyword argument 'm2_treshold'"),
+        ({"strategy": "m2po", "strategy_options": {"m2_threshold": -1}}, [],
+         "config error: strategy_options: m2po: m2_threshold must be a number >= 0"),
         ({"steps": "many"}, [], "config error: steps: Input should be a valid integer"),
         ({"model": "/no/such/model"}, [], "config error: model: /no/such/model is not a local model directory"),
         ({"prompts_per_step": 3, "group_size": 2, "optimizer": {"minibatches_per_step": 4}}, [],
@@ -127,7 +134,9 @@ def test_model_dirs_need_a_config_and_a_tokenizer(tmp_path):
 
 
 def test_bundled_configs_validate_and_cover_every_strategy():
-    strategies = ("snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior", "loglinear")
+    from trajflow.operators.strategies import strategy_names
+
+    strategies = strategy_names()
     assert {"quickstart", *strategies} <= set(bundled_configs())
     for name in strategies:  # one config per strategy, each valid on this machine
         assert load_job_config(name).strategy == name
@@ -137,6 +146,16 @@ def test_bundled_configs_validate_and_cover_every_strategy():
     again = build_job_config(__import__("yaml").safe_load(quick.to_yaml()))
     assert again == quick
     assert isinstance(quick.pipeline_config(), type(quick).__mro__[1])
+
+
+def test_advantage_accepts_the_estimator_name_and_defaults_to_the_sample_std():
+    assert build_job_config({}).advantage.model_dump() == {"estimator": "grpo", "std": "sample"}
+    old_form = build_job_config({"advantage": "leave_one_out"})
+    assert old_form.advantage.estimator == "leave_one_out" and old_form.advantage.std == "sample"
+    population = build_job_config({}, ["advantage.std=population"])
+    assert population.advantage.std == "population"
+    again = build_job_config(__import__("yaml").safe_load(population.to_yaml()))
+    assert again.advantage == population.advantage
 
 
 def test_cli_config_error_is_one_line_before_anything_starts(tmp_path):

@@ -1,8 +1,10 @@
 """RunRecorder (the trainer-side hooks that write a run dir) and resume truncation, without Ray:
-a stand-in trainer with a real optimizer and EWMA state."""
+a small trainer with a real optimizer, the real EWMA strategy and the train step's own
+checkpoint-state methods."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -10,32 +12,39 @@ import pyarrow as pa
 import pytest
 import torch
 
-from trajflow.algorithms.ewma import EwmaProximal
 from trajflow.engines import checkpoint as ckpt
+from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.jobs.recorder import RunPaths, RunRecorder, logged_steps, read_metrics, truncate_after
+from trajflow.operators.correction import PolicyHolder
+from trajflow.operators.strategies.ewma import Ewma
+from trajflow.operators.train_step import TrainStep
 from trajflow.schemas import from_rows, read_parquet
 
 
-class FakeTrainer:
-    """What the hooks touch on a TrainStep: version, strategy, optimizer, ewma, _state_dict()."""
+class SmallTrainer(PolicyHolder):
+    """A TrainStep without Ray or a language model: a linear policy, AdamW, the EWMA strategy, and
+    the train step's own public checkpoint methods (the only ones the recorder may call)."""
+
+    checkpoint_state = TrainStep.checkpoint_state
+    load_checkpoint_state = TrainStep.load_checkpoint_state
 
     def __init__(self, version: int = 0, seed: int = 0) -> None:
         torch.manual_seed(seed)
         self.model = torch.nn.Linear(3, 2)
+        self.numerics, self.sampling, self.updates_per_version = TrainingNumerics(), None, 1
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.ewma = EwmaProximal(self._state_dict(), beta=0.5)
+        self.optimizer_steps = 0
         self.version = version
-        self.strategy = "ewma"
-
-    def _state_dict(self):
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        self.strategy = Ewma(window=2)
+        self.strategy.bind(self)
 
     def train(self) -> None:
         loss = self.model(torch.randn(4, 3)).pow(2).sum()
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
-        self.ewma.update(self._state_dict())
+        self.optimizer_steps += 1
+        self.strategy.after_update(self)
         self.version += 1
 
 
@@ -56,16 +65,17 @@ def _recorder(run_dir, **kw) -> RunRecorder:
     return RunRecorder(**args)
 
 
-def _step(recorder: RunRecorder, trainer: FakeTrainer) -> dict:
+def _step(recorder: RunRecorder, trainer: SmallTrainer) -> dict:
     step = trainer.version
     trainer.train()
-    metrics = {"step": step, "version": trainer.version, "reward_mean": 0.5, "rows_trained": 4}
+    metrics = {"step": step, "version": trainer.version, "reward_mean": 0.5, "rows_trained": 4,
+               "optimizer_steps": trainer.optimizer_steps}
     recorder.on_step(trainer, _batch(step), metrics)
     return metrics
 
 
 def test_steps_write_logs_checkpoints_and_versions(tmp_path):
-    recorder, trainer = _recorder(tmp_path), FakeTrainer()
+    recorder, trainer = _recorder(tmp_path), SmallTrainer()
     recorder.on_start(trainer)
     metrics = [_step(recorder, trainer) for _ in range(5)]
     paths = RunPaths(tmp_path)
@@ -96,7 +106,7 @@ def test_steps_write_logs_checkpoints_and_versions(tmp_path):
 
 
 def test_resume_restores_optimizer_and_ewma_and_truncates_later_steps(tmp_path):
-    recorder, trainer = _recorder(tmp_path), FakeTrainer()
+    recorder, trainer = _recorder(tmp_path), SmallTrainer()
     recorder.on_start(trainer)
     for _ in range(3):  # steps 0..2, checkpoint 2; step 2's logs exist beyond the checkpoint
         _step(recorder, trainer)
@@ -110,18 +120,24 @@ def test_resume_restores_optimizer_and_ewma_and_truncates_later_steps(tmp_path):
     assert not paths.trajectory_file(2).exists() and not ckpt.version_file(paths.versions, 3).exists()
     assert not (paths.checkpoints / ".tmp-step-000004-x").exists()
 
-    resumed = FakeTrainer(version=2, seed=1)
+    resumed = SmallTrainer(version=2, seed=1)
     resumed.model.load_state_dict(latest.model_state())
     _recorder(tmp_path, resume_from=str(latest.path)).on_start(resumed)
-    saved_ewma = latest.ewma_state()
-    assert resumed.ewma.norm == pytest.approx(saved_ewma["norm"]) and resumed.ewma.steps_since_reset == 2
+    saved_ewma = latest.strategy_state()
+    ewma = resumed.strategy.ewma
+    assert ewma.norm == pytest.approx(saved_ewma["norm"]) and ewma.steps_since_reset == 2
     for k, v in saved_ewma["weights"].items():
-        assert torch.equal(resumed.ewma.weights[k], v)
+        assert torch.equal(ewma.weights[k], v)
     opt = resumed.optimizer.state_dict()["state"]
-    assert {float(s["step"]) for s in opt.values()} == {2.0}
+    assert {float(s["step"]) for s in opt.values()} == {2.0} and resumed.optimizer_steps == 2
+    assert json.loads((latest.path / "meta.json").read_text())["strategy"] == "ewma"
+    # a checkpoint without the strategy's state cannot resume it silently
+    (latest.path / "strategy.json").unlink()
+    with pytest.raises(RuntimeError, match="no state of strategy ewma"):
+        _recorder(tmp_path, resume_from=str(latest.path)).on_start(SmallTrainer(version=2))
 
     with pytest.raises(RuntimeError, match="starts at version 3"):
-        _recorder(tmp_path, resume_from=str(latest.path)).on_start(FakeTrainer(version=3))
+        _recorder(tmp_path, resume_from=str(latest.path)).on_start(SmallTrainer(version=3))
 
 
 def test_recorder_is_picklable_for_the_trainer_actor(tmp_path):

@@ -325,20 +325,25 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(alive, timeout=10)
 
 
+def run_until_checkpoint_then_kill(args: list, run_dir: Path, version: int, log_path: Path) -> None:
+    """`trajflow ARGS` as a subprocess, SIGKILLed (with everything it started) once checkpoint
+    `version` is complete."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=log, stderr=subprocess.STDOUT, env=_env(),
+                                start_new_session=True)
+        try:
+            _wait_for(lambda: (run_dir / "checkpoints" / f"step-{version:06d}" / "meta.json").is_file(), proc, 300,
+                      f"checkpoint {version}")
+        finally:
+            _kill_tree(proc)
+
+
 def test_sigkilled_run_resumes_without_repeating_or_skipping_steps(tmp_path):
     steps = 10
     run_dir = tmp_path / "killed"
-    log = open(tmp_path / "first.log", "w")
     args = ["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={steps}", "--set", "checkpoint_every=2",
             "--set", "keep_checkpoints=2", "--set", "save_all_versions=false", "--set", "tensorboard=false"]
-    proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=log, stderr=subprocess.STDOUT, env=_env(),
-                            start_new_session=True)
-    try:
-        _wait_for(lambda: (run_dir / "checkpoints" / "step-000004" / "meta.json").is_file(), proc, 300,
-                  "the second checkpoint")
-    finally:
-        _kill_tree(proc)
-    log.close()
+    run_until_checkpoint_then_kill(args, run_dir, 4, tmp_path / "first.log")
     logged_before = sorted((run_dir / "metrics").glob("step=*.parquet"))
     assert len(logged_before) < steps, "the run finished before it could be killed"
     latest = ckpt.latest_checkpoint(run_dir / "checkpoints")

@@ -80,18 +80,28 @@ def test_recompute_entangles_staleness_with_discrepancy(ray_session):
     assert kept[("snapshot", 3)][0] == 1.0 and kept[("snapshot", 3)][1] < 1e-5
 
 
-@pytest.mark.parametrize("strategy", ["ewma", "behavior", "loglinear", "recompute"])
+@pytest.mark.parametrize("strategy", ["ewma", "behavior", "loglinear", "recompute", "m2po"])
 def test_train_time_strategies_run_async_with_bf16(ray_session, strategy):
-    m = run(strategy=strategy, max_staleness=2, inference_dtype="bfloat16", steps=6)
+    # m2po: a threshold this short run exceeds (its M2 reaches ~0.01-0.03), so the mask acts
+    tau = {"strategy_options": {"m2_threshold": 0.005}} if strategy == "m2po" else {}
+    m = run(strategy=strategy, max_staleness=2, inference_dtype="bfloat16", steps=6, **tau)
     assert m.height == 6
     for column in ("loss", "active_frac", "mismatch/k3", "is/ess"):
         assert all(math.isfinite(v) for v in m[column].to_list()), column
-    if strategy == "behavior":
+    if strategy in ("behavior", "m2po"):
         assert m["mismatch/max_abs_log_rd"].max() == 0.0  # r_d = 1 by construction
     else:
         assert m["mismatch/k3"].max() > 0.0  # bf16 inference: a real discrepancy is measured
     if strategy == "ewma":
         assert "ewma/age" in m.columns and "ewma/reset_count" in m.columns
+    if strategy == "m2po":  # no PPO clip; the second-moment mask bounds M2 over the kept tokens
+        print(f"\nm2po: M2 before {m['m2po/m2_before'].to_list()}, after {m['m2po/m2_after'].to_list()}, "
+              f"masked {m['m2po/masked_frac'].to_list()}")
+        assert (m["clip/frac"] == 0).all()
+        assert (m["m2po/m2_after"] <= 0.005 + 1e-12).all() and (m["m2po/m2_after"] <= m["m2po/m2_before"]).all()
+        masked = m["m2po/m2_before"] > 0.005
+        assert masked.any() and ((m["m2po/masked_frac"] > 0) == masked).all()
+        assert m["active_frac"].to_list() == pytest.approx((1 - m["m2po/masked_frac"]).to_list())
     check_accounting(m, 16)
 
 

@@ -18,6 +18,7 @@ from trajflow.pipelines.replay import (
     load_trajectories,
     locate_versions,
     required_versions,
+    resolve_strategies,
 )
 from trajflow.schemas import SchemaError, from_rows, write_parquet
 
@@ -72,11 +73,16 @@ def test_load_groups_by_step_and_checks_ids(tmp_path):
 
 def test_required_and_located_versions(tmp_path):
     steps = load_trajectories(_log(tmp_path))
-    assert required_versions(steps, ["snapshot"], "diagnose") == {0, 1, 2}
-    assert required_versions(steps, ["behavior"], "diagnose") == {0, 1, 2}
-    assert required_versions(steps, ["ewma"], "diagnose") == {0, 1, 2, 3}
-    assert required_versions(steps, ["behavior"], "train") == {0}
-    assert required_versions(steps, ["snapshot"], "train") == {0, 1, 2}
+
+    def needed(names, mode):
+        return required_versions(steps, resolve_strategies(_config(), names), mode)
+
+    assert needed(["snapshot"], "diagnose") == {0, 1, 2}
+    assert needed(["behavior"], "diagnose") == {0, 1, 2}
+    assert needed(["ewma"], "diagnose") == {0, 1, 2, 3}
+    assert needed(["behavior"], "train") == {0}
+    assert needed(["snapshot"], "train") == {0, 1, 2}
+    assert needed(["m2po", "interrupt"], "train") == {0, 1, 2}
 
     run = tmp_path / "run"
     ckpt.save_weights({"w": torch.zeros(1)}, ckpt.version_file(run / "versions", 0))
@@ -97,8 +103,10 @@ def test_missing_versions_are_reported_by_number_before_any_work(tmp_path):
     assert "weights of 2 version(s) missing" in str(info.value) and ": 2-3 " in str(info.value)
     with pytest.raises(ReplayError, match="one strategy at a time"):
         Replay(_config(), root, run, ["snapshot", "behavior"], "train")
-    with pytest.raises(ReplayError, match="unknown strategy"):
+    with pytest.raises(ReplayError, match="--strategy: unknown strategy 'exactish'"):
         Replay(_config(), root, run, ["exactish"], "diagnose")
+    with pytest.raises(ReplayError, match="each strategy once"):
+        Replay(_config(), root, run, ["behavior", "behavior"], "diagnose")
     with pytest.raises(ReplayError, match="step 0 holds 4 rows, the config's rows_per_step is 8"):
         Replay(_config(8), root, run, ["behavior"], "diagnose")
 
@@ -115,3 +123,48 @@ def test_bad_parquet_is_a_schema_error_naming_file_and_column(tmp_path):
     file.write_bytes(data[: len(data) // 2])
     with pytest.raises(SchemaError, match="not a readable Parquet file"):
         load_trajectories(root)
+
+
+class EditsReward:
+    """A user stage inserted live: it edits the reward and marks rows (a light stage)."""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from trajflow.operators.columns import mark_filtered, replace_column
+
+        import numpy as np
+
+        batch = replace_column(batch, "reward", pa.array(np.full(batch.num_rows, 7.0, np.float32)))
+        return mark_filtered(batch, np.arange(batch.num_rows) == 0, "mine")
+
+
+def test_replay_stages_come_from_the_live_stage_list(tmp_path):
+    """generate and reward come from the log, the live strategy's stages are dropped, the replayed
+    strategies bring theirs, a stage the user inserted runs again but cannot change the reward."""
+    from trajflow.pipelines.rl_loop import RLPipeline, Stage
+
+    root = _log(tmp_path)
+    run = tmp_path / "run"
+    for v in range(4):
+        ckpt.save_weights({"w": torch.zeros(1)}, ckpt.version_file(run / "versions", v))
+    live = RLPipeline(PipelineConfig(prompts_per_step=2, group_size=2, max_staleness=1, strategy="dedicated"))
+    live.insert_after("reward", Stage("mine", EditsReward()))
+    assert [s.name for s in live.stages] == ["generate", "old_logits", "reward", "mine", "advantage", "filter", "train"]
+
+    def names(strategies, mode="diagnose"):
+        replay = Replay(live.config, root, run, strategies, mode, pipeline=live)
+        return replay, [s.name for s in replay.stages({"logged": None, "trainer": "trainer-store"})]
+
+    assert names(["behavior"])[1] == ["mine", "advantage", "filter", "diagnose"]
+    assert names(["snapshot", "ewma"])[1] == ["mine", "advantage", "filter", "old_logits", "diagnose"]
+    assert names(["dedicated"])[1] == ["old_logits", "mine", "advantage", "filter", "diagnose"]
+    assert names(["interrupt"])[1] == ["mine", "advantage", "filter", "old_logits", "diagnose"]  # scored in replay
+    replay, stages = names(["m2po"], "train")
+    assert stages == ["mine", "advantage", "filter", "train"]
+    train = replay.stages({"logged": None, "trainer": "trainer-store"})[-1]
+    assert train.kwargs["strategy"].name == "m2po" and train.kwargs["store"] == "trainer-store"
+    # the replayed user stage: its row filter takes effect again, its reward edit is already logged
+    mine = replay.stages({"logged": None, "trainer": None})[0]
+    logged = load_trajectories(root)[1]
+    out = mine.fn(logged)
+    assert out["reward"].to_pylist() == logged["reward"].to_pylist()
+    assert out["filter_reason"].to_pylist()[:2] == ["mine", None]

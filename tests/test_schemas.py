@@ -165,8 +165,9 @@ def test_length_mismatch(table, name, delta):
     assert str(e.value) == f"column '{name}' row 2: length {4 + delta} != len(response_tokens) 4"
 
 
-@pytest.mark.parametrize("name", ["inference_logprobs", "old_logprobs"])
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name, bad", [("inference_logprobs", math.nan), ("inference_logprobs", math.inf),
+                                       ("inference_logprobs", -math.inf), ("old_logprobs", math.nan),
+                                       ("old_logprobs", math.inf)])
 def test_nonfinite_logprobs(table, name, bad):
     t = with_row(table, name, 2, [-0.1, -0.2, bad, -0.4])
     with pytest.raises(SchemaError, match=f"column '{name}' row 2: non-finite value .* at token 2") as e:
@@ -175,6 +176,14 @@ def test_nonfinite_logprobs(table, name, bad):
     validate(t, allow_nonfinite=True)
     assert nonfinite_rows(t).tolist() == [False, False, True, False]
     assert nonfinite_rows(table).tolist() == [False] * 4
+
+
+def test_old_logprob_outside_the_sampling_support_is_valid(table):
+    # -inf old log-prob: the token lies outside top-k/top-p under training numerics (a valid value
+    # the train step takes out of the loss), unlike NaN, +inf, or -inf for the sampled log-prob
+    t = with_row(table, "old_logprobs", 2, [-0.1, -0.2, -math.inf, -0.4])
+    validate(t)
+    assert nonfinite_rows(t).tolist() == [False] * 4
 
 
 def test_bad_finish_reason(table):

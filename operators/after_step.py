@@ -1,0 +1,79 @@
+"""What runs in the trainer's process after each train step, besides the step itself.
+
+Each is a callable `hook(trainstep, batch, metrics)` that the train step runs, in order, after
+its update (`TrainStep(after_step=[...])`): no extra actor and no extra Ray Data hop per step.
+
+    PublishWeights      the new weights become version k + 1 in the policy store (generators wait on it)
+    HeldoutEvaluation   greedy accuracy on the task's held-out prompts every `every` versions
+    StoreStatistics     snapshot memory and the actors' timing counters, read from the store
+
+The job's own hook (the run recorder: trajectory log, metrics file, checkpoints) runs after these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import pyarrow as pa
+import ray
+import torch
+
+from trajflow.schemas.weights import SharedStateDict
+from trajflow.tasks.workload import Workload
+
+
+class AfterStep(Protocol):
+    def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None: ...
+
+
+def publish_weights(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int | None = None) -> int:
+    """Put a float32 copy of the weights in the object store (the only copy: see
+    schemas/weights.py) and register it as a version."""
+    state = SharedStateDict.of(model)
+    return ray.get(store.publish.remote([ray.put(state)], state.nbytes, version))
+
+
+class PublishWeights:
+    """Publish the trainer's weights as its (new) version. A step with nothing to train publishes
+    too (unchanged weights, new version): the rollouts of later steps wait on this version."""
+
+    def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
+        publish_weights(trainstep.store, trainstep.policy(), trainstep.version)
+
+
+class HeldoutEvaluation:
+    """Greedy accuracy on the workload's first `prompts` held-out prompts (a task's test split or
+    `data.test_files`), every `every` versions (metric `heldout_accuracy`). The tokenizer loads
+    on first use, in the trainer."""
+
+    def __init__(self, model_path: str | Path, workload: Workload, every: int, prompts: int, max_new_tokens: int,
+                 stop: Sequence[str] = ()) -> None:
+        self.model_path, self.workload = str(model_path), workload
+        self.every, self.prompts, self.max_new_tokens, self.stop = every, prompts, max_new_tokens, tuple(stop)
+        self._tokenizer = None
+
+    def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
+        if not self.every or trainstep.version % self.every:
+            return
+        from trajflow.engines.models import load_tokenizer
+        from trajflow.operators.evaluate import heldout_accuracy
+
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_path)
+        metrics["heldout_accuracy"] = heldout_accuracy(trainstep.policy(), self._tokenizer, self.workload,
+                                                       self.prompts, self.max_new_tokens, stop=self.stop)
+
+
+class StoreStatistics:
+    """Snapshot versions and bytes held, and the seconds the actors reported since the last step."""
+
+    def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
+        stats = ray.get(trainstep.store.stats.remote(True))
+        metrics.update({
+            "snapshot_versions_held": len(stats.versions_held),
+            "snapshot_bytes": stats.snapshot_bytes,
+            "snapshot_max_versions_held": stats.max_versions_held,
+            **{f"seconds/{k}" if k.endswith("seconds") else k: v for k, v in stats.counters.items()},
+        })

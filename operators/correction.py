@@ -1,0 +1,170 @@
+"""The correction of one (mini)batch under a strategy, shared by the train step and diagnose.
+
+    StepBatch.from_table(rows, k)       the step's tensors from Arrow (right-padded [B, T])
+    correct(strategy, batch, current, trainer, config)
+        1. old = strategy.proximal(...)                        pi_old, detached
+        2. tokens whose current, old or inference log-prob is not finite leave the loss: a token
+           outside the sampling filter's support (top-k / top-p) scores -inf under training
+           numerics. They are counted (`support/outside_tokens`) and never reach the loss, its
+           denominator or the diagnostics, so they can never turn into a NaN gradient.
+        3. strategy.trust_mask(...)                            e.g. M2PO's second-moment mask
+        4. decoupled_loss(..., strategy.correction(config))   algorithms/objective.py
+    merge_outputs(...)                  minibatch LossOutputs -> one step-sized LossOutput
+    step_diagnostics(...)               the metrics a train (or diagnose) step reports
+
+`PolicyHolder` is what the train step and diagnose have in common as a strategy's `Trainer`:
+the policy model, the training numerics, and scoring under them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import Tensor
+
+from trajflow.algorithms.diagnostics import correction_diagnostics
+from trajflow.algorithms.objective import CorrectionConfig, LossOutput, decoupled_loss
+from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.training_numerics import TrainingNumerics
+from trajflow.operators.columns import padded
+from trajflow.operators.strategies.base import Strategy, Trainer
+
+
+@dataclass
+class StepBatch:
+    """The trained rows of one step (or a minibatch of them) as tensors, padded to the step's width."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    inference: Tensor   # [B, T] float32
+    versions: Tensor    # [B, T] int64 (padding: the trainer's version)
+    loss_mask: Tensor   # [B, T] bool
+    advantages: Tensor  # [B] float32
+    old: Tensor | None  # [B, T] the old_logprobs column; None when the rows carry none
+    rows: Tensor        # [B] int64: positions in the step's batch
+
+    @classmethod
+    def from_table(cls, table: pa.Table, trainer_version: int) -> "StepBatch":
+        responses = table["response_tokens"].to_pylist()
+        width = max(len(r) for r in responses)
+        old_column = table["old_logprobs"]
+        return cls(
+            prompts=table["prompt_tokens"].to_pylist(),
+            responses=responses,
+            inference=torch.from_numpy(padded(table["inference_logprobs"], width, 0.0)),
+            versions=torch.from_numpy(padded(table["versions"], width, trainer_version, np.int64)),
+            loss_mask=torch.from_numpy(padded(table["loss_mask"], width, False, bool)),
+            advantages=torch.from_numpy(table["advantage"].to_numpy(zero_copy_only=False).astype(np.float32)),
+            old=None if old_column.null_count else torch.from_numpy(padded(old_column, width, 0.0)),
+            rows=torch.arange(table.num_rows),
+        )
+
+    def __len__(self) -> int:
+        return len(self.responses)
+
+    @property
+    def width(self) -> int:
+        return self.inference.shape[1]
+
+    def select(self, idx: Tensor) -> "StepBatch":
+        """The rows `idx` (positions in this batch), keeping the width."""
+        picked = idx.tolist()
+        return StepBatch(
+            prompts=[self.prompts[i] for i in picked],
+            responses=[self.responses[i] for i in picked],
+            inference=self.inference[idx],
+            versions=self.versions[idx],
+            loss_mask=self.loss_mask[idx],
+            advantages=self.advantages[idx],
+            old=None if self.old is None else self.old[idx],
+            rows=self.rows[idx],
+        )
+
+
+class PolicyHolder:
+    """The policy model and the numerics it is scored in: a strategy's view of the trainer."""
+
+    model: torch.nn.Module
+    numerics: TrainingNumerics
+    sampling: SamplingParams
+    version: int
+    updates_per_version: int
+
+    def policy(self) -> torch.nn.Module:
+        return self.model
+
+    def policy_state_dict(self) -> dict[str, Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    @torch.no_grad()
+    def score(self, model: torch.nn.Module, batch: StepBatch) -> Tensor:
+        return self.numerics.logprobs(model, batch.prompts, batch.responses, self.sampling, width=batch.width)
+
+    def current(self, batch: StepBatch, grad: bool) -> Tensor:
+        """pi_theta [B, T] of the batch under the policy's current weights."""
+        with torch.set_grad_enabled(grad):
+            return self.numerics.logprobs(self.model, batch.prompts, batch.responses, self.sampling,
+                                          width=batch.width, grad=grad)
+
+
+@dataclass
+class Correction:
+    loss: LossOutput
+    old: Tensor              # [B, T] pi_old as used (detached)
+    outside_support: int     # loss tokens taken out: a non-finite current, old or inference log-prob
+
+
+def correct(strategy: Strategy, batch: StepBatch, current: Tensor, trainer: Trainer,
+            config: CorrectionConfig) -> Correction:
+    """The strategy's loss on `batch` (see the module docstring)."""
+    old = strategy.proximal(batch, current, trainer).detach()
+    finite = torch.isfinite(current.detach()) & torch.isfinite(old) & torch.isfinite(batch.inference)
+    loss_mask = batch.loss_mask & finite
+    trust = strategy.trust_mask(batch, current.detach(), old, loss_mask)
+    out = decoupled_loss(current, old, batch.inference, batch.advantages, loss_mask,
+                         strategy.correction(config), trust_mask=trust)
+    return Correction(out, old, int((batch.loss_mask & ~finite).sum()))
+
+
+def merge_outputs(parts: list[tuple[Tensor, LossOutput]], shape: torch.Size) -> LossOutput:
+    """Per-minibatch LossOutputs (with their rows in the step) -> one with step-sized [B, T] fields.
+
+    Every field of LossOutput is merged: [b, T] tensors are placed at their rows, scalars (the
+    loss) are averaged over the minibatches.
+    """
+    if len(parts) == 1:
+        return parts[0][1]
+    merged = {}
+    for f in dataclasses.fields(LossOutput):
+        values = [getattr(out, f.name) for _, out in parts]
+        if values[0].dim() == 0:
+            merged[f.name] = torch.stack([v.detach() for v in values]).mean()
+        elif values[0].dim() == 2:
+            full = torch.zeros(shape, dtype=values[0].dtype)
+            for (rows, _), part in zip(parts, values):
+                full[rows, : part.shape[1]] = part.detach()
+            merged[f.name] = full
+        else:
+            raise TypeError(f"merge_outputs: LossOutput.{f.name} has {values[0].dim()} dims, expected 0 or 2")
+    return LossOutput(**merged)
+
+
+def step_diagnostics(merged: LossOutput, batch: StepBatch, trainer_version: int, outside_support: int) -> dict:
+    """The correction metrics of one step (see algorithms/diagnostics.py for the keys)."""
+    d = correction_diagnostics(merged, versions=batch.versions, trainer_version=trainer_version,
+                               advantages=batch.advantages)
+    d["loss"] = float(merged.loss.detach())
+    d["support/outside_tokens"] = float(outside_support)
+    d["rows_spanning_versions"] = sum(len(set(v)) > 1 for v in (batch.versions[i, : len(r)].tolist()
+                                                                  for i, r in enumerate(batch.responses)))
+    return d
+
+
+def old_column(old: Tensor, lengths: list[int]) -> list[list[float]]:
+    """pi_old as used, per row; a token with no finite pi_old (outside the support) is -inf."""
+    old = torch.where(torch.isfinite(old), old, float("-inf"))
+    return [row[:n].tolist() for row, n in zip(old.numpy(), lengths)]

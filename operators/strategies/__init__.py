@@ -1,0 +1,28 @@
+"""Correction strategies: one file each, a base class and a registry.
+
+    from trajflow.operators.strategies import Strategy, resolve_strategy, BUILTIN
+
+See base.py for what a strategy declares and registry.py for user strategies by import path.
+"""
+
+from trajflow.operators.strategies.base import (
+    KINDS,
+    OldLogprobsColumn,
+    StageContext,
+    Strategy,
+    StrategyKind,
+    Trainer,
+    old_logit_stage,
+)
+from trajflow.operators.strategies.registry import (
+    BUILTIN,
+    format_strategies,
+    resolve_strategy,
+    strategy_class,
+    strategy_names,
+)
+
+__all__ = [
+    "BUILTIN", "KINDS", "OldLogprobsColumn", "StageContext", "Strategy", "StrategyKind", "Trainer",
+    "format_strategies", "old_logit_stage", "resolve_strategy", "strategy_class", "strategy_names",
+]

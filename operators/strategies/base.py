@@ -1,0 +1,175 @@
+"""A correction strategy: one object that says where pi_old comes from, and everything else the
+system asks about it. Subclass `Strategy`, set the class attributes, override what differs.
+
+What the rest of trajflow asks a strategy (and nothing else: no other file compares its name):
+
+  name, kind, meaning       the catalogue (`trajflow configs`, the run log, metrics' `strategy`)
+  keep_history              the policy store keeps the weights of every version still inside the
+                            staleness window (an operator scores old log-probs after generation)
+  scores_at_switch          generation scores the prefix sampled so far with the still-resident
+                            weights before taking new ones (implies mid-generation weight updates)
+  old_from_column           pi_old is the `old_logprobs` column, filled upstream (exact strategies)
+  follows_updates           the strategy's state follows the weights after each optimizer update
+                            (EWMA); a --diagnose replay then also needs version k + 1 per step
+  stages(ctx)               operator stages the strategy inserts, placed relative to named stages
+  check(config)             strategy-specific config checks (raise ValueError naming the key)
+  correction(base)          override of the objective's settings (M2PO: no PPO clip)
+
+and, inside the process that trains (TrainStep) or diagnoses (Diagnose), per train step:
+
+  bind(trainer)             once, when that process starts (EWMA copies the weights here)
+  before_step(batch, trainer)            before the first update of the step (whole step batch)
+  proximal(batch, current, trainer)      pi_old for a (mini)batch, [B, T], detached
+  trust_mask(batch, current, old, loss_mask)  tokens allowed to carry gradient (None: all)
+  after_update(trainer)     after each optimizer update
+  after_step(trainer, diagnostics) -> metrics   after the step's updates
+  state_dict() / load_state_dict(state)  what a checkpoint keeps (tensors, numbers, strings)
+
+`trainer` gives the models and the numerics (see `Trainer`); `batch` is a StepBatch
+(operators/correction.py); `current` is pi_theta [B, T]. The pure math stays in algorithms/.
+Objects travel to Ray actors by Ray's in-memory pickling (never to disk): keep them plain.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from trajflow.algorithms.objective import CorrectionConfig
+from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.training_numerics import TrainingNumerics
+from trajflow.operators.stage import Placement, Resources, Stage
+
+if TYPE_CHECKING:
+    from trajflow.operators.correction import StepBatch
+
+StrategyKind = Literal["exact", "approximate", "baseline"]
+KINDS: tuple[str, ...] = ("exact", "approximate", "baseline")
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a strategy's operator stages are built from (the pipeline's settings)."""
+
+    model_path: str
+    sampling: SamplingParams
+    numerics: TrainingNumerics
+    scorer: Resources  # resources of old-logit scoring actors
+
+
+class Trainer(Protocol):
+    """What a strategy may use of the process that trains (TrainStep) or diagnoses (Diagnose)."""
+
+    version: int              # the trainer's version k: it trains step k and then holds k + 1
+    updates_per_version: int  # optimizer updates per version (minibatches_per_step; 1 in diagnose)
+    numerics: TrainingNumerics
+    sampling: SamplingParams
+
+    def policy(self) -> torch.nn.Module: ...  # the policy with the current weights
+
+    def policy_state_dict(self) -> dict[str, Tensor]: ...
+
+    def score(self, model: torch.nn.Module, batch: "StepBatch") -> Tensor: ...  # no-grad [B, T]
+
+
+class Strategy:
+    name: ClassVar[str]
+    kind: ClassVar[StrategyKind]
+    meaning: ClassVar[str]
+    keep_history: ClassVar[bool] = False
+    scores_at_switch: ClassVar[bool] = False
+    old_from_column: ClassVar[bool] = False
+    follows_updates: ClassVar[bool] = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Strategy":
+        """An instance with its settings from the PipelineConfig: `strategy_options` are the
+        constructor's keyword arguments."""
+        options = dict(config.strategy_options)
+        # object.__init__'s (*args, **kwargs) would accept anything, then refuse it less clearly
+        parameters = inspect.signature(cls.__init__).parameters if cls.__init__ is not object.__init__ else {}
+        accepted = [name for name, p in parameters.items() if name != "self"
+                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = [k for k in options if k not in accepted]
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+            raise ValueError(f"unknown option {unknown[0]!r} (accepted: {', '.join(accepted) or 'none'})")
+        return cls(**options)
+
+    def check(self, config: Any) -> None:
+        """Raise ValueError("key: why") if the PipelineConfig cannot run this strategy."""
+
+    def stages(self, ctx: StageContext) -> list[Placement]:
+        return []
+
+    def replay_stages(self, ctx: StageContext) -> list[Placement]:
+        """Stages of an offline replay, where generation is the logged data. A strategy whose
+        old log-probs come from the column but that inserts no stage (they were scored during
+        generation) gets them from the old-logit operator, right before training."""
+        own = self.stages(ctx)
+        if own or not self.old_from_column:
+            return own
+        return [Placement(old_logit_stage(ctx, skip_filtered=True), before="train")]
+
+    def replay_versions(self, step: int, token_versions: set[int], mode: str) -> set[int]:
+        """Weights a replay of train step `step` needs beyond the trainer's own (diagnose: version
+        `step`; train: the first step's version)."""
+        needed = set(token_versions) if self.old_from_column else set()
+        if mode == "diagnose" and self.follows_updates:
+            needed.add(step + 1)
+        return needed
+
+    def correction(self, base: CorrectionConfig) -> CorrectionConfig:
+        return base
+
+    # -- inside the trainer -------------------------------------------------------------------
+    def bind(self, trainer: Trainer) -> None:
+        pass
+
+    def before_step(self, batch: "StepBatch", trainer: Trainer) -> None:
+        pass
+
+    def proximal(self, batch: "StepBatch", current: Tensor, trainer: Trainer) -> Tensor:
+        raise NotImplementedError(f"strategy {self.name!r} does not define proximal()")
+
+    def trust_mask(self, batch: "StepBatch", current: Tensor, old: Tensor, loss_mask: Tensor) -> Tensor | None:
+        return None
+
+    def after_update(self, trainer: Trainer) -> None:
+        pass
+
+    def after_step(self, trainer: Trainer, diagnostics: dict[str, float]) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, kind={self.kind!r})"
+
+
+class OldLogprobsColumn(Strategy):
+    """Base of the exact strategies: pi_old is the `old_logprobs` column, filled upstream at each
+    token's own behaviour version under training numerics."""
+
+    old_from_column = True
+
+    def proximal(self, batch: "StepBatch", current: Tensor, trainer: Trainer) -> Tensor:
+        if batch.old is None:
+            raise RuntimeError(f"strategy {self.name}: rows reached the trainer without old_logprobs")
+        return batch.old
+
+
+def old_logit_stage(ctx: StageContext, skip_filtered: bool) -> Stage:
+    """The operator that scores every token under its own version's weights (operators/old_logits.py)."""
+    from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
+
+    kwargs = dict(model_path=ctx.model_path, sampling=ctx.sampling, numerics=ctx.numerics,
+                  skip_filtered=skip_filtered, torch_threads=ctx.scorer.torch_threads)
+    return Stage("old_logits", OldLogitsAtBehaviourVersion, kwargs, ctx.scorer)

@@ -1,0 +1,20 @@
+"""`behavior` (baseline): old := the inference log-probs mu (bypass; prime-rl, TRL AsyncGRPO).
+
+r_d = 1 by construction, so one asymmetric clip has to absorb both numerics and staleness.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from trajflow.algorithms.proximal import behavior_logprobs
+from trajflow.operators.strategies.base import Strategy, Trainer
+
+
+class Behavior(Strategy):
+    name = "behavior"
+    kind = "baseline"
+    meaning = "old := inference log-probs (r_d = 1): one clip absorbs both numerics and staleness"
+
+    def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+        return behavior_logprobs(batch.inference)

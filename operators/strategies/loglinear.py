@@ -1,0 +1,35 @@
+"""`loglinear` (baseline, A-3PO): log pi_prox = log mu + alpha (log pi_theta - log mu).
+
+alpha per token from versions (v_prox = v_theta - 1) unless fixed by `loglinear_alpha`. The
+paper's Proposition 1: any such interpolation only re-parameterises bounds on the single total
+ratio pi_theta / mu; it recovers nothing about pi_old.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs
+from trajflow.operators.strategies.base import Strategy, Trainer
+
+
+class Loglinear(Strategy):
+    name = "loglinear"
+    kind = "baseline"
+    meaning = ("log mu + alpha (log pi_theta - log mu), alpha from versions (A-3PO); "
+               "Prop. 1: only rescales a bound on pi_theta/mu")
+
+    def __init__(self, alpha: float | None = None) -> None:
+        self.alpha = alpha
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Loglinear":
+        return cls(alpha=config.loglinear_alpha, **config.strategy_options)
+
+    def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+        alpha = self.alpha
+        if alpha is None:  # the trainer holds version k and produces k + 1
+            alpha = loglinear_alpha(batch.versions, theta_version=trainer.version + 1)
+        return loglinear_logprobs(current, batch.inference, alpha)

@@ -1,0 +1,32 @@
+"""`recompute` (baseline): old := the trainer's current weights before the update (pi_async).
+
+The default of ROLL, SkyRL fully-async and slime/miles before their fix. In async training those
+weights are newer than the tokens' versions: policy drift leaks into r_d and r_s ~ 1 at the start
+of each step. With one update per step the pre-update log-probs are the update's own forward pass
+(detached); with several minibatches the whole step is scored once before the first update.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from trajflow.algorithms.proximal import recompute_logprobs
+from trajflow.operators.strategies.base import Strategy, Trainer
+
+
+class Recompute(Strategy):
+    name = "recompute"
+    kind = "baseline"
+    meaning = "score with the trainer's current weights before the update (pi_async): drift leaks into r_d"
+
+    def __init__(self) -> None:
+        self._before_update: Tensor | None = None
+
+    def before_step(self, batch, trainer: Trainer) -> None:
+        many_updates = trainer.updates_per_version > 1
+        self._before_update = trainer.score(trainer.policy(), batch) if many_updates else None
+
+    def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+        if self._before_update is not None:
+            return self._before_update[batch.rows]
+        return recompute_logprobs(current)

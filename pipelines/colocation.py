@@ -1,0 +1,157 @@
+"""Which stages share an actor process, and the actor that runs several stages in order.
+
+Every operator boundary costs a Ray Data hop (a block put, a scheduling turn, a deserialisation)
+and every process costs its own torch + transformers runtime (about 0.5 GB and seconds of imports
+each). Consecutive stages can therefore run in one actor — `StageGroup` constructs its class
+stages once per actor and passes each batch through all stages in order — as long as that does not
+serialise work that would otherwise overlap. The stage list stays what it is: grouping changes
+which process runs a stage, never the order of stages or what a stage computes.
+
+`plan_groups` is the default policy, chosen from measurement (benchmarks/results/orchestration.md):
+
+- synchronous (`max_staleness: 0`): every stage waits for the previous one anyway, so all
+  stages that can share a process do (on CPU: generator, light stages, scorer and trainer in one);
+- asynchronous: three processes — the generator alone (rewards and scoring stay off its critical
+  path, so a slow reward function never stalls sampling), every stage between it and the train
+  step together (reward, advantage, filter, a scorer, your stages), and the train step alone;
+- two stages never share a process if their pool sizes differ, if either asks for a GPU or for
+  custom resources the other does not have (placement on a cluster is the user's decision), or if
+  either is marked `own_process` (`dedicated`'s scorer: its own CPU/GPU share by definition).
+
+Each group also times its stages and hands the times on in the batch's schema metadata; the
+last group adds them to the metrics row as `stage_seconds/<stage>` (and, in the first row, where
+start-up went: `startup_seconds/...`), so a step's wall time can be read against the compute
+inside it without any extra call.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    from trajflow.pipelines.rl_loop import Stage
+
+MEASURED_KEY = b"trajflow.measured"
+
+
+def _can_share(a: "Stage", b: "Stage") -> bool:
+    """Whether two class stages may run in one process."""
+    ra, rb = a.resources, b.resources
+    gpu = (ra is not None and ra.num_gpus > 0) or (rb is not None and rb.num_gpus > 0)
+    custom_a = ra.resources if ra is not None else {}
+    custom_b = rb.resources if rb is not None else {}
+    return a.pool_size == b.pool_size and not gpu and custom_a == custom_b and not (a.own_process or b.own_process)
+
+
+def plan_groups(stages: list["Stage"], synchronous: bool, colocate: bool = True) -> list[list["Stage"]]:
+    """Consecutive runs of `stages` that share one actor process each.
+
+    Asynchronous, the first stage (the generator) and the last class stage (the train step) each
+    start a process of their own and nothing joins them; the stages between share. With
+    `colocate=False`, every class stage has its own process and consecutive function stages share
+    one.
+    """
+    actors = [i for i, s in enumerate(stages) if s.is_actor]
+    boundaries = set() if synchronous or not actors else {actors[0], actors[0] + 1, actors[-1]}
+    groups: list[list[Stage]] = []
+    for i, stage in enumerate(stages):
+        if groups and i not in boundaries and _joins(groups[-1], stage, colocate):
+            groups[-1].append(stage)
+        else:
+            groups.append([stage])
+    return groups
+
+
+def _joins(group: list["Stage"], stage: "Stage", colocate: bool) -> bool:
+    anchors = [s for s in group if s.is_actor]
+    if not colocate:
+        return not anchors and not stage.is_actor
+    if not stage.is_actor:
+        return True
+    return all(_can_share(a, stage) for a in anchors)
+
+
+def group_name(group: list["Stage"]) -> str:
+    """The class name of a group's actor: its stages' class names joined by '+'. Process titles
+    and placement records read it (`MapWorker(MapBatches(Generate+Reward+...))`)."""
+    return "+".join(s.fn.__name__ if s.is_actor else type(s.fn).__name__ for s in group)
+
+
+class StageGroup:
+    """Consecutive stages in one actor: class stages are constructed here (with `store=` and their
+    kwargs), function stages called as given; a batch goes through them in order.
+
+    `timings`: "off"; "carry" (add this group's measurements to those the batch brought and hand
+    them on in the schema metadata); "emit" (the last group: add them to the output rows as
+    columns). Measured: `stage_seconds/<stage>`, the seconds each stage took on this batch; and,
+    on a group's first batch only, `startup_seconds/<stage>` (constructing the stage: model loads)
+    and `startup_seconds/<first stage>.process` (from the actor process's creation to the
+    group's constructor: worker start and imports). The stages never see the metadata.
+    """
+
+    def __init__(self, stages: list["Stage"], store: Any = None, extra_kwargs: dict[str, dict] | None = None,
+                 timings: str = "off") -> None:
+        extra_kwargs = extra_kwargs or {}
+        self.startup: dict[str, float] = {}
+        if stages and timings != "off":
+            import psutil
+
+            self.startup[f"{stages[0].name}.process"] = time.time() - psutil.Process().create_time()
+        self.stages: list[tuple[str, Callable[[pa.Table], pa.Table]]] = []
+        for s in stages:
+            started = time.perf_counter()
+            fn = s.fn(**{"store": store, **s.kwargs, **extra_kwargs.get(s.name, {})}) if s.is_actor else s.fn
+            self.stages.append((s.name, fn))
+            if s.is_actor and timings != "off":
+                self.startup[s.name] = time.perf_counter() - started
+        self.timings = timings
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.timings == "off":
+            for _, fn in self.stages:
+                batch = fn(batch)
+            return batch
+        measured, batch = pop_measurements(batch)
+        seconds = measured.setdefault("stage_seconds", {})
+        if self.startup:
+            measured.setdefault("startup_seconds", {}).update(self.startup)
+            self.startup = {}
+        for name, fn in self.stages:
+            started = time.perf_counter()
+            batch = fn(batch)
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - started
+        if self.timings == "emit":
+            for area, values in measured.items():
+                for name, value in values.items():
+                    batch = batch.append_column(f"{area}/{name}", pa.array([value] * batch.num_rows, pa.float64()))
+            return batch
+        return batch.replace_schema_metadata({**(batch.schema.metadata or {}), MEASURED_KEY: json.dumps(measured)})
+
+
+def pop_measurements(batch: pa.Table) -> tuple[dict[str, dict[str, float]], pa.Table]:
+    """(what the groups before measured on this batch, the batch without that metadata)."""
+    metadata = dict(batch.schema.metadata or {})
+    raw = metadata.pop(MEASURED_KEY, None)
+    if raw is None:
+        return {}, batch
+    return json.loads(raw), batch.replace_schema_metadata(metadata or None)
+
+
+def group_resources(group: list["Stage"], light_cpus: float) -> tuple[float, float, dict[str, float]]:
+    """(num_cpus, num_gpus, custom resources) of a group's actor: its stages run one at a time,
+    so the largest request of any stage; a group of light stages only asks `light_cpus`."""
+    configs = [s.resources for s in group if s.is_actor]
+    if not configs:
+        return light_cpus, 0.0, {}
+    from trajflow.pipelines.config import ResourceConfig
+
+    configs = [c or ResourceConfig() for c in configs]
+    custom: dict[str, float] = {}
+    for c in configs:
+        for key, value in c.resources.items():
+            custom[key] = max(custom.get(key, 0.0), value)
+    return max(c.num_cpus for c in configs), max(c.num_gpus for c in configs), custom

@@ -1,0 +1,302 @@
+"""Reward functions: the built-in verifiers, the user's function by import path, and the runner that
+keeps one bad item from failing a batch.
+
+Every reward follows TRL's convention, batched:
+
+    fn(prompts, completions, **columns) -> list[float]
+
+`prompts` as in the dataset (strings or chat messages), `completions` the decoded responses,
+`columns` every other dataset column as a keyword list (e.g. `answer=[...]`). An `async def` works
+too. Names (the `reward:` key):
+
+    exact                       1.0 iff the completion equals `answer` (surrounding whitespace stripped)
+    math                        math-verify equivalence with `answer` (the `trajflow[math]` extra)
+    package.module:function     a function in an importable module
+    path/to/file.py:function    a function in a file (shipped to Ray workers by value)
+
+`RewardRunner` calls the function and turns failure into per-item errors: the batch is called
+once with `timeout` seconds; if it raises, runs over, or returns the wrong number of values, every
+item is called alone (concurrently, `timeout` seconds each). An item whose call raises, runs over,
+or gives None / NaN / inf / a non-number is an error (`None` in the result); the others score.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import sys
+import sysconfig
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+BUILTIN_REWARDS = ("exact", "math")
+# How many items of a failed batch are retried at once (each in its own thread or coroutine).
+FALLBACK_CONCURRENCY = 64
+
+
+class RewardSpecError(ValueError):
+    """A `reward:` (or `env:`) name cannot be used; the message is one line naming it."""
+
+
+# -- the built-in verifiers ------------------------------------------------------------------------
+def exact_match(prompts: Sequence, completions: Sequence[str], answer: Sequence, **_: Any) -> list[float]:
+    """1.0 iff completion == answer after stripping surrounding whitespace (vectorised)."""
+    answers = pa.array([a if isinstance(a, str) else (None if a is None else str(a)) for a in answer], pa.string())
+    same = pc.equal(pc.utf8_trim_whitespace(pa.array(completions, pa.string())), pc.utf8_trim_whitespace(answers))
+    return pc.fill_null(same, False).cast(pa.float32()).to_numpy(zero_copy_only=False).astype(float).tolist()
+
+
+class MathVerify:
+    """`reward: math`: Hugging Face math-verify, 1.0 iff the completion is mathematically equal to
+    `answer` ("\\frac{1}{2}" == "0.5"; the last expression or \\boxed{} of a completion counts).
+
+    Batched: a completion that equals its answer as a string scores without parsing, and each
+    distinct answer and completion is parsed once per batch (a group's samples share an answer).
+    """
+
+    def __init__(self) -> None:
+        try:
+            import math_verify  # noqa: F401
+        except ImportError:
+            raise RewardSpecError("reward: math needs the math extra: pip install 'trajflow[math]'") from None
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+    def __call__(self, prompts: Sequence, completions: Sequence[str], answer: Sequence, **_: Any) -> list[float]:
+        from math_verify import parse, verify
+
+        # math-verify's own timeouts use SIGALRM, which works on the main thread only
+        on_main = threading.current_thread() is threading.main_thread()
+        timeout = 5 if on_main else None
+        answers = ["" if a is None else str(a) for a in answer]
+        parsed: dict[str, Any] = {}
+
+        def parsed_of(text: str):
+            if text not in parsed:
+                parsed[text] = parse(text, parsing_timeout=timeout)
+            return parsed[text]
+
+        scores = []
+        for gold, completion in zip(answers, completions):
+            if completion.strip() == gold.strip() and gold.strip():
+                scores.append(1.0)
+                continue
+            gold_parsed, target = parsed_of(gold), parsed_of(completion)
+            ok = bool(gold_parsed) and bool(target) and verify(gold_parsed, target, timeout_seconds=timeout)
+            scores.append(1.0 if ok else 0.0)
+        return scores
+
+
+# -- import paths ----------------------------------------------------------------------------------
+def resolve_reward(spec: str) -> Callable:
+    """The reward callable named by `spec` (a built-in name or an import path)."""
+    if spec == "exact":
+        return exact_match
+    if spec == "math":
+        return MathVerify()
+    fn = load_object(spec, "reward")
+    check_reward_signature(fn, spec)
+    return fn
+
+
+def load_object(spec: str, key: str) -> Any:
+    """`package.module:name` or `path/to/file.py:name` -> the object, importable on Ray workers.
+
+    A module that is not part of an installed distribution (a file, or a module found through the
+    working directory) is registered for pickling by value, so workers need not import it.
+    """
+    module_part, sep, name = spec.rpartition(":")
+    if not sep or not module_part or not name:
+        raise RewardSpecError(f"{key}: {spec!r} is not module:name or path/to/file.py:name")
+    if module_part.endswith(".py"):
+        path = Path(module_part)
+        if not path.is_file():
+            raise RewardSpecError(f"{key}: {module_part}: no such file")
+        module = _import_file(path.resolve(), key)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except Exception as e:  # noqa: BLE001 - any import failure is the user's input
+            raise RewardSpecError(f"{key}: cannot import {module_part} ({type(e).__name__}: {e})") from None
+    try:
+        obj = getattr(module, name)
+    except AttributeError:
+        raise RewardSpecError(f"{key}: {module_part} has no {name!r}") from None
+    if not _installed(module):
+        register_by_value(module)
+    return obj
+
+
+def _import_file(path: Path, key: str):
+    name = f"trajflow_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001
+        del sys.modules[name]
+        raise RewardSpecError(f"{key}: {path} failed to import ({type(e).__name__}: {e})") from None
+    return module
+
+
+def _installed(module) -> bool:
+    """True for a module of an installed distribution (site-packages) or of trajflow itself."""
+    file = getattr(module, "__file__", None)
+    if file is None or module.__name__.split(".")[0] == "trajflow":
+        return True
+    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    return any(Path(file).resolve().is_relative_to(Path(r).resolve()) for r in roots)
+
+
+def register_by_value(module) -> None:
+    """Pickle `module`'s functions and classes by value (Ray's cloudpickle, and the standalone
+    one if installed), so a Ray worker receives their code instead of importing the module."""
+    import ray.cloudpickle
+
+    picklers = [ray.cloudpickle]
+    try:
+        import cloudpickle
+
+        picklers.append(cloudpickle)
+    except ImportError:
+        pass
+    for pickler in picklers:
+        try:
+            pickler.register_pickle_by_value(module)
+        except ValueError:  # already registered
+            pass
+
+
+def check_reward_signature(fn: Any, spec: str, columns: Sequence[str] | None = None) -> None:
+    """`fn` must be callable as fn(prompts, completions, **columns); with `columns` given, each
+    column must be accepted as a keyword (by name or by **kwargs)."""
+    if not callable(fn):
+        raise RewardSpecError(f"reward: {spec} is not callable (it is a {type(fn).__name__})")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: trust it
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var_positional = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if len(positional) < 2 and not var_positional:
+        raise RewardSpecError(f"reward: {spec} must take (prompts, completions, **columns); its signature is "
+                              f"{signature}")
+    required = [p.name for p in params[2:] if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                                                   p.KEYWORD_ONLY)]
+    if columns is None:
+        return
+    accepts_any = any(p.kind == p.VAR_KEYWORD for p in params)
+    names = {p.name for p in params[2:]}
+    missing = [c for c in columns if c not in names] if not accepts_any else []
+    if missing:
+        raise RewardSpecError(f"reward: {spec} does not accept the dataset column(s) {', '.join(missing)} "
+                              f"(add **kwargs); its signature is {signature}")
+    unknown = [r for r in required if r not in columns]
+    if unknown:
+        raise RewardSpecError(f"reward: {spec} requires argument(s) {', '.join(unknown)}, which are not dataset "
+                              f"columns ({', '.join(columns) or 'none'})")
+
+
+# -- the runner ------------------------------------------------------------------------------------
+class RewardRunner:
+    """Call a reward function on a batch; one failing item never fails the batch.
+
+    `isolate=False` (the built-in verifiers) calls inline without threads or timeouts; results are
+    still checked item by item.
+    """
+
+    def __init__(self, fn: Callable, timeout: float = 30.0, isolate: bool = True) -> None:
+        self.fn = fn
+        self.timeout = timeout
+        self.isolate = isolate
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+    def __call__(self, prompts: list, completions: list[str], columns: dict[str, list]) -> list[float | None]:
+        n = len(completions)
+        if n == 0:
+            return []
+        if not self.isolate:
+            return _checked(self.fn(prompts, completions, **columns), n) or [None] * n
+        batch = self._run([(prompts, completions, columns)])[0]
+        result = _checked(batch, n) if not isinstance(batch, BaseException) else None
+        if result is not None:
+            return result
+        scores: list[float | None] = []
+        for start in range(0, n, FALLBACK_CONCURRENCY):
+            items = [([prompts[i]], [completions[i]], {k: [v[i]] for k, v in columns.items()})
+                     for i in range(start, min(n, start + FALLBACK_CONCURRENCY))]
+            for out in self._run(items):
+                single = _checked(out, 1) if not isinstance(out, BaseException) else None
+                scores.append(single[0] if single else None)
+        return scores
+
+    def _run(self, calls: list[tuple[list, list, dict]]) -> list[Any]:
+        """Each call with `timeout` seconds, concurrently; a result or the exception per call."""
+        if self.is_async:
+            return _in_thread(lambda: asyncio.run(self._gather(calls)), self.timeout + 5.0) or \
+                [TimeoutError()] * len(calls)
+        results: list[Any] = [TimeoutError(f"reward took longer than {self.timeout}s")] * len(calls)
+
+        def run_one(i: int, call) -> None:
+            try:
+                results[i] = self.fn(call[0], call[1], **call[2])
+            except BaseException as e:  # noqa: BLE001 - the user's code: any failure is an error
+                results[i] = e
+
+        threads = [threading.Thread(target=run_one, args=(i, c), daemon=True) for i, c in enumerate(calls)]
+        for t in threads:
+            t.start()
+        deadline = _now() + self.timeout
+        for t in threads:
+            t.join(max(0.0, deadline - _now()))  # a thread still running is abandoned (daemon)
+        return [r if not t.is_alive() else TimeoutError() for r, t in zip(results, threads)]
+
+    async def _gather(self, calls):
+        async def one(call):
+            return await asyncio.wait_for(self.fn(call[0], call[1], **call[2]), self.timeout)
+
+        return await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+def _in_thread(fn: Callable[[], Any], timeout: float) -> Any:
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return box[0] if box else None
+
+
+def _checked(values: Any, n: int) -> list[float | None] | None:
+    """The n scores as floats (None for a non-finite or non-numeric item), or None if `values` is
+    not a sequence of n items."""
+    if isinstance(values, np.ndarray):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        return None
+    out: list[float | None] = []
+    for v in values:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            out.append(float(v) if isinstance(v, (bool, np.bool_)) else None)
+            continue
+        v = float(v)
+        out.append(v if math.isfinite(v) else None)
+    return out

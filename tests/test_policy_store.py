@@ -1,0 +1,109 @@
+"""Weights through the object store: SharedStateDict round trips (values, dtypes, tied weights, no
+copy on read), and the policy store's ownership rule — no copy per publish, and the final version
+outlives the actor that published it."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trajflow.schemas.weights import SharedStateDict
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(5, 3, generator=g)
+    return {"embed.weight": embed, "lm_head.weight": embed,  # tied: one tensor, two names
+            "norm.weight": torch.randn(3, generator=g, dtype=torch.float64),
+            "scale": torch.tensor(2.5, dtype=torch.bfloat16), "empty": torch.zeros(0, 4)}
+
+
+def test_shared_state_dict_round_trips_values_dtypes_and_ties():
+    state = SharedStateDict.of(_state(), dtype=None)
+    assert state.nbytes == 5 * 3 * 4 + 3 * 8 + 2  # the tied tensor counts once
+    back = pickle.loads(pickle.dumps(state, protocol=5))
+    assert list(back) == list(state)
+    for name, t in state.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+    assert back["embed.weight"].data_ptr() == back["lm_head.weight"].data_ptr()
+    as_float = SharedStateDict.of(_state())
+    assert {t.dtype for t in as_float.values()} == {torch.float32}
+
+
+def test_shared_state_dict_of_a_module_is_a_view_not_a_copy():
+    layer = torch.nn.Linear(3, 2)
+    state = SharedStateDict.of(layer)
+    assert state["weight"].data_ptr() == layer.weight.data_ptr()
+    assert not state["weight"].requires_grad
+
+
+def test_a_process_without_torch_passes_a_version_on_as_raw_buffers():
+    """The policy store unpickles (and re-puts) the final version without importing torch."""
+    state = SharedStateDict.of(_state(), dtype=None)
+    relay = ("import pickle, sys\n"
+             "obj = pickle.loads(sys.stdin.buffer.read())\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\n"
+             "sys.stdout.buffer.write(pickle.dumps(obj, protocol=5))\n")
+    out = subprocess.run([sys.executable, "-c", relay], input=pickle.dumps(state, protocol=5),
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    back = pickle.loads(out.stdout)
+    assert isinstance(back, SharedStateDict)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+@pytest.mark.timeout(300)
+def test_ray_get_returns_views_into_shared_memory(ray_session):
+    ray = ray_session
+    state = SharedStateDict.of({"w": torch.arange(300_000, dtype=torch.float32)})
+    ref = ray.put(state)
+    back, again = ray.get(ref), ray.get(ref)
+    assert isinstance(back, SharedStateDict) and torch.equal(back["w"], state["w"])
+    # both reads map the same shared memory: a deserialising copy would give two buffers
+    assert back["w"].data_ptr() == again["w"].data_ptr()
+    plain = ray.put({"w": state["w"].clone()})
+    assert ray.get(plain)["w"].data_ptr() != ray.get(plain)["w"].data_ptr()  # what torch pickling does
+
+
+@pytest.mark.timeout(300)
+def test_only_the_final_version_is_copied_and_it_outlives_the_publisher(ray_session):
+    ray = ray_session
+    from trajflow.operators.after_step import publish_weights
+    from trajflow.pipelines.policy_store import PolicyStore
+
+    @ray.remote(num_cpus=0)
+    class Trainer:
+        def __init__(self, store):
+            self.store, self.model = store, torch.nn.Linear(4, 4)
+
+        def step(self) -> int:
+            with torch.no_grad():
+                self.model.weight.add_(1.0)
+            return publish_weights(self.store, self.model)
+
+        def weight(self):
+            return self.model.weight.detach().clone()
+
+    store = PolicyStore.remote(max_staleness=0, keep_history=False, final_version=2)
+    trainer = Trainer.remote(store)
+    published = [ray.get(trainer.step.remote()) for _ in range(3)]
+    assert published == [0, 1, 2]
+    final_weight = ray.get(trainer.weight.remote())
+    ray.kill(trainer)
+    version, (ref,) = ray.get(store.get.remote(None))
+    assert version == 2
+    assert torch.equal(ray.get(ref)["weight"], final_weight)  # the store's own copy: the trainer is gone
+
+    # without a final version every version is the store's own (the safe default)
+    store_all = PolicyStore.remote(max_staleness=0, keep_history=False)
+    trainer = Trainer.remote(store_all)
+    ray.get(trainer.step.remote())
+    ray.kill(trainer)
+    _, (ref,) = ray.get(store_all.get.remote(None))
+    assert ray.get(ref)["weight"].shape == (4, 4)
+    for actor in (store, store_all):
+        ray.kill(actor)

@@ -1,0 +1,321 @@
+"""Bring-your-own workload, without Ray: prompt encoding, completions, the dataset's step mapping,
+reward functions (TRL convention, failures isolated per item), the built-in verifiers, and every
+name checked in PipelineConfig validation with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trajflow.engines.tokenizer import (
+    BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, decode_response, decode_responses, encode_prompts,
+    stop_token_ids,
+)
+from trajflow.pipelines.config import PipelineConfig
+from trajflow.tasks.dataset import DataConfig, DataError, PromptDataset, epoch_order
+from trajflow.tasks.rewards import MathVerify, RewardRunner, RewardSpecError, exact_match, load_object
+from trajflow.tasks.workload import TaskPrompts, Workload
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# -- prompts and completions ---------------------------------------------------------------------
+def test_chat_messages_go_through_the_chat_template(bpe):
+    tokenizer, rows, _ = bpe
+    messages = [r["prompt"] for r in rows[:6]]
+    encoded = encode_prompts(tokenizer, messages)
+    for m, ids in zip(messages, encoded):
+        assert ids == tokenizer.apply_chat_template(m, add_generation_prompt=True)["input_ids"]
+    text = rows[0]["prompt"][-1]["content"]
+    # a string is raw text unless apply_chat_template wraps it as one user message
+    assert encode_prompts(tokenizer, [text]) == [tokenizer.encode(text, add_special_tokens=False)]
+    wrapped = encode_prompts(tokenizer, [text], apply_chat_template=True)[0]
+    assert wrapped == tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                    add_generation_prompt=True)["input_ids"]
+    # the built-in tasks' rule is unchanged: bos + one token per character
+    char = build_char_tokenizer()
+    assert encode_prompts(char, ["12+3="]) == [[BOS_ID] + [char.convert_tokens_to_ids(c) for c in "12+3="]]
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompts(char, [[{"role": "user", "content": "1+1="}]])
+
+
+def test_completions_stop_at_any_stop_token_and_skip_special_tokens():
+    tok = build_char_tokenizer()
+    ids = lambda s: [tok.convert_tokens_to_ids(c) for c in s]  # noqa: E731
+    q = tok.convert_tokens_to_ids("q")
+    responses = [ids("12") + [EOS_ID] + ids("34"), [], ids("5") + [PAD_ID] + ids("6"), ids("7") + [q] + ids("8"),
+                 [EOS_ID], ids("ab;cd")]
+    assert decode_responses(tok, responses) == ["12", "", "56", "7q8", "", "ab;cd"]
+    assert decode_responses(tok, responses, stop_ids=[EOS_ID, q]) == ["12", "", "56", "7", "", "ab;cd"]
+    # a stop string ends the completion before it
+    assert decode_responses(tok, responses, stop=[";", "8"]) == ["12", "", "56", "7q", "", "ab"]
+    assert decode_response(tok, responses[0]) == "12"
+    # vectorised == row by row, on random responses
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 20, rng.integers(0, 9)).tolist() for _ in range(300)]
+    expected = []
+    for r in rows:
+        cut = r.index(EOS_ID) if EOS_ID in r else len(r)
+        expected.append(tok.decode(r[:cut], skip_special_tokens=True))
+    assert decode_responses(tok, pa.array(rows, pa.list_(pa.int32()))) == expected
+
+
+def test_stop_token_ids_add_the_generation_config_eos(bpe, bpe_model_dir):
+    tokenizer = bpe[0]
+    im_end, endoftext = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    assert stop_token_ids(tokenizer) == [im_end]
+    assert stop_token_ids(tokenizer, bpe_model_dir) == [im_end, endoftext]
+
+
+# -- the dataset ---------------------------------------------------------------------------------
+def test_step_rows_visit_every_prompt_once_per_epoch_in_a_seeded_order(bpe, tmp_path):
+    tokenizer, rows, _ = bpe
+    path = write_jsonl(tmp_path / "train.jsonl", rows[:10])
+    config = DataConfig(train_files=[str(path)])
+    dataset = PromptDataset.load(config, [path], tokenizer, with_ray=False)
+    assert dataset.epoch_size == 10 and dataset.columns == ["answer"]
+    assert dataset.table["prompt_id"].to_pylist() == [f"train.jsonl:{i:06d}" for i in range(10)]
+    pps = 4  # steps straddle epochs: 10 prompts, 4 per step
+    steps = [dataset.step_rows(s, pps, seed=7, shuffle=True) for s in range(10)]
+    ids = [i for t in steps for i in t["prompt_id"].to_pylist()]
+    for epoch in range(4):
+        assert sorted(ids[epoch * 10:(epoch + 1) * 10]) == sorted(dataset.table["prompt_id"].to_pylist())
+    assert ids[:10] != ids[10:20], "each epoch has its own permutation"
+    assert all(t["rollout_step"].to_pylist() == [s] * pps for s, t in enumerate(steps))
+    # a pure function of (seed, step): a second instance (a resumed run) rebuilds step 7 exactly
+    again = PromptDataset.load(config, [path], tokenizer, with_ray=False)
+    assert again.step_rows(7, pps, 7, True).equals(steps[7])
+    assert not dataset.step_rows(7, pps, 8, True).equals(steps[7])
+    assert dataset.step_rows(0, pps, 7, shuffle=False)["prompt_id"].to_pylist() == [
+        f"train.jsonl:{i:06d}" for i in range(4)]
+    assert np.array_equal(np.sort(epoch_order(10, 7, 3, True)), np.arange(10))
+    # the rows carry the dataset's prompt, its tokens (chat template) and the passthrough columns
+    row = steps[0].to_pylist()[0]
+    source = rows[int(row["prompt_id"].split(":")[1])]
+    assert row["prompt"] == source["prompt"] and row["answer"] == source["answer"]
+    assert row["prompt_tokens"] == tokenizer.apply_chat_template(source["prompt"], add_generation_prompt=True)[
+        "input_ids"]
+    assert dataset.position(3, pps) == {"epoch": 1, "index": 2}
+
+
+def test_parquet_and_jsonl_give_the_same_rows_and_long_prompts_are_dropped_and_counted(bpe, tmp_path):
+    tokenizer, rows, _ = bpe
+    texts = [{"question": r["prompt"][-1]["content"], "answer": int(r["answer"])} for r in rows[:12]]
+    jsonl = write_jsonl(tmp_path / "a.jsonl", texts)
+    parquet = tmp_path / "b.parquet"
+    pq.write_table(pa.Table.from_pylist(texts), parquet)
+    config = DataConfig(train_files=["x"], prompt_key="question", apply_chat_template=True)
+    a = PromptDataset.load(config, [jsonl], tokenizer, with_ray=False).table
+    b = PromptDataset.load(config, [parquet], tokenizer, with_ray=False).table
+    assert a.drop_columns(["prompt_id"]).equals(b.drop_columns(["prompt_id"]))
+    lengths = sorted(len(t) for t in a["prompt_tokens"].to_pylist())
+    limit = lengths[6]
+    short = PromptDataset.load(config.model_copy(update={"max_prompt_tokens": limit}), [jsonl], tokenizer,
+                               with_ray=False)
+    assert short.dropped == sum(n > limit for n in lengths) > 0
+    assert short.epoch_size + short.dropped == 12
+    assert max(len(t) for t in short.table["prompt_tokens"].to_pylist()) <= limit  # dropped, never cut
+    # two files: ids name the file relative to their common folder, rows in file order
+    (tmp_path / "sub").mkdir()
+    second = write_jsonl(tmp_path / "sub" / "a.jsonl", texts[:2])
+    both = PromptDataset.load(config, [jsonl, second], tokenizer, with_ray=False).table["prompt_id"].to_pylist()
+    assert both[-3:] == ["a.jsonl:000011", "sub/a.jsonl:000000", "sub/a.jsonl:000001"]
+
+
+def test_built_in_tasks_give_the_same_rows():
+    from trajflow.tasks import get_task
+
+    source = TaskPrompts(get_task("addition"), build_char_tokenizer(), seed=3, prompts_per_step=5)
+    rows = source.step_rows(4)
+    stream = get_task("addition").prompts("train", seed=3 * 1_000_003 + 4)
+    expected = [next(stream) for _ in range(5)]
+    assert rows.column_names == ["rollout_step", "prompt_id", "prompt", "prompt_tokens", "answer"]
+    assert rows["prompt"].to_pylist() == [p.text for p in expected]
+    assert rows["answer"].to_pylist() == [p.answer for p in expected]
+    assert rows["rollout_step"].type == pa.int32() and set(rows["rollout_step"].to_pylist()) == {4}
+
+
+# -- reward functions ----------------------------------------------------------------------------
+def trl_reward(prompts, completions, answer, **kwargs):
+    return [float(c == a) + 0.5 * len(p) for p, c, a in zip(prompts, completions, answer)]
+
+
+def test_rewards_follow_trl_convention_and_a_failing_item_fails_only_itself():
+    prompts, completions, answers = ["ab", "c", "de", "f"], ["1", "2", "3", "4"], ["1", "0", "3", "0"]
+    runner = RewardRunner(trl_reward, timeout=5)
+    assert runner(prompts, completions, {"answer": answers}) == [2.0, 0.5, 2.0, 0.5]
+
+    def raises_on_a_quarter(prompts, completions, answer):
+        return [1.0 if int(c) % 4 else 1 / 0 for c in completions]  # raises for "4" and "8"
+
+    runner = RewardRunner(raises_on_a_quarter, timeout=5)
+    scores = runner([""] * 8, [str(i) for i in range(1, 9)], {"answer": [""] * 8})
+    assert scores == [1.0, 1.0, 1.0, None, 1.0, 1.0, 1.0, None]
+
+    def bad_values(prompts, completions, answer):
+        return [{"1": 1.0, "2": None, "3": math.nan, "4": math.inf, "5": "high", "6": True}[c] for c in completions]
+
+    assert RewardRunner(bad_values, 5)([""] * 6, list("123456"), {"answer": [""] * 6}) == [
+        1.0, None, None, None, None, 1.0]
+    assert RewardRunner(lambda p, c, **k: [1.0], 5)(["", ""], ["1", "2"], {}) == [1.0, 1.0]  # wrong length
+
+
+def test_an_item_past_the_timeout_is_an_error_and_the_batch_finishes_in_bounded_time():
+    def sleeps_on_seven(prompts, completions, **kwargs):
+        if "7" in completions:
+            time.sleep(3.0)
+        return [1.0] * len(completions)
+
+    started = time.monotonic()
+    scores = RewardRunner(sleeps_on_seven, timeout=0.5)([""] * 8, [str(i) for i in range(8)], {})
+    assert scores == [1.0] * 7 + [None]
+    assert time.monotonic() - started < 2.5  # batch 0.5 s + one concurrent round of items 0.5 s
+
+    async def async_reward(prompts, completions, **kwargs):
+        import asyncio
+
+        await asyncio.sleep(3.0 if "7" in completions else 0.0)
+        if "3" in completions:
+            raise RuntimeError("no")
+        return [float(c) for c in completions]
+
+    started = time.monotonic()
+    assert RewardRunner(async_reward, timeout=0.5)([""] * 8, [str(i) for i in range(8)], {}) == [
+        0.0, 1.0, 2.0, None, 4.0, 5.0, 6.0, None]
+    assert time.monotonic() - started < 2.5
+
+
+def test_exact_match_is_vectorised_and_strips_whitespace():
+    assert exact_match(None, [" 12 ", "12", "3", "", "7"], ["12", "12\n", "4", "", 7]) == [1.0, 1.0, 0.0, 1.0, 1.0]
+    from trajflow.tasks.base import exact_match_reward
+
+    rng = np.random.default_rng(1)
+    answers = [str(x) for x in rng.integers(0, 30, 500)]
+    completions = [f" {x}" if i % 3 else str(x) for i, x in enumerate(rng.integers(0, 30, 500))]
+    assert exact_match(None, completions, answers) == [exact_match_reward(a, c) for a, c in zip(answers, completions)]
+
+
+def test_math_verifier():
+    math_reward = MathVerify()
+    assert math_reward(None, ["0.5"], ["\\frac{1}{2}"]) == [1.0]
+    assert math_reward(None, ["4"], ["3"]) == [0.0]
+    assert math_reward(None, ["\\frac{1}{2}", "The answer is 19.", "1/2", "nineteen", ""], ["0.5", "19", "0.5", "19",
+                                                                                              "19"]) == [
+        1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_a_reward_in_a_file_is_pickled_by_value(tmp_path):
+    import ray.cloudpickle
+
+    (tmp_path / "my_reward_mod.py").write_text("def score(prompts, completions, **kw):\n    return [2.0] * len(completions)\n")
+    fn = load_object(f"{tmp_path / 'my_reward_mod.py'}:score", "reward")
+    payload = ray.cloudpickle.dumps(fn)
+    del sys.modules[fn.__module__]
+    (tmp_path / "my_reward_mod.py").unlink()  # a worker cannot import it: the code travels by value
+    assert ray.cloudpickle.loads(payload)([""], ["x"]) == [2.0]
+
+
+# -- validation before Ray -----------------------------------------------------------------------
+@pytest.fixture()
+def dataset_config(bpe, bpe_model_dir, tmp_path):
+    rows = bpe[1][:8]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    (tmp_path / "rewards.py").write_text(textwrap.dedent("""
+        def good(prompts, completions, answer, **kwargs):
+            return [1.0] * len(completions)
+        def wants_other(prompts, completions, level):
+            return [1.0] * len(completions)
+        def too_few(completions):
+            return [1.0]
+        NOT_CALLABLE = 3
+    """))
+    return dict(model=str(bpe_model_dir), data={"train_files": [str(path)]}, reward=f"{tmp_path}/rewards.py:good",
+                prompts_per_step=4, group_size=2)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"data": {"train_files": ["/nope/train.jsonl"]}}, "data.train_files: /nope/train.jsonl: no such file"),
+    ({"data": {"train_files": ["{tmp}/train.jsonl"], "prompt_key": "question"}}, "no column 'question'"),
+    ({"reward": "no_such_module_xyz:fn"}, "reward: cannot import no_such_module_xyz"),
+    ({"reward": "{tmp}/rewards.py:missing"}, "has no 'missing'"),
+    ({"reward": "{tmp}/rewards.py:NOT_CALLABLE"}, "is not callable"),
+    ({"reward": "{tmp}/rewards.py:too_few"}, "must take (prompts, completions, **columns)"),
+    ({"reward": "{tmp}/rewards.py:wants_other"}, "does not accept the dataset column(s) answer"),
+    ({"reward": "/nope/r.py:fn"}, "reward: /nope/r.py: no such file"),
+    ({"reward": None}, "reward: a dataset needs a reward"),
+    ({"task": "addition"}, "task: give either task, or data"),
+    ({"model": None}, "has no chat template"),
+    ({"env": "trajflow.tasks:AdditionTask", "reward": None, "data": None}, "env: trajflow.tasks:AdditionTask is not "
+                                                                           "an Environment"),
+    ({"data": {"train_files": ["{tmp}/train.jsonl"], "epochs": 1}, "steps": 5}, "need more than data.epochs=1"),
+])
+def test_bad_workload_inputs_fail_validation_with_one_line(dataset_config, tmp_path, change, message):
+    from pydantic import ValidationError
+
+    from trajflow.jobs.config import format_validation_error
+
+    config = {**dataset_config, **json.loads(json.dumps(change).replace("{tmp}", str(tmp_path)))}
+    with pytest.raises(ValidationError) as info:
+        PipelineConfig(**config)
+    line = format_validation_error(info.value)
+    assert message in line and "\n" not in line, line
+
+
+def test_epochs_set_the_number_of_steps(dataset_config, tmp_path):
+    config = {**dataset_config, "data": {"train_files": [str(tmp_path / "train.jsonl")], "epochs": 3}}
+    assert PipelineConfig(**config).steps == 3 * 8 // 4
+    assert PipelineConfig(**config, steps=4).steps == 4
+
+
+def test_bad_inputs_exit_2_with_one_line_from_the_cli(dataset_config, tmp_path, capsys):
+    import yaml
+
+    from trajflow.jobs.cli import main
+
+    for change, fragment in [({"data": {"train_files": [str(tmp_path / "missing.jsonl")]}}, "missing.jsonl: no such file"),
+                             ({"data": {"train_files": [str(tmp_path / "train.jsonl")], "prompt_key": "q"}},
+                              "no column 'q'"),
+                             ({"reward": "nowhere.mod:fn"}, "reward: cannot import nowhere"),
+                             ({"reward": f"{tmp_path}/rewards.py:NOT_CALLABLE"}, "is not callable")]:
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump({**dataset_config, **change, "run_dir": str(tmp_path / "run")}))
+        assert main(["run", str(path)]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("trajflow: config error: ") and fragment in err[0], err
+        assert not (tmp_path / "run").exists()
+
+
+def test_workload_of_a_config(dataset_config):
+    workload = PipelineConfig(**dataset_config).workload()
+    assert isinstance(workload, Workload) and workload.task is None and workload.columns() == ["answer"]
+    assert PipelineConfig().workload().task == "addition"
+    with pytest.raises(DataError, match="needs data.test_files"):
+        workload.heldout_rows(None, 3)
+    with pytest.raises(RewardSpecError):
+        load_object("not a path", "reward")
+
+
+def test_dataset_errors_found_while_reading_are_one_line_bad_input(bpe, tmp_path):
+    """A problem only reading the whole file can find (a null prompt in row 2) is a DataError naming
+    the row, which the CLI reports as bad input (one line, exit 2)."""
+    from trajflow.jobs.cli import _is_bad_input
+
+    rows = [dict(r) for r in bpe[1][:3]]
+    rows[2]["prompt"] = None
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    with pytest.raises(DataError, match="row train.jsonl:000002: prompt is null") as info:
+        PromptDataset.load(DataConfig(train_files=[str(path)]), [path], bpe[0], with_ray=False)
+    assert _is_bad_input(info.value) and _is_bad_input(RewardSpecError("reward: x"))
