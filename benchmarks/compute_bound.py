@@ -14,8 +14,9 @@ from pathlib import Path
 
 from benchmarks.common import RunResult, ensure_ray, run_pipeline
 from benchmarks.models import model_dir
+from trajflow.operators.strategies import strategy_names
 
-STRATEGIES = ["behavior", "snapshot", "dedicated", "interrupt", "ewma", "recompute", "loglinear"]
+STRATEGIES = ["behavior", *(name for name in strategy_names() if name != "behavior")]  # behavior: the base
 
 
 def settings(model: Path, steps: int) -> dict:

@@ -13,8 +13,9 @@ import time
 import numpy as np
 
 from benchmarks.common import ensure_ray, mean_std, run_pipeline
+from trajflow.operators.strategies import strategy_names
 
-STRATEGIES = ["snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior", "loglinear"]
+STRATEGIES = strategy_names()  # every built-in (operators/strategies/registry.py)
 STEPS, PROMPTS, GROUP, LR = 40, 32, 8, 1.5e-4
 SAMPLES = PROMPTS * GROUP
 EVAL_EVERY, EVAL_PROMPTS = 10, 200

@@ -10,8 +10,11 @@ Every process of the embedded Ray inherits the environment variable `TRAJFLOW_RA
 from the driver (the driver sets it just before `ray.init`). The watchdog holds the read end of
 a pipe whose only write end is the driver's; when the pipe reaches end of file (the driver
 exited: cleanly, by an exception or by SIGKILL), or the watchdog is re-parented, it sends
-SIGTERM to every process carrying the marker, then SIGKILL to those left after a grace period.
-Only this run's processes carry the marker, so nothing else on the machine is touched. The
+SIGTERM to every process of the run, then SIGKILL to those left after a grace period. The run's
+processes are those carrying the marker, plus their children seen while the driver lived: the
+raylet starts the dashboard and runtime-env agents with an environment of its own, without the
+marker (Ray 2.60), so the watchdog records the raylet's children (pid and start time, so a reused
+pid is never touched) once a second. Nothing else on the machine is touched. The
 watchdog runs in its own session: Ray's own reaper kills the driver's whole process group when the
 driver dies, and would otherwise take the watchdog with it.
 Linux only (it reads /proc); elsewhere the driver does not start it.
@@ -45,13 +48,41 @@ def marked_processes(marker: str) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def _stat(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat fields after the command name (state is [0], ppid [1], start time [19])."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[-1].split()
+            return f.read().rsplit(b")", 1)[-1].split() or None
     except OSError:
-        return False
-    return bool(fields) and fields[0] != b"Z"  # a zombie has already exited
+        return None
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != b"Z"  # a zombie has already exited
+
+
+def track(marker: str, members: dict[int, bytes]) -> None:
+    """Add to `members` (pid -> start time) the marked processes and the children of members."""
+    for pid in marked_processes(marker):
+        fields = _stat(pid)
+        if fields is not None:
+            members.setdefault(pid, fields[19])
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in members:
+            fields = _stat(int(name))
+            if fields is not None and int(fields[1]) in members:
+                members[int(name)] = fields[19]
+
+
+def _still_members(members: dict[int, bytes]) -> list[int]:
+    """Members alive with the start time they were recorded with (not a reused pid)."""
+    out = []
+    for pid, started in members.items():
+        fields = _stat(pid)
+        if fields is not None and fields[0] != b"Z" and fields[19] == started:
+            out.append(pid)
+    return out
 
 
 def _log(message: str) -> None:
@@ -62,12 +93,15 @@ def _log(message: str) -> None:
             f.write(f"{time.time():.3f} {os.getpid()} {message}\n")
 
 
-def reap(marker: str, grace: float = GRACE_SECONDS) -> list[int]:
-    """SIGTERM every marked process, SIGKILL what is left after `grace` seconds; a few passes,
-    since a dying raylet may still start a worker. Returns the pids signalled."""
+def reap(marker: str, members: dict[int, bytes] | None = None, grace: float = GRACE_SECONDS) -> list[int]:
+    """SIGTERM every process of the run (marked, or recorded in `members`), SIGKILL what is left
+    after `grace` seconds; a few passes, since a dying raylet may still start a worker. Returns
+    the pids signalled."""
+    members = {} if members is None else members
     signalled: list[int] = []
     for _ in range(3):
-        pids = [p for p in marked_processes(marker) if _alive(p)]
+        track(marker, members)
+        pids = _still_members(members)
         if not pids:
             break
         signalled.extend(pids)
@@ -89,12 +123,14 @@ def reap(marker: str, grace: float = GRACE_SECONDS) -> list[int]:
 
 def watch(parent: int, read_fd: int, marker: str) -> None:
     _log(f"watching driver {parent} for marker {marker}")
+    members: dict[int, bytes] = {}
     while os.getppid() == parent:
         ready, _, _ = select.select([read_fd], [], [], 1.0)
         if ready and not os.read(read_fd, 4096):
             break  # end of file: the driver's write end is closed, so the driver is gone
-    _log(f"driver gone (parent now {os.getppid()}); marked: {marked_processes(marker)}")
-    reap(marker)
+        track(marker, members)
+    _log(f"driver gone (parent now {os.getppid()}); run: {sorted(_still_members(members))}")
+    reap(marker, members)
     _log("done")
 
 

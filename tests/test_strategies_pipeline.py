@@ -127,7 +127,7 @@ def test_a_user_strategy_runs_live_and_in_replay_diagnose(ray_session, user_stra
                            "--strategy", "m2po", "--diagnose", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "halfway replay vs the run's logged diagnostics over 3 steps" in proc.stdout
+    assert "halfway replay vs the logged run: 3 steps" in proc.stdout
     replayed = pl.read_parquet(out / "metrics.parquet")
     assert sorted(set(replayed["strategy"])) == ["halfway", "m2po"]
     mine = replayed.filter(pl.col("strategy") == "halfway").sort("step")
