@@ -23,28 +23,25 @@ or gives None / NaN / inf / a non-number is an error (`None` in the result); the
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
-import sys
-import sysconfig
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from trajflow.tasks.user_code import UserCodeError, load_object
+
 BUILTIN_REWARDS = ("exact", "math")
 # How many items of a failed batch are retried at once (each in its own thread or coroutine).
 FALLBACK_CONCURRENCY = 64
 
 
-class RewardSpecError(ValueError):
+class RewardSpecError(UserCodeError):
     """A `reward:` (or `env:`) name cannot be used; the message is one line naming it."""
 
 
@@ -106,77 +103,6 @@ def resolve_reward(spec: str) -> Callable:
     fn = load_object(spec, "reward")
     check_reward_signature(fn, spec)
     return fn
-
-
-def load_object(spec: str, key: str) -> Any:
-    """`package.module:name` or `path/to/file.py:name` -> the object, importable on Ray workers.
-
-    A module that is not part of an installed distribution (a file, or a module found through the
-    working directory) is registered for pickling by value, so workers need not import it.
-    """
-    module_part, sep, name = spec.rpartition(":")
-    if not sep or not module_part or not name:
-        raise RewardSpecError(f"{key}: {spec!r} is not module:name or path/to/file.py:name")
-    if module_part.endswith(".py"):
-        path = Path(module_part)
-        if not path.is_file():
-            raise RewardSpecError(f"{key}: {module_part}: no such file")
-        module = _import_file(path.resolve(), key)
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except Exception as e:  # noqa: BLE001 - any import failure is the user's input
-            raise RewardSpecError(f"{key}: cannot import {module_part} ({type(e).__name__}: {e})") from None
-    try:
-        obj = getattr(module, name)
-    except AttributeError:
-        raise RewardSpecError(f"{key}: {module_part} has no {name!r}") from None
-    if not _installed(module):
-        register_by_value(module)
-    return obj
-
-
-def _import_file(path: Path, key: str):
-    name = f"trajflow_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001
-        del sys.modules[name]
-        raise RewardSpecError(f"{key}: {path} failed to import ({type(e).__name__}: {e})") from None
-    return module
-
-
-def _installed(module) -> bool:
-    """True for a module of an installed distribution (site-packages) or of trajflow itself."""
-    file = getattr(module, "__file__", None)
-    if file is None or module.__name__.split(".")[0] == "trajflow":
-        return True
-    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    return any(Path(file).resolve().is_relative_to(Path(r).resolve()) for r in roots)
-
-
-def register_by_value(module) -> None:
-    """Pickle `module`'s functions and classes by value (Ray's cloudpickle, and the standalone
-    one if installed), so a Ray worker receives their code instead of importing the module."""
-    import ray.cloudpickle
-
-    picklers = [ray.cloudpickle]
-    try:
-        import cloudpickle
-
-        picklers.append(cloudpickle)
-    except ImportError:
-        pass
-    for pickler in picklers:
-        try:
-            pickler.register_pickle_by_value(module)
-        except ValueError:  # already registered
-            pass
 
 
 def check_reward_signature(fn: Any, spec: str, columns: Sequence[str] | None = None) -> None:

@@ -29,7 +29,8 @@ from trajflow.tasks.base import Prompt, SyntheticTask, Task
 from trajflow.tasks.dataset import DataConfig, DataError, PromptDataset, expand_files, file_labels, fingerprint
 from trajflow.tasks.environments import Environment, is_environment
 from trajflow.tasks.registry import get_task
-from trajflow.tasks.rewards import RewardRunner, RewardSpecError, exact_match, load_object, resolve_reward
+from trajflow.tasks.rewards import RewardRunner, RewardSpecError, exact_match, resolve_reward
+from trajflow.tasks.user_code import load_object
 
 
 class PromptSource(Protocol):

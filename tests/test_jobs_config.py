@@ -34,7 +34,7 @@ from trajflow.jobs.config import (
         ({"strategy": "interrupt", "num_generators": 2}, [], "config error: num_generators: the interrupt strategy"),
         ({"advantage": {"std": "unbiased"}}, [], "config error: advantage.std: Input should be 'sample' or"),
         ({"strategy": "m2po", "strategy_options": {"m2_treshold": 0.1}}, [],
-         "config error: strategy_options: m2po: M2po.__init__() got an unexpected keyword argument 'm2_treshold'"),
+         "config error: strategy_options: m2po: unknown option 'm2_treshold' (accepted: m2_threshold)"),
         ({"strategy": "m2po", "strategy_options": {"m2_threshold": -1}}, [],
          "config error: strategy_options: m2po: m2_threshold must be a number >= 0"),
         ({"steps": "many"}, [], "config error: steps: Input should be a valid integer"),

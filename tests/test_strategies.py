@@ -258,7 +258,7 @@ def test_user_strategy_by_file_and_module_path(user_strategy_module, monkeypatch
     assert PipelineConfig(strategy="my_corrections:HalfwayOld").build_strategy().name == "halfway"
     for spec, message in [("my_corrections:NotAStrategy", "is not a Strategy subclass"),
                           ("my_corrections:Nameless", "must set the class attributes name, meaning"),
-                          ("my_corrections:Missing", "has no attribute 'Missing'"),
+                          ("my_corrections:Missing", "my_corrections has no 'Missing'"),
                           (f"{tmp_path}/nope.py:X", "nope.py: no such file")]:
         with pytest.raises(ValueError, match=message):
             resolve_strategy(spec)

@@ -23,7 +23,8 @@ from trajflow.engines.tokenizer import (
 )
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.tasks.dataset import DataConfig, DataError, PromptDataset, epoch_order
-from trajflow.tasks.rewards import MathVerify, RewardRunner, RewardSpecError, exact_match, load_object
+from trajflow.tasks.rewards import MathVerify, RewardRunner, RewardSpecError, exact_match
+from trajflow.tasks.user_code import UserCodeError, load_object
 from trajflow.tasks.workload import TaskPrompts, Workload
 
 
@@ -304,7 +305,7 @@ def test_workload_of_a_config(dataset_config):
     assert PipelineConfig().workload().task == "addition"
     with pytest.raises(DataError, match="needs data.test_files"):
         workload.heldout_rows(None, 3)
-    with pytest.raises(RewardSpecError):
+    with pytest.raises(UserCodeError, match="reward: 'not a path' is not module:name"):
         load_object("not a path", "reward")
 
 

@@ -11,13 +11,8 @@ cell or a file beside the job config works as well as an installed package).
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import sys
 import textwrap
-from pathlib import Path
-from types import ModuleType
 
 from trajflow.operators.strategies.base import KINDS, Strategy
 from trajflow.operators.strategies.behavior import Behavior
@@ -28,6 +23,7 @@ from trajflow.operators.strategies.loglinear import Loglinear
 from trajflow.operators.strategies.m2po import M2po
 from trajflow.operators.strategies.recompute import Recompute
 from trajflow.operators.strategies.snapshot import Snapshot
+from trajflow.tasks.user_code import load_object, register_by_value
 
 BUILTIN: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (Snapshot, Dedicated, Interrupt, Ewma, Recompute, Behavior, Loglinear, M2po)
@@ -49,33 +45,6 @@ def format_strategies(classes: list[type[Strategy]] | None = None, width: int = 
     return "\n".join(lines)
 
 
-def register_by_value(module: ModuleType) -> None:
-    """Ship `module`'s code inside pickled objects, so Ray workers need not import it."""
-    if module.__name__ == "__main__" or module.__name__.split(".")[0] == "trajflow":
-        return  # __main__ travels by value anyway; trajflow is installed wherever trajflow runs
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(module)
-
-
-def _import_file(path: Path) -> ModuleType:
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
-    name = f"trajflow_user_{path.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
 def check_strategy_class(cls: object, where: str) -> type[Strategy]:
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
         raise ValueError(f"{where} is not a Strategy subclass (from trajflow.operators.strategies import Strategy)")
@@ -95,17 +64,7 @@ def resolve_strategy(spec: str) -> type[Strategy]:
     if not sep or not where or not attr:
         raise ValueError(f"unknown strategy {spec!r}: built-in {', '.join(BUILTIN)}, "
                          "or an import path module:Class or file.py:Class")
-    try:
-        module = _import_file(Path(where)) if where.endswith(".py") else importlib.import_module(where)
-    except ValueError:
-        raise
-    except Exception as e:  # the user's module failed to import: say why, in one line
-        raise ValueError(f"cannot import {where} ({type(e).__name__}: {e})") from None
-    if not hasattr(module, attr):
-        raise ValueError(f"{where} has no attribute {attr!r}")
-    cls = check_strategy_class(getattr(module, attr), spec)
-    register_by_value(module)
-    return cls
+    return check_strategy_class(load_object(spec), spec)  # UserCodeError is a ValueError
 
 
 def strategy_class(obj: Strategy) -> type[Strategy]:
