@@ -16,6 +16,14 @@ with the process that started it.
   minutes; a tiny watchdog (ray_watchdog.py) ends every process of this Ray when the driver dies.
 - Quiet. The token-authentication notice and Ray Data's "progress bars disabled" warning are
   logged below the shown level unless `verbose`.
+- Lean. A single-node Ray has nothing to autoscale, so the autoscaler monitor is not started;
+  with `log_to_driver=False` nobody reads the workers' output streams, so neither is the log
+  monitor (worker output still goes to the session's log files). These are `ray start
+  --no-monitor` / `--include-log-monitor=False`, which `ray.init` does not expose: set on the
+  head node's parameters for the start only. Each is a Python process of its own (measured:
+  about 50 MB PSS and 0.5-1.3 CPU seconds of start-up each; benchmarks/results/startup.md).
+  Ray Data's cluster-wide helper actors (locations, stats, autoscaling) are answered locally on
+  this Ray (pipelines/ray_data_services.py).
 """
 
 from __future__ import annotations
@@ -66,6 +74,29 @@ def _env(**values: str):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextmanager
+def _lean_head(log_monitor: bool):
+    """No autoscaler monitor (and no log monitor unless `log_monitor`) for the Ray started inside
+    this block: `ray.init` builds the head node's RayParams itself, so they are adjusted as the
+    node is constructed."""
+    from ray._private import node
+
+    original = node.Node.__init__
+
+    def init(self, ray_params, *args, head: bool = False, **kwargs):
+        if head:
+            ray_params.no_monitor = True
+            if not log_monitor:
+                ray_params.include_log_monitor = False
+        original(self, ray_params, *args, head=head, **kwargs)
+
+    node.Node.__init__ = init
+    try:
+        yield
+    finally:
+        node.Node.__init__ = original
 
 
 @contextmanager
@@ -125,6 +156,10 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, **init_kw
     marker = uuid.uuid4().hex
     _start_watchdog(marker)
     init_kwargs.setdefault("configure_logging", False)
-    with _env(**{MARKER_ENV: marker}), _single_node():
+    log_to_driver = init_kwargs.get("log_to_driver", True)
+    with _env(**{MARKER_ENV: marker}), _single_node(), _lean_head(log_monitor=log_to_driver):
         # address="local": a new Ray even if `ray start` left a cluster address file in /tmp/ray
         ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1", **init_kwargs)
+    from trajflow.pipelines import ray_data_services
+
+    ray_data_services.apply(dashboard=dashboard)  # no cluster-wide Ray Data helper actors on one node
