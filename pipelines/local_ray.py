@@ -18,10 +18,14 @@ with the process that started it.
   logged below the shown level unless `verbose`.
 - Lean. A single-node Ray has nothing to autoscale, so the autoscaler monitor is not started;
   with `log_to_driver=False` nobody reads the workers' output streams, so neither is the log
-  monitor (worker output still goes to the session's log files). These are `ray start
-  --no-monitor` / `--include-log-monitor=False`, which `ray.init` does not expose: set on the
-  head node's parameters for the start only. Each is a Python process of its own (measured:
-  about 50 MB PSS and 0.5-1.3 CPU seconds of start-up each; benchmarks/results/startup.md).
+  monitor (worker output still goes to the session's log files); without the dashboard, Ray
+  still starts its API server process with only the usage-stats module loaded, and `ray.init`
+  waits for it: it is not started (the node then runs as when that server fails to start, a
+  case Ray handles; the state API and job submission live in modules it would not load
+  anyway). The first two are `ray start --no-monitor` / `--include-log-monitor=False`, which
+  `ray.init` does not expose: set on the head node's parameters for the start only. Each is a
+  Python process of its own (measured: 50-90 MB PSS and 0.5-1.3 CPU seconds each; the API
+  server also 1.3 s of `ray.init`'s wall time; benchmarks/results/startup.md).
   Ray Data's cluster-wide helper actors (locations, stats, autoscaling) are answered locally on
   this Ray (pipelines/ray_data_services.py).
 """
@@ -83,20 +87,26 @@ def _lean_head(log_monitor: bool):
     node is constructed."""
     from ray._private import node
 
-    original = node.Node.__init__
+    original_init, original_api_server = node.Node.__init__, node.Node.start_api_server
 
     def init(self, ray_params, *args, head: bool = False, **kwargs):
         if head:
             ray_params.no_monitor = True
             if not log_monitor:
                 ray_params.include_log_monitor = False
-        original(self, ray_params, *args, head=head, **kwargs)
+        original_init(self, ray_params, *args, head=head, **kwargs)
 
-    node.Node.__init__ = init
+    def api_server(self, *, include_dashboard, raise_on_failure):
+        if include_dashboard:
+            original_api_server(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
+        # else: what Ray starts is an API server with only its usage-stats module, and ray.init
+        # polls until it is up; without it the node runs as when that server fails to start
+
+    node.Node.__init__, node.Node.start_api_server = init, api_server
     try:
         yield
     finally:
-        node.Node.__init__ = original
+        node.Node.__init__, node.Node.start_api_server = original_init, original_api_server
 
 
 @contextmanager
