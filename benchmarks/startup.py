@@ -199,7 +199,7 @@ def summarise(tree: Tree, events: dict, load_before: float, load_after: float) -
         "interpreter ready": "interpreter start",
         "CLI imported": "CLI + jobs.run imports",
         "ray.init start": "config checks, run dir",
-        "ray.init end": "ray.init",
+        "ray.init end": "ray.init (torch + transformers import alongside, in a thread)",
         "pipeline imported": "pipeline imports (torch, transformers, Ray Data)",
         "store start": "pipeline + recorder construction",
         "store end": "policy store + initial publish (driver loads the model)",
@@ -239,19 +239,31 @@ def summarise(tree: Tree, events: dict, load_before: float, load_after: float) -
     }
 
 
-def run(steps: int = 20) -> dict:
-    return measure(steps)
+# (label, extra `trajflow run` arguments): the quickstart as shipped (async: generator, scorer +
+# light stages, trainer in three actor processes) and the same job synchronous (one actor process)
+CONFIGS = (
+    ("quickstart (max_staleness 1: 3 actor processes)", ()),
+    ("quickstart --set max_staleness=0 (1 actor process)", ("--set", "max_staleness=0")),
+)
 
 
-def tables(result: dict) -> str:
-    """Markdown: the driver's phases, every process of the tree, and the totals."""
+def run(steps: int = 20) -> str:
+    """Markdown: one row per configuration, then each one's driver phases and process tree."""
     from benchmarks.run_all import table
 
-    head = {k: v for k, v in result.items() if not isinstance(v, (list, dict))}
+    results = [(label, measure(steps, extra)) for label, extra in CONFIGS]
+    summary = [{"run": label, **{k: v for k, v in r.items() if not isinstance(v, (list, dict))}}
+               for label, r in results]
+    return "\n\n".join([table(summary), *(f"### {label}\n\n{details(r)}" for label, r in results)])
+
+
+def details(result: dict) -> str:
+    """Markdown: the driver's phases, every process of the tree, what the actors report."""
+    from benchmarks.run_all import table
+
     actors = "; ".join(f"{k.removeprefix('startup_seconds/')} {v:.2f}" for k, v in result["actors"].items())
     stages = "; ".join(f"{k.removeprefix('stage_seconds/')} {v:.2f}" for k, v in result["step 1 stages"].items())
     return "\n\n".join([
-        table([head]),
         "Driver phases (wall from the interpreter's start; the driver's own CPU seconds):\n\n"
         + table(result["phases"]),
         "Every process started before the end of step 1 (role, start relative to the driver's, CPU seconds "
@@ -261,4 +273,4 @@ def tables(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    print(tables(run(int(sys.argv[1]) if len(sys.argv) > 1 else 20)))
+    print(run(int(sys.argv[1]) if len(sys.argv) > 1 else 20))

@@ -32,11 +32,14 @@ with the process that started it.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import subprocess
 import sys
+import threading
 import uuid
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -151,10 +154,32 @@ def _start_watchdog(marker: str) -> None:
     _watchdog_write_fd = write_fd
 
 
-def start_local_ray(*, dashboard: bool = False, verbose: bool = False, **init_kwargs) -> None:
+def _import_in_background(modules: Sequence[str]) -> threading.Thread | None:
+    """Import `modules` in a thread: `ray.init` mostly waits for Ray's processes to come up, so
+    a driver that needs torch and transformers next can import them meanwhile (measured: the
+    two overlap almost entirely; benchmarks/results/startup.md). An import error is left to the
+    caller's own import, which raises it where it belongs."""
+    if not modules:
+        return None
+
+    def load() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                pass
+
+    thread = threading.Thread(target=load, name="trajflow-imports", daemon=True)
+    thread.start()
+    return thread
+
+
+def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: Sequence[str] = (),
+                    **init_kwargs) -> None:
     """Start an embedded single-node Ray bound to 127.0.0.1, unless Ray is already initialised.
 
-    `dashboard` starts the dashboard (on 127.0.0.1); `init_kwargs` go to `ray.init` (num_cpus,
+    `dashboard` starts the dashboard (on 127.0.0.1); `imports` are modules the caller needs
+    next, imported while Ray starts; `init_kwargs` go to `ray.init` (num_cpus,
     object_store_memory, log_to_driver, ...)."""
     import ray
 
@@ -167,9 +192,12 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, **init_kw
     _start_watchdog(marker)
     init_kwargs.setdefault("configure_logging", False)
     log_to_driver = init_kwargs.get("log_to_driver", True)
+    loader = _import_in_background(imports)
     with _env(**{MARKER_ENV: marker}), _single_node(), _lean_head(log_monitor=log_to_driver):
         # address="local": a new Ray even if `ray start` left a cluster address file in /tmp/ray
         ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1", **init_kwargs)
     from trajflow.pipelines import ray_data_services
 
     ray_data_services.apply(dashboard=dashboard)  # no cluster-wide Ray Data helper actors on one node
+    if loader is not None:
+        loader.join()
