@@ -84,8 +84,8 @@ def run_section(name: str, quick: bool) -> tuple[str, str]:
         return ("8. Publishing a weight version, per model size (trainer -> policy store -> a reader)",
                 table(publish.run(sizes=("0.6M", "25M") if q else tuple(publish.SIZES), repeats=2 if q else 5)))
     if name == "startup":
-        return ("9. Start-up to the end of the first step, and the process tree (quickstart config, cold process)",
-                table(startup.run()))
+        return ("9. Start-up of `trajflow run quickstart` to the end of its first step, and its process tree "
+                "(cold process, CPU seconds per process)", startup.run(steps=5 if q else 20))
     if name == "trl":
         return ("10. Side by side with TRL's GRPOTrainer (quickstart size: 16 prompts x 8 samples, 6 tokens)",
                 table(trl_compare.run(steps=12 if q else 60, repeats=1 if q else 3)))

@@ -1,88 +1,276 @@
-"""Benchmark: where the time to the end of the first step goes, and the whole process tree, for
-the quickstart settings (`jobs/configs/quickstart.yaml`), each measured in a fresh Python process
-(cold: nothing imported, no Ray running), with stages colocated (default) and one process per
-stage.
+"""Benchmark: where `trajflow run quickstart` spends the time to the end of its first step, in wall
+and CPU seconds, and what its whole process tree costs in memory.
 
-The driver's phases are timed from outside; inside each actor process the first metrics row
-reports `startup_seconds/<stage>.process` (process creation to the stage group's constructor:
-worker start, unpickling, imports of torch and transformers) and `startup_seconds/<stage>`
-(constructing the stage: model and tokenizer loads); what remains to the first row is Ray Data's
-first execution (planning, actor scheduling) and the first step's compute.
+The run is the real command line (`trajflow.jobs.cli.main(["run", "quickstart", ...])`) in a fresh
+Python process (cold: nothing imported, no Ray running). Inside it, a few wrappers around the
+driver's own functions timestamp its phases with its CPU seconds (`resource.getrusage`): imports
+before Ray, `ray.init`, importing the pipeline (torch, transformers, Ray Data), building the
+pipeline and the run's recorder, the policy store with the initial publish (the driver loads the
+model), and Ray Data's first execution to the first metrics row. From outside, this process
+samples every process of the run's tree every SAMPLE_SECONDS: its role (Ray's services, idle
+workers, the pipeline's actors), its CPU seconds at the end of step 1, and its PSS. Each actor
+also reports, in the first metrics row, the seconds from its process's creation to its stage
+group's constructor (worker start, unpickling, imports) and its stages' constructors (model loads).
+
+On 2 cores, the sum of every process's CPU seconds to the end of step 1, divided by 2, is a floor
+on the wall time that no scheduling can beat: it is what bounds start-up once the critical path
+is overlapped.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-from benchmarks.common import run_script
+import psutil
 
-PHASES = """
-import json, os, sys, time
-t0 = time.perf_counter()
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from benchmarks.common import ProcessTree
-from trajflow.jobs.config import load_job_config
-from trajflow.pipelines.rl_loop import RLPipeline
-import ray
-from ray.data import DataContext
-out = {"driver imports": time.perf_counter() - t0}
-config = load_job_config("quickstart").pipeline_config().model_copy(update={"steps": 4, "colocate": sys.argv[1]})
-t = time.perf_counter()
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-DataContext.get_current().enable_progress_bars = False
-out["ray.init"] = time.perf_counter() - t
-pipe = RLPipeline(config)
-t = time.perf_counter()
-pipe.start_store()
-out["policy store + initial publish (driver loads the model)"] = time.perf_counter() - t
-t = time.perf_counter()
-rows = []
-with ProcessTree(interval=0.5) as tree:
-    for row in pipe.iter_metrics():
-        rows.append((time.perf_counter() - t, row))
-out["pipeline start to end of step 1"] = rows[0][0]
-out["steps 2-4, s/step"] = (rows[-1][0] - rows[0][0]) / (len(rows) - 1)
-out["total to end of step 1"] = time.perf_counter() - t0 - (rows[-1][0] - rows[0][0])
-out["inside actors"] = {k.removeprefix("startup_seconds/"): v for k, v in rows[0][1].items()
-                        if k.startswith("startup_seconds/")}
-out["step 1 stages"] = {k.removeprefix("stage_seconds/"): v for k, v in rows[0][1].items()
-                        if k.startswith("stage_seconds/")}
-out["processes"] = pipe.layout()
-out["tree"] = {"processes": tree.peak_processes, "threads": tree.peak_threads, "PSS GiB": tree.peak_pss_bytes / 2**30}
-ray.shutdown()
-print("RESULT " + json.dumps(out))
-"""
+SAMPLE_SECONDS = 0.2
+ROOT = Path(__file__).resolve().parent.parent
+
+# The driver: the real CLI, with its phases timestamped (time.time(), CPU seconds of this process).
+DRIVER = r'''
+import json, os, resource, sys, time
+
+EVENTS = open(os.environ["TRAJFLOW_BENCH_EVENTS"], "a", buffering=1)
 
 
-def measure(colocate: str) -> dict:
-    started = time.perf_counter()
-    out = run_script(PHASES, colocate, timeout=900)
-    out["process wall (incl. interpreter start, shutdown)"] = time.perf_counter() - started
-    return out
+def mark(name, **extra):
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    EVENTS.write(json.dumps({"event": name, "t": time.time(), "cpu": r.ru_utime + r.ru_stime, **extra}) + "\n")
 
 
-def run() -> list[dict]:
-    rows = []
-    for colocate in ("auto", "off"):
-        m = measure(colocate)
-        inside = m.pop("inside actors")
-        step = m.pop("step 1 stages")
-        tree = m.pop("tree")
-        rows.append({
-            "colocate": colocate,
-            **{k: v for k, v in m.items() if isinstance(v, float)},
-            "actor process start + imports (per group)": " ".join(f"{k} {v:.1f}" for k, v in inside.items()
-                                                                   if k.endswith(".process")),
-            "stage construction s": " ".join(f"{k} {v:.1f}" for k, v in inside.items() if not k.endswith(".process")),
-            "step 1 compute s": sum(step.values()),
-            "layout": m["processes"],
-            "tree processes": tree["processes"],
-            "tree threads": tree["threads"],
-            "tree peak PSS GiB": tree["PSS GiB"],
+mark("interpreter ready")
+from trajflow.jobs import cli, run
+mark("CLI imported")
+
+start_ray, status_line = run.start_ray, run.status_line
+calls = {"start_ray": 0, "status_line": 0}
+
+
+def timed_start_ray(*args, **kwargs):
+    calls["start_ray"] += 1
+    if calls["start_ray"] > 1:  # _execute's call: Ray is up; what follows is the pipeline import
+        return start_ray(*args, **kwargs)
+    mark("ray.init start")
+    start_ray(*args, **kwargs)
+    mark("ray.init end")
+    from trajflow.pipelines import rl_loop
+    mark("pipeline imported")
+    store = rl_loop.RLPipeline.start_store
+
+    def timed_store(self, *a, **k):
+        mark("store start")
+        out = store(self, *a, **k)
+        mark("store end")
+        return out
+
+    rl_loop.RLPipeline.start_store = timed_store
+
+
+def timed_status_line(row, *args, **kwargs):
+    calls["status_line"] += 1
+    if calls["status_line"] == 1:
+        mark("step 1 row", startup={k: v for k, v in row.items() if k.startswith("startup_seconds/")},
+             stages={k: v for k, v in row.items() if k.startswith("stage_seconds/")})
+    return status_line(row, *args, **kwargs)
+
+
+run.start_ray, run.status_line = timed_start_ray, timed_status_line
+code = cli.main(sys.argv[1:])
+mark("done")
+sys.exit(code)
+'''
+
+# (role, how to recognise it in a process's command line): first match wins
+ROLES = (
+    ("watchdog", "ray_watchdog.py"),
+    ("gcs_server", "gcs_server"),
+    ("raylet", "/raylet"),
+    ("dashboard agent", "dashboard/agent.py"),
+    ("runtime-env agent", "runtime_env/agent/main.py"),
+    ("log monitor", "log_monitor.py"),
+    ("dashboard", "dashboard/dashboard.py"),
+    ("policy store", "PolicyStore"),
+    ("Ray Data coordinator", "ray::_StatsActor"),
+    ("Ray Data coordinator", "ray::AutoscalingRequester"),
+    ("actor", "ray::MapWorker"),
+    ("idle worker", "ray::IDLE"),
+    ("idle worker", "default_worker.py"),
+)
+
+
+def role_of(cmdline: list[str], is_driver: bool) -> str:
+    if is_driver:
+        return "driver"
+    line = " ".join(cmdline)
+    for role, needle in ROLES:
+        if needle in line:
+            if role == "actor":  # ray::MapWorker(MapBatches(Generate+Reward)).submit -> Generate+Reward
+                return line.split("MapBatches(")[-1].split(")")[0]
+            return role
+    return line[:40] or "?"
+
+
+class Tree:
+    """Samples a process and its descendants: per pid its role (the latest title that names one),
+    start time, CPU seconds over time and peak PSS; the tree's peak PSS, processes and threads."""
+
+    def __init__(self, root: psutil.Process) -> None:
+        self.root = root
+        self.procs: dict[int, dict] = {}
+        self.peak_pss = self.peak_processes = self.peak_threads = 0
+        self.pss_series: list[tuple[float, int]] = []
+
+    def sample(self) -> None:
+        now = time.time()
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        pss = threads = count = 0
+        for proc in procs:
+            try:
+                with proc.oneshot():
+                    cpu = proc.cpu_times()
+                    info = self.procs.setdefault(proc.pid, {"start": proc.create_time(), "cpu": [], "pss": 0,
+                                                            "role": None})
+                    role = role_of(proc.cmdline(), proc.pid == self.root.pid)
+                    if info["role"] in (None, "idle worker") or role not in ("idle worker",):
+                        info["role"] = role  # an idle worker that becomes an actor is the actor
+                    info["cpu"].append((now, cpu.user + cpu.system))
+                    mem = proc.memory_full_info().pss
+                    info["pss"] = max(info["pss"], mem)
+                    threads += proc.num_threads()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            pss += mem
+            count += 1
+        self.pss_series.append((now, pss))
+        self.peak_pss = max(self.peak_pss, pss)
+        self.peak_processes = max(self.peak_processes, count)
+        self.peak_threads = max(self.peak_threads, threads)
+
+    def cpu_at(self, pid: int, t: float) -> float:
+        """CPU seconds of `pid` at time t (the last sample at or before t)."""
+        before = [c for ts, c in self.procs[pid]["cpu"] if ts <= t]
+        return before[-1] if before else 0.0
+
+    def pss_at(self, t: float) -> int:
+        return max((p for ts, p in self.pss_series if ts <= t), default=0)
+
+
+def measure(steps: int = 20, extra: tuple[str, ...] = ()) -> dict:
+    """One cold `trajflow run quickstart` (steps as given): phases, per-process CPU, memory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        events_path = Path(tmp) / "events.jsonl"
+        argv = ["run", "quickstart", "--no-progress", "--run-dir", str(Path(tmp) / "run"),
+                "--set", f"steps={steps}", *extra]
+        env = {**os.environ, "TRAJFLOW_BENCH_EVENTS": str(events_path)}
+        load_before = os.getloadavg()[0]
+        proc = subprocess.Popen([sys.executable, "-c", DRIVER, *argv], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tree = Tree(psutil.Process(proc.pid))
+        output: list[str] = []
+        import threading
+
+        reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            tree.sample()
+            time.sleep(SAMPLE_SECONDS)
+        reader.join(timeout=10)
+        if proc.returncode != 0:
+            raise RuntimeError("trajflow run failed:\n" + "".join(output)[-4000:])
+        events = {e["event"]: e for e in map(json.loads, events_path.read_text().splitlines())}
+    return summarise(tree, events, load_before, os.getloadavg()[0])
+
+
+def summarise(tree: Tree, events: dict, load_before: float, load_after: float) -> dict:
+    t0 = tree.procs[tree.root.pid]["start"]
+    step1 = events["step 1 row"]
+    order = ["interpreter ready", "CLI imported", "ray.init start", "ray.init end", "pipeline imported",
+             "store start", "store end", "step 1 row"]
+    labels = {
+        "interpreter ready": "interpreter start",
+        "CLI imported": "CLI + jobs.run imports",
+        "ray.init start": "config checks, run dir",
+        "ray.init end": "ray.init (torch + transformers import alongside, in a thread)",
+        "pipeline imported": "pipeline imports (torch, transformers, Ray Data)",
+        "store start": "pipeline + recorder construction",
+        "store end": "policy store + initial publish (driver loads the model)",
+        "step 1 row": "Ray Data start, actors start + imports + model loads, step 1",
+    }
+    phases, previous_t, previous_cpu = [], t0, 0.0
+    for name in order:
+        e = events[name]
+        phases.append({"phase": labels[name], "wall s": e["t"] - previous_t, "driver CPU s": e["cpu"] - previous_cpu})
+        previous_t, previous_cpu = e["t"], e["cpu"]
+    total_wall = step1["t"] - t0
+    processes = []
+    for pid, info in tree.procs.items():
+        if info["start"] > step1["t"]:
+            continue
+        processes.append({
+            "process": info["role"],
+            "started at s": info["start"] - t0,
+            "CPU s to step 1": tree.cpu_at(pid, step1["t"]),
+            "peak PSS MiB": info["pss"] / 2**20,
         })
-    return rows
+    processes.sort(key=lambda p: p["started at s"])
+    total_cpu = sum(p["CPU s to step 1"] for p in processes)
+    return {
+        "phases": phases,
+        "processes": processes,
+        "actors": step1["startup"],
+        "step 1 stages": step1["stages"],
+        "wall to end of step 1 s": total_wall,
+        "CPU s, all processes, to end of step 1": total_cpu,
+        "CPU floor on 2 cores s": total_cpu / 2,
+        "processes in the tree (peak)": tree.peak_processes,
+        "threads (peak)": tree.peak_threads,
+        "tree PSS at end of step 1 GiB": tree.pss_at(step1["t"]) / 2**30,
+        "tree peak PSS GiB (whole run)": tree.peak_pss / 2**30,
+        "load before / after": f"{load_before:.1f} / {load_after:.1f}",
+    }
+
+
+# (label, extra `trajflow run` arguments): the quickstart as shipped (async: generator, scorer +
+# light stages, trainer in three actor processes) and the same job synchronous (one actor process)
+CONFIGS = (
+    ("quickstart (max_staleness 1: 3 actor processes)", ()),
+    ("quickstart --set max_staleness=0 (1 actor process)", ("--set", "max_staleness=0")),
+)
+
+
+def run(steps: int = 20) -> str:
+    """Markdown: one row per configuration, then each one's driver phases and process tree."""
+    from benchmarks.run_all import table
+
+    results = [(label, measure(steps, extra)) for label, extra in CONFIGS]
+    summary = [{"run": label, **{k: v for k, v in r.items() if not isinstance(v, (list, dict))}}
+               for label, r in results]
+    return "\n\n".join([table(summary), *(f"### {label}\n\n{details(r)}" for label, r in results)])
+
+
+def details(result: dict) -> str:
+    """Markdown: the driver's phases, every process of the tree, what the actors report."""
+    from benchmarks.run_all import table
+
+    actors = "; ".join(f"{k.removeprefix('startup_seconds/')} {v:.2f}" for k, v in result["actors"].items())
+    stages = "; ".join(f"{k.removeprefix('stage_seconds/')} {v:.2f}" for k, v in result["step 1 stages"].items())
+    return "\n\n".join([
+        "Driver phases (wall from the interpreter's start; the driver's own CPU seconds):\n\n"
+        + table(result["phases"]),
+        "Every process started before the end of step 1 (role, start relative to the driver's, CPU seconds "
+        "used by the end of step 1, peak PSS over the run):\n\n" + table(result["processes"]),
+        f"Inside the actors (first metrics row), seconds: {actors}  \nStep 1 compute, seconds: {stages}",
+    ])
 
 
 if __name__ == "__main__":
-    for r in run():
-        print(r)
+    print(run(int(sys.argv[1]) if len(sys.argv) > 1 else 20))

@@ -95,8 +95,8 @@ def start_ray(config: JobConfig, verbose: bool = False) -> None:
     if ray.is_initialized():
         return
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        start_local_ray(dashboard=config.dashboard, verbose=verbose)
+    if not address:  # torch and transformers (the pipeline's model code) load while Ray starts
+        start_local_ray(dashboard=config.dashboard, verbose=verbose, imports=("trajflow.engines.models",))
         return
     quiet_ray(verbose)
     runtime_env = {"env_vars": dict(WORKER_ENV)}

@@ -16,15 +16,30 @@ with the process that started it.
   minutes; a tiny watchdog (ray_watchdog.py) ends every process of this Ray when the driver dies.
 - Quiet. The token-authentication notice and Ray Data's "progress bars disabled" warning are
   logged below the shown level unless `verbose`.
+- Lean. A single-node Ray has nothing to autoscale, so the autoscaler monitor is not started;
+  with `log_to_driver=False` nobody reads the workers' output streams, so neither is the log
+  monitor (worker output still goes to the session's log files); without the dashboard, Ray
+  still starts its API server process with only the usage-stats module loaded, and `ray.init`
+  waits for it: it is not started (the node then runs as when that server fails to start, a
+  case Ray handles; the state API and job submission live in modules it would not load
+  anyway). The first two are `ray start --no-monitor` / `--include-log-monitor=False`, which
+  `ray.init` does not expose: set on the head node's parameters for the start only. Each is a
+  Python process of its own (measured: 50-90 MB PSS and 0.5-1.3 CPU seconds each; the API
+  server also 1.3 s of `ray.init`'s wall time; benchmarks/results/startup.md).
+  Ray Data's cluster-wide helper actors (locations, stats, autoscaling) are answered locally on
+  this Ray (pipelines/ray_data_services.py).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import subprocess
 import sys
+import threading
 import uuid
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,6 +84,35 @@ def _env(**values: str):
 
 
 @contextmanager
+def _lean_head(log_monitor: bool):
+    """No autoscaler monitor (and no log monitor unless `log_monitor`) for the Ray started inside
+    this block: `ray.init` builds the head node's RayParams itself, so they are adjusted as the
+    node is constructed."""
+    from ray._private import node
+
+    original_init, original_api_server = node.Node.__init__, node.Node.start_api_server
+
+    def init(self, ray_params, *args, head: bool = False, **kwargs):
+        if head:
+            ray_params.no_monitor = True
+            if not log_monitor:
+                ray_params.include_log_monitor = False
+        original_init(self, ray_params, *args, head=head, **kwargs)
+
+    def api_server(self, *, include_dashboard, raise_on_failure):
+        if include_dashboard:
+            original_api_server(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
+        # else: what Ray starts is an API server with only its usage-stats module, and ray.init
+        # polls until it is up; without it the node runs as when that server fails to start
+
+    node.Node.__init__, node.Node.start_api_server = init, api_server
+    try:
+        yield
+    finally:
+        node.Node.__init__, node.Node.start_api_server = original_init, original_api_server
+
+
+@contextmanager
 def _single_node():
     """Node IP = loopback for the Ray started inside this block."""
     import ray
@@ -110,10 +154,32 @@ def _start_watchdog(marker: str) -> None:
     _watchdog_write_fd = write_fd
 
 
-def start_local_ray(*, dashboard: bool = False, verbose: bool = False, **init_kwargs) -> None:
+def _import_in_background(modules: Sequence[str]) -> threading.Thread | None:
+    """Import `modules` in a thread: `ray.init` mostly waits for Ray's processes to come up, so
+    a driver that needs torch and transformers next can import them meanwhile (measured: the
+    two overlap almost entirely; benchmarks/results/startup.md). An import error is left to the
+    caller's own import, which raises it where it belongs."""
+    if not modules:
+        return None
+
+    def load() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                pass
+
+    thread = threading.Thread(target=load, name="trajflow-imports", daemon=True)
+    thread.start()
+    return thread
+
+
+def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: Sequence[str] = (),
+                    **init_kwargs) -> None:
     """Start an embedded single-node Ray bound to 127.0.0.1, unless Ray is already initialised.
 
-    `dashboard` starts the dashboard (on 127.0.0.1); `init_kwargs` go to `ray.init` (num_cpus,
+    `dashboard` starts the dashboard (on 127.0.0.1); `imports` are modules the caller needs
+    next, imported while Ray starts; `init_kwargs` go to `ray.init` (num_cpus,
     object_store_memory, log_to_driver, ...)."""
     import ray
 
@@ -125,6 +191,13 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, **init_kw
     marker = uuid.uuid4().hex
     _start_watchdog(marker)
     init_kwargs.setdefault("configure_logging", False)
-    with _env(**{MARKER_ENV: marker}), _single_node():
+    log_to_driver = init_kwargs.get("log_to_driver", True)
+    loader = _import_in_background(imports)
+    with _env(**{MARKER_ENV: marker}), _single_node(), _lean_head(log_monitor=log_to_driver):
         # address="local": a new Ray even if `ray start` left a cluster address file in /tmp/ray
         ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1", **init_kwargs)
+    from trajflow.pipelines import ray_data_services
+
+    ray_data_services.apply(dashboard=dashboard)  # no cluster-wide Ray Data helper actors on one node
+    if loader is not None:
+        loader.join()

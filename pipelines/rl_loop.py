@@ -263,7 +263,9 @@ class RLPipeline:
         ctx.execution_options.preserve_order = True  # step b must reach the trainer as batch b
         # The source: one block per train step holding that step's prompt rows, built on the driver
         # (a read task would ask for a whole CPU); Generate reads the step from the rows.
-        ds = ray.data.from_arrow([self.prompts.step_rows(step) for step in range(first_step, c.steps)])
+        # `from_blocks`, not `from_arrow`: the latter runs a Ray task per block to read metadata the
+        # driver already has (measured: two worker processes busy ~1.6 CPU s each at start-up).
+        ds = ray.data.from_blocks([self.prompts.step_rows(step) for step in range(first_step, c.steps)])
         train_kwargs = lambda stage: self.train_step_kwargs if stage.is_actor and issubclass(stage.fn, TrainStep) else {}  # noqa: E731
         return map_stages(ds, self.process_groups(), store=self.store, rows=c.rows_per_step,
                           first_rows=c.prompts_per_step, light_stage_cpus=c.light_stage_cpus,

@@ -36,15 +36,16 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
-import torch
-from torch import Tensor
-
-from trajflow.algorithms.objective import CorrectionConfig
-from trajflow.engines.sampling import SamplingParams
-from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.stage import Placement, Resources, Stage
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch-free at import: `trajflow run` resolves the strategy before Ray starts,
+    # and the driver imports torch while Ray starts (jobs/run.py)
+    import torch
+    from torch import Tensor
+
+    from trajflow.algorithms.objective import CorrectionConfig
+    from trajflow.engines.sampling import SamplingParams
+    from trajflow.engines.training_numerics import TrainingNumerics
     from trajflow.operators.correction import StepBatch
 
 StrategyKind = Literal["exact", "approximate", "baseline"]

@@ -5,10 +5,12 @@ r_d = 1 by construction, so one asymmetric clip has to absorb both numerics and 
 
 from __future__ import annotations
 
-from torch import Tensor
+from typing import TYPE_CHECKING
 
-from trajflow.algorithms.proximal import behavior_logprobs
 from trajflow.operators.strategies.base import Strategy, Trainer
+
+if TYPE_CHECKING:  # torch-free at import (see base.py)
+    from torch import Tensor
 
 
 class Behavior(Strategy):
@@ -17,4 +19,6 @@ class Behavior(Strategy):
     meaning = "old := inference log-probs (r_d = 1): one clip absorbs both numerics and staleness"
 
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+        from trajflow.algorithms.proximal import behavior_logprobs
+
         return behavior_logprobs(batch.inference)

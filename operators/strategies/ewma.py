@@ -9,12 +9,14 @@ trainer's numerics with its own model copy. `ewma/age` is reported in versions.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
-
-from trajflow.algorithms.ewma import EwmaProximal, ewma_beta
 from trajflow.operators.strategies.base import Strategy, Trainer
+
+if TYPE_CHECKING:  # torch-free at import (see base.py)
+    from torch import Tensor
+
+    from trajflow.algorithms.ewma import EwmaProximal
 
 
 class Ewma(Strategy):
@@ -37,6 +39,8 @@ class Ewma(Strategy):
 
     def bind(self, trainer: Trainer) -> None:
         self.updates_per_version = trainer.updates_per_version
+        from trajflow.algorithms.ewma import EwmaProximal, ewma_beta
+
         beta = ewma_beta(self.window, self.updates_per_version)
         self.ewma = EwmaProximal(trainer.policy_state_dict(), beta, tau=self.reset_threshold)
         self._model = trainer.numerics.prepare(copy.deepcopy(trainer.policy())).requires_grad_(False)

@@ -7,12 +7,12 @@ ratio pi_theta / mu; it recovers nothing about pi_old.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
-
-from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs
 from trajflow.operators.strategies.base import Strategy, Trainer
+
+if TYPE_CHECKING:  # torch-free at import (see base.py)
+    from torch import Tensor
 
 
 class Loglinear(Strategy):
@@ -29,6 +29,8 @@ class Loglinear(Strategy):
         return cls(alpha=config.loglinear_alpha, **config.strategy_options)
 
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+        from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs
+
         alpha = self.alpha
         if alpha is None:  # the trainer holds version k and produces k + 1
             alpha = loglinear_alpha(batch.versions, theta_version=trainer.version + 1)

@@ -15,13 +15,14 @@ log-ratios, `m2_cutoff` once, mask locally.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from torch import Tensor
-
-from trajflow.algorithms.m2po import m2po_mask
-from trajflow.algorithms.objective import CorrectionConfig
-from trajflow.algorithms.proximal import behavior_logprobs
 from trajflow.operators.strategies.base import Strategy, Trainer
+
+if TYPE_CHECKING:  # torch-free at import (see base.py)
+    from torch import Tensor
+
+    from trajflow.algorithms.objective import CorrectionConfig
 
 
 class M2po(Strategy):
@@ -42,9 +43,13 @@ class M2po(Strategy):
         self._sums = dict.fromkeys(self._sums, 0.0)
 
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+        from trajflow.algorithms.proximal import behavior_logprobs
+
         return behavior_logprobs(batch.inference)
 
     def trust_mask(self, batch, current: Tensor, old: Tensor, loss_mask: Tensor) -> Tensor:
+        from trajflow.algorithms.m2po import m2po_mask
+
         mask = m2po_mask(current - old, loss_mask, self.m2_threshold)
         kept = mask.loss_tokens - mask.masked_tokens
         self._sums["before"] += mask.m2_before * mask.loss_tokens

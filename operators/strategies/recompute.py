@@ -8,10 +8,12 @@ of each step. With one update per step the pre-update log-probs are the update's
 
 from __future__ import annotations
 
-from torch import Tensor
+from typing import TYPE_CHECKING
 
-from trajflow.algorithms.proximal import recompute_logprobs
 from trajflow.operators.strategies.base import Strategy, Trainer
+
+if TYPE_CHECKING:  # torch-free at import (see base.py)
+    from torch import Tensor
 
 
 class Recompute(Strategy):
@@ -29,4 +31,6 @@ class Recompute(Strategy):
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
         if self._before_update is not None:
             return self._before_update[batch.rows]
+        from trajflow.algorithms.proximal import recompute_logprobs
+
         return recompute_logprobs(current)
