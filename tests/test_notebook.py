@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import nbformat
@@ -18,6 +17,9 @@ def test_ablation_notebook_executes(tmp_path, monkeypatch, config):
     monkeypatch.setenv("TRAJFLOW_NOTEBOOK_CONFIG", config)
     monkeypatch.setenv("TRAJFLOW_NOTEBOOK_STEPS", "4")
     monkeypatch.setenv("TRAJFLOW_NOTEBOOK_PROMPTS", "4")
+    # sized for CI: two strategies of the ablation (each run starts its own actors); the rest of the
+    # notebook (a custom stage, a logged run and its replay, a user strategy) runs as written
+    monkeypatch.setenv("TRAJFLOW_NOTEBOOK_STRATEGIES", "recompute,snapshot")
     monkeypatch.setenv("TRAJFLOW_NOTEBOOK_OUT", str(tmp_path))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
