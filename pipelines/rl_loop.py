@@ -186,6 +186,7 @@ class RLPipeline:
             minibatches_per_step=o.minibatches_per_step,
             after_step=services,
             torch_threads=c.trainer.torch_threads,
+            data_parallel=c.trainer.data_parallel(),
         )
         return Stage("train", TrainStep, train, c.trainer)
 

@@ -35,6 +35,16 @@ class M2po(Strategy):
         self.m2_threshold = float(m2_threshold)
         self._sums = dict.fromkeys(("before", "after", "tokens", "kept"), 0.0)
 
+    def check(self, config) -> None:
+        # The mask's cutoff is a statistic of the whole update; split over workers or
+        # micro-batches it would need every shard's log-ratios before any backward pass.
+        if config.trainer.num_workers > 1:
+            raise ValueError("trainer.num_workers: m2po's second-moment mask needs the whole update's log-ratios; "
+                             "it runs with one trainer worker (num_workers: 1) for now")
+        if config.trainer.max_tokens_per_microbatch is not None:
+            raise ValueError("trainer.max_tokens_per_microbatch: m2po's second-moment mask needs the whole "
+                             "update's log-ratios; it runs without micro-batches for now")
+
     def correction(self, base: CorrectionConfig) -> CorrectionConfig:
         return dataclasses.replace(base, clip_level="none", dual_clip_c=None)
 
