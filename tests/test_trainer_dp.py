@@ -1,0 +1,185 @@
+"""Data-parallel training (issue #13): N workers and micro-batches give the one-worker update.
+
+- loss normalisation over shards, by hand (no Ray): token-mean, seq-mean-token-mean and
+  token-sum-norm over 2 shards with the global denominator equal the loss of the whole batch;
+- the shard plan is deterministic, balanced and keeps micro-batches within their budget;
+- real pipelines on real Ray with real gloo groups: 2 workers (and 2 workers with micro-batches)
+  log the per-step loss of 1 worker within 1e-6 and end with its weights within 1e-5; the
+  exactness invariant holds with 2 workers under `snapshot` at max_staleness 1;
+- the device and collective backend follow the resources (CUDA only with a GPU; the CUDA
+  path itself is skipped without one).
+
+The kill/resume and two-node tests are in tests/test_trainer_dp_jobs.py and
+tests/test_jobs_cluster.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+import ray
+import torch
+
+from trajflow.algorithms.objective import CorrectionConfig, decoupled_loss, loss_denominator
+from trajflow.engines.training_numerics import TrainingNumerics, choose_device
+from trajflow.operators.data_parallel import choose_backend, padded_tokens, plan_shards
+from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.rl_loop import RLPipeline
+
+SYNC = dict(steps=5, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1, max_staleness=0,
+            inference_dtype="float32", optimizer={"minibatches_per_step": 2})
+
+
+# -- loss normalisation, by hand -------------------------------------------------------------------
+def _batch():
+    """4 sequences x 3 tokens; row 3 has no loss token. On-policy (current = old = inference), so
+    with the clip inactive each kept token's loss is -A (r_s = 1)."""
+    loss_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    logp = torch.full((4, 3), -1.0)
+    advantages = torch.tensor([1.0, 2.0, -1.0, 5.0])
+    return logp, advantages, loss_mask
+
+
+@pytest.mark.parametrize("aggregation, expected", [
+    # token-mean: sum over the 6 kept tokens of -A / 6 = -(3*1 + 1*2 + 2*(-1)) / 6
+    ("token-mean", -(3 * 1 + 2 - 2) / 6),
+    # seq-mean-token-mean: mean over the 3 sequences with a token of their token mean of -A
+    ("seq-mean-token-mean", -(1 + 2 - 1) / 3),
+    # token-sum-norm with loss_norm_tokens 3: sum of -A over kept tokens / (3 x 4 rows)
+    ("token-sum-norm", -(3 * 1 + 2 - 2) / 12),
+])
+def test_loss_over_two_shards_with_the_global_denominator_equals_the_whole_batch(aggregation, expected):
+    config = CorrectionConfig(aggregation=aggregation, mask_level="none", loss_norm_tokens=3)
+    logp, advantages, loss_mask = _batch()
+    current = logp.clone().requires_grad_(True)
+    whole = decoupled_loss(current, logp, logp, advantages, loss_mask, config)
+    assert float(whole.loss.detach()) == pytest.approx(expected, abs=1e-7)
+    whole.loss.backward()
+
+    shards = [torch.tensor([0, 3]), torch.tensor([1, 2])]  # uneven: 3 and 3 kept tokens, 1 and 2 sequences
+    counts = [float(loss_denominator(loss_mask[s], config)) for s in shards]
+    total = sum(counts)
+    assert total == float(loss_denominator(loss_mask, config))
+    shard_current = logp.clone().requires_grad_(True)
+    losses = []
+    for rows in shards:
+        out = decoupled_loss(shard_current[rows], logp[rows], logp[rows], advantages[rows], loss_mask[rows], config,
+                             denominator=total)
+        out.loss.backward()  # gradients accumulate, as over micro-batches or summed over workers
+        losses.append(float(out.loss))
+    assert sum(losses) == pytest.approx(expected, abs=1e-7)
+    assert torch.allclose(shard_current.grad, current.grad, atol=1e-7)
+    # each shard's own denominator would give a different (wrong) total
+    if aggregation != "token-sum-norm" or counts[0] != counts[1]:
+        local = [float(decoupled_loss(logp[s], logp[s], logp[s], advantages[s], loss_mask[s], config).loss)
+                 for s in shards]
+        assert sum(local) != pytest.approx(expected, abs=1e-4)
+
+
+# -- the shard plan ------------------------------------------------------------------------------
+def test_plan_deals_rows_balanced_in_order_and_within_the_budget():
+    lengths = np.array([10, 3, 7, 7, 2, 9, 4, 6])
+    plan = plan_shards(lengths, minibatches=2, world_size=2, max_tokens_per_microbatch=None)
+    assert plan == plan_shards(lengths, 2, 2, None)  # deterministic
+    # minibatch 0 = rows 0..3 (lengths 10 3 7 7): longest first to the lighter worker
+    assert plan.microbatches[0][0] == [[0, 1]] and plan.microbatches[1][0] == [[2, 3]]
+    every = sorted(r for rank in range(2) for r in plan.rows(rank))
+    assert every == list(range(8))
+    budgeted = plan_shards(lengths, minibatches=1, world_size=1, max_tokens_per_microbatch=20)
+    micro = budgeted.microbatches[0][0]
+    assert [r for m in micro for r in m] == list(range(8))  # in step order
+    assert all(padded_tokens(lengths[m]) <= 20 or len(m) == 1 for m in micro)
+    assert budgeted.num_microbatches == len(micro) >= 3
+    # more workers than rows: a worker with no rows gets no micro-batch, but a minibatch entry
+    sparse = plan_shards(np.array([5]), minibatches=1, world_size=3, max_tokens_per_microbatch=None)
+    assert sparse.microbatches == [[[[0]]], [[]], [[]]]
+
+
+# -- device and backend ------------------------------------------------------------------------
+def test_device_and_backend_follow_the_gpu():
+    assert choose_device(cuda_available=False) == "cpu" and choose_backend("cpu") == "gloo"
+    assert choose_device(cuda_available=True) == "cuda" and choose_backend(choose_device(True)) == "nccl"
+    numerics = TrainingNumerics(mixed_precision="bf16", device=choose_device(cuda_available=True))
+    assert numerics.torch_device().type == "cuda"
+    import warnings
+
+    with warnings.catch_warnings():  # a CPU-only build warns that CUDA autocast is unavailable
+        warnings.simplefilter("ignore")
+        autocast = numerics.autocast()
+    assert autocast.device == "cuda" and autocast.fast_dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+def test_trainer_trains_on_cuda_with_bf16_needs_cuda(tiny):
+    from trajflow.engines.sampling import SamplingParams
+
+    numerics = TrainingNumerics(mixed_precision="bf16")
+    model = numerics.prepare(tiny[0])
+    assert next(model.parameters()).device.type == "cuda"
+    logprobs = numerics.logprobs(model, [[1, 5, 6]], [[7, 8]], SamplingParams(), width=2, grad=True)
+    logprobs.sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+
+# -- real pipelines ----------------------------------------------------------------------------
+def run_with_final_weights(config: PipelineConfig) -> tuple[pl.DataFrame, dict[str, torch.Tensor]]:
+    pipe = RLPipeline(config)
+    try:
+        rows = []
+        for batch in pipe.build().iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
+            rows += batch.to_pylist()
+        _, (ref,) = ray.get(pipe.store.get.remote(config.steps))
+        weights = {k: v.clone() for k, v in ray.get(ref).items()}
+    finally:
+        pipe.shutdown()
+    return pl.DataFrame(rows), weights
+
+
+def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.timeout(300)
+def test_two_workers_and_micro_batches_reproduce_one_worker(ray_session):
+    from trajflow.engines.models import WARM_START_DIR, load_model
+
+    one, one_weights = run_with_final_weights(PipelineConfig(**SYNC))
+    two, two_weights = run_with_final_weights(PipelineConfig(**SYNC, trainer={"num_workers": 2}))
+    micro, micro_weights = run_with_final_weights(PipelineConfig(
+        **SYNC, trainer={"num_workers": 2, "max_tokens_per_microbatch": 12}))
+    start = load_model(WARM_START_DIR).state_dict()
+    moved = max_abs_difference(one_weights, start)
+    print(f"\n1 worker moved the weights by {moved:.2e}; 2 workers differ by "
+          f"{max_abs_difference(two_weights, one_weights):.2e}, 2 workers x micro-batches by "
+          f"{max_abs_difference(micro_weights, one_weights):.2e}; loss {one['loss'].to_list()}")
+    assert moved > 5e-4, "the updates did not move the weights: the comparison would prove nothing"
+    assert (one["trainer/microbatches"] == 2).all()  # 2 minibatches, one micro-batch each
+    assert (two["trainer/microbatches"] == 4).all()  # ... on each of 2 workers
+    # a budget of 12 tokens: one row (7-15 tokens) per micro-batch, 4 per worker and minibatch
+    assert (micro["trainer/microbatches"] >= 2 * 2 * 3).all()
+    assert set(two["trainer/nodes"][0].split(",")) == {ray.get_runtime_context().get_node_id()}
+    for other, weights in ((two, two_weights), (micro, micro_weights)):
+        assert other["step"].to_list() == one["step"].to_list()
+        assert other["rows_trained"].to_list() == one["rows_trained"].to_list()
+        assert other["loss"].to_list() == pytest.approx(one["loss"].to_list(), abs=1e-6)
+        assert other["grad/norm"].to_list() == pytest.approx(one["grad/norm"].to_list(), rel=1e-5)
+        assert other["active_frac"].to_list() == one["active_frac"].to_list()
+        assert other["optimizer_steps"].to_list() == one["optimizer_steps"].to_list()
+        assert max_abs_difference(weights, one_weights) < 1e-5
+    # the workers and their placement group ended with the run
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+@pytest.mark.timeout(300)
+def test_exact_old_logprobs_with_two_workers_under_snapshot(ray_session):
+    config = PipelineConfig(steps=6, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1,
+                            strategy="snapshot", max_staleness=1, trainer={"num_workers": 2})
+    m = RLPipeline(config).run(progress=False)
+    print(f"\nsnapshot S=1, 2 workers: max|log r_d| {m['mismatch/max_abs_log_rd'].max():.2e}, "
+          f"max lag {m['staleness/max'].max()}")
+    assert m["step"].to_list() == list(range(6))
+    assert m["mismatch/max_abs_log_rd"].max() < 1e-5
+    assert m["mask/token_kept_frac"].min() == 1.0
+    assert 1 <= m["staleness/max"].max() <= 1
+    assert (m["trainer/num_workers"] == 2).all()
