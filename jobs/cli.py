@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         if _is_bad_input(e):
             print(f"trajflow: {_one_line(e)}", file=sys.stderr)
             return 2
+        if isinstance(e, getattr(sys.modules.get("trajflow.jobs.run"), "RunFailed", ())):  # resumable
+            print(f"trajflow: {_one_line(e)}", file=sys.stderr)
+            return 1
         if args.command in ("submit", "status", "stop") and isinstance(e, (ConnectionError, RuntimeError)):
             print(f"trajflow: {args.command}: {_one_line(e)}", file=sys.stderr)  # the cluster said no
             return 1

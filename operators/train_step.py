@@ -268,17 +268,19 @@ class TrainStep(TrainerReplica):
                        numerics=numerics, lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip,
                        minibatches_per_step=minibatches_per_step, torch_threads=torch_threads,
                        gradient_checkpointing=data_parallel.gradient_checkpointing)
-        unbound = copy.deepcopy(strategy)  # what the other workers bind their own copy of
-        super().__init__(strategy=strategy, version=None, **replica)
         # One train step per store: a second one means this process replaced a trainer that died
-        # (Ray restarts actors), and that trainer's optimizer and strategy state died with it.
-        incarnation = ray.get(store.claim_trainer.remote())
+        # (Ray Data restarts actors and retries the step), and that trainer's optimizer and
+        # strategy state died with it (its published weights too). Refuse to train on.
         self.node = node_address()[0]
+        self.group: TrainerGroup | None = None
         self.lost: TrainerStateLost | None = None
-        if incarnation > 0:
+        if ray.get(store.claim_trainer.remote()) > 0:
             self.lost = TrainerStateLost(
                 f"trainer worker 0 of {data_parallel.num_workers} (node {self.node[:12]}) was restarted after its "
                 f"process died; the trainer's optimizer and strategy state is lost: {RESUME_HINT}")
+            return
+        unbound = copy.deepcopy(strategy)  # what the other workers bind their own copy of
+        super().__init__(strategy=strategy, version=None, **replica)
         self.max_staleness = max_staleness
         self.data_parallel = data_parallel
         self.after_step = list(after_step)
@@ -287,8 +289,7 @@ class TrainStep(TrainerReplica):
         self.started = time.perf_counter()
         if on_start is not None:
             on_start(self)  # e.g. a resumed job restores optimizer and strategy state here
-        self.group: TrainerGroup | None = None
-        if data_parallel.num_workers > 1 and self.lost is None:
+        if data_parallel.num_workers > 1:
             self.group = TrainerGroup(
                 TrainerRank, dict(state=self.checkpoint_state(), strategy=unbound, version=self.version, **replica),
                 data_parallel, device=self.numerics.torch_device())
