@@ -1,6 +1,6 @@
 """A trainer process that dies never lets a run go on with a fresh optimizer (issue #13).
 
-`trajflow run` as a subprocess on its own embedded Ray; once checkpoint 4 is written, one
+`trajflow run` as a subprocess on its own embedded Ray; once checkpoint 2 is written, one
 trainer process is SIGKILLed:
 
 - a data-parallel worker (`TrainerRank`, 2 workers): worker 0 sees the all-reduce fail, names
@@ -29,7 +29,7 @@ from trajflow.schemas import read_parquet
 pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "trajflow.jobs.cli"]
-STEPS = 12
+STEPS = 8
 
 
 def _env() -> dict:
@@ -45,7 +45,7 @@ def _args(run_dir: Path, workers: int) -> list[str]:
 
 
 def run_and_kill(args: list[str], run_dir: Path, process_title: str, log_path: Path) -> tuple[int, str]:
-    """Start `trajflow ARGS`; once checkpoint 4 is complete, SIGKILL the run's processes whose
+    """Start `trajflow ARGS`; once checkpoint 2 is complete, SIGKILL the run's processes whose
     title contains `process_title`; returns (exit status, output)."""
     import psutil
 
@@ -53,9 +53,9 @@ def run_and_kill(args: list[str], run_dir: Path, process_title: str, log_path: P
         proc = subprocess.Popen(CLI + args, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
         try:
             deadline = time.monotonic() + 240
-            while not (run_dir / "checkpoints" / "step-000004" / "meta.json").is_file():
-                assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before checkpoint 4"
-                assert time.monotonic() < deadline, "no checkpoint 4 within 240 s"
+            while not (run_dir / "checkpoints" / "step-000002" / "meta.json").is_file():
+                assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before checkpoint 2"
+                assert time.monotonic() < deadline, "no checkpoint 2 within 240 s"
                 time.sleep(0.2)
             victims = [p for p in psutil.Process(proc.pid).children(recursive=True)
                        if process_title in " ".join(p.cmdline())]
