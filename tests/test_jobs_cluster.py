@@ -5,6 +5,8 @@ machine, its own ports) offers `train_node`. The quickstart is submitted with
 `generator.resources={gen_node: 0.1}` and `trainer.resources={train_node: 0.1}`; the test checks
 the job SUCCEEDED and that generation and training ran on different nodes — from the run dir's
 placement.json (Ray state API, per stage) and the trainer's own node id in every metrics row.
+A second job trains with `trainer.num_workers: 2` and `trainer.placement: spread`: its two
+data-parallel workers (one gloo group across the nodes) report two different nodes.
 
 The cluster gets its own temp dir, ports and auth token; at the end (also on failure) exactly
 its processes are killed, by pid. (`ray stop` is not used: it would stop every Ray on the
@@ -73,7 +75,7 @@ def _kill_cluster(temp_dir: str) -> None:
         psutil.wait_procs(list(procs), timeout=15)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_node_cluster():
     ray_bin = Path(sys.executable).with_name("ray")
     if not ray_bin.exists():
@@ -128,3 +130,25 @@ def test_submit_places_generation_and_training_on_different_nodes(two_node_clust
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == [0, 1, 2, 3]
     assert set(metrics["trainer_node"].to_list()) == {train_node}
+
+
+def test_two_trainer_workers_spread_over_the_two_nodes(two_node_cluster, tmp_path):
+    address, env = two_node_cluster["address"], two_node_cluster["env"]
+    run_dir = tmp_path / "data_parallel"
+    cmd = [sys.executable, "-m", "trajflow.jobs.cli", "submit", "quickstart", "--address", address,
+           "--run-dir", str(run_dir), "--python", sys.executable, "--submission-id", "trajflow-two-workers",
+           "--set", "steps=3", "--set", "save_all_versions=false", "--set", "tensorboard=false",
+           "--set", "generator.resources={gen_node: 0.1}",
+           "--set", "trainer.num_workers=2", "--set", "trainer.placement=spread"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    explain = f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, explain
+    assert "trajflow: job trajflow-two-workers SUCCEEDED" in proc.stdout, explain
+    metrics = pl.read_parquet(run_dir / "metrics.parquet")
+    assert metrics["step"].to_list() == [0, 1, 2]
+    assert (metrics["trainer/num_workers"] == 2).all()
+    nodes = {tuple(row.split(",")) for row in metrics["trainer/nodes"].to_list()}
+    assert len(nodes) == 1, nodes  # the same two workers for the whole run
+    (worker_nodes,) = nodes
+    assert len(worker_nodes) == 2 and worker_nodes[0] != worker_nodes[1], worker_nodes
+    assert set(worker_nodes) == set(json.loads((run_dir / "placement.json").read_text())["nodes"])
