@@ -127,14 +127,19 @@ def correct(strategy: Strategy, batch: StepBatch, current: Tensor, trainer: Trai
     """The strategy's loss on `batch` (see the module docstring). `denominator`: the
     aggregation's count over the whole update when `batch` is a shard of it (None: its own)."""
     old = strategy.proximal(batch, current, trainer).detach()
-    finite = torch.isfinite(current.detach()) & torch.isfinite(old) & torch.isfinite(batch.inference)
-    loss_mask = batch.loss_mask & finite
+    loss_mask = finite_loss_mask(batch, current, old)
     trust = strategy.trust_mask(batch, current.detach(), old, loss_mask)
     config = strategy.correction(config)
     out = decoupled_loss(current, old, batch.inference, batch.advantages, loss_mask, config,
                          trust_mask=trust, denominator=denominator)
-    return Correction(out, old, int((batch.loss_mask & ~finite).sum()),
+    return Correction(out, old, int((batch.loss_mask & ~loss_mask).sum()),
                       float(loss_denominator(out.discrepancy_mask, config)))
+
+
+def finite_loss_mask(batch: StepBatch, current: Tensor, old: Tensor) -> Tensor:
+    """The loss tokens whose current, old and inference log-probs are all finite (step 2 above)."""
+    finite = torch.isfinite(current.detach()) & torch.isfinite(old) & torch.isfinite(batch.inference)
+    return batch.loss_mask & finite
 
 
 def merge_outputs(parts: list[tuple[Tensor, LossOutput]], shape: torch.Size, loss: float | None = None) -> LossOutput:

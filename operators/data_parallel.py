@@ -179,6 +179,21 @@ class Collective:
             self.group.allreduce([flat]).wait()
         return flat
 
+    def all_gather(self, values: torch.Tensor) -> torch.Tensor:
+        """A 1-D tensor from every worker (lengths may differ), concatenated in rank order."""
+        if self.group is None:
+            return values
+        device = values.device
+        values = values.to(self.device)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        sizes[self.rank] = values.numel()
+        self.all_reduce_sum(sizes)
+        padded = torch.zeros(int(sizes.max()), dtype=values.dtype, device=self.device)
+        padded[: values.numel()] = values
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        self.group.allgather([gathered], [padded]).wait()
+        return torch.cat([g[: int(n)] for g, n in zip(gathered, sizes.tolist())]).to(device)
+
     def close(self) -> None:
         self.group = None
         self._store = None

@@ -57,6 +57,7 @@ from trajflow.operators.correction import (
     PolicyHolder,
     StepBatch,
     correct,
+    finite_loss_mask,
     merge_outputs,
     old_column,
     step_diagnostics,
@@ -160,6 +161,8 @@ class TrainerReplica(PolicyHolder):
         params = [p for p in self.model.parameters() if p.requires_grad]
         for minibatch in microbatches:
             self.optimizer.zero_grad(set_to_none=True)
+            if self.strategy.needs_update_pass:
+                self._begin_update([batch.select(torch.tensor([local[p] for p in micro])) for micro in minibatch])
             loss_sum, count, first_part = 0.0, 0.0, len(result.parts)
             for micro in minibatch:
                 shard = batch.select(torch.tensor([local[p] for p in micro]))
@@ -197,6 +200,16 @@ class TrainerReplica(PolicyHolder):
             self.strategy.after_update(self)
         self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _begin_update(self, shards: list[StepBatch]) -> None:
+        """Hand the strategy the update's log-ratios (this worker's loss tokens, no gradient) and
+        a gather over the workers, before any backward pass of the update (M2PO's cutoff)."""
+        ratios = [torch.zeros(0)]
+        for shard in shards:
+            current = self.current(shard, grad=False)
+            old = self.strategy.proximal(shard, current, self).detach()
+            ratios.append((current - old)[finite_loss_mask(shard, current, old)])
+        self.strategy.begin_update(torch.cat(ratios), self.collective.all_gather)
 
     def finish_step(self, diagnostics: dict) -> dict:
         """The strategy's after-step hook with the step's (global) diagnostics; the worker then

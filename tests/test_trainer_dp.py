@@ -122,6 +122,114 @@ def test_trainer_trains_on_cuda_with_bf16_needs_cuda(tiny):
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
 
+# -- one update on 1 worker vs 2 (two replicas in threads of this process, a real gloo group) -------
+def _step_rows(seed: int = 0, rows: int = 12):
+    """A step's trained rows: random prompts/responses over the warm start's vocabulary, behaviour
+    log-probs far from the policy's (so clips and M2PO's mask act), one token outside the loss."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(4, 40, rng.integers(4, 9)).tolist() for _ in range(rows)]
+    responses = [rng.integers(4, 40, rng.integers(2, 7)).tolist() for _ in range(rows)]
+    inference = [(-rng.uniform(0.5, 6.0, len(r))).astype(np.float32).tolist() for r in responses]
+    loss_mask = [[i != 1 for i in range(len(r))] for r in responses]
+    return pa.table({
+        "prompt_tokens": pa.array(prompts, pa.list_(pa.int32())),
+        "response_tokens": pa.array(responses, pa.list_(pa.int32())),
+        "inference_logprobs": pa.array(inference, pa.list_(pa.float32())),
+        "versions": pa.array([[0] * len(r) for r in responses], pa.list_(pa.int32())),
+        "loss_mask": pa.array(loss_mask, pa.list_(pa.bool_())),
+        "advantage": pa.array(rng.normal(size=rows).astype(np.float32)),
+        "old_logprobs": pa.array([None] * rows, pa.list_(pa.float32())),
+    })
+
+
+def _replicas_update(store, table, world_size: int, strategy_name: str, aggregation: str, budget: int | None):
+    """Train one step of `table` (2 minibatches) on `world_size` replicas; returns (each replica's
+    ShardResult, worker 0's weights, worker 0's strategy after-step metrics)."""
+    import threading
+
+    from trajflow.engines.models import WARM_START_DIR
+    from trajflow.engines.sampling import SamplingParams
+    from trajflow.operators.data_parallel import Collective, listening_socket
+    from trajflow.operators.strategies.registry import resolve_strategy
+    from trajflow.operators.train_step import TrainerReplica
+
+    options = {"m2_threshold": 0.5} if strategy_name == "m2po" else {}
+    replicas = [TrainerReplica(
+        store=store, model_path=WARM_START_DIR, strategy=resolve_strategy(strategy_name)(**options),
+        correction=CorrectionConfig(aggregation=aggregation, loss_norm_tokens=6, mask_level="none"),
+        sampling=SamplingParams(), numerics=TrainingNumerics(), lr=1.5e-4, weight_decay=0.0, betas=(0.9, 0.99),
+        grad_clip=1.0, minibatches_per_step=2, torch_threads=1, gradient_checkpointing=False, version=0)
+        for _ in range(world_size)]
+    lengths = np.array([len(p) + len(r) for p, r in zip(table["prompt_tokens"].to_pylist(),
+                                                         table["response_tokens"].to_pylist())])
+    plan = plan_shards(lengths, 2, world_size, budget)
+    width = max(len(r) for r in table["response_tokens"].to_pylist())
+    listen = listening_socket("127.0.0.1")
+    results: list = [None] * world_size
+    errors: list = []
+
+    def work(rank: int) -> None:
+        try:
+            replica = replicas[rank]
+            replica.collective = Collective(rank, world_size, port=listen.getsockname()[1],
+                                            listen=listen if rank == 0 else None, timeout_seconds=60)
+            rows = plan.rows(rank)
+            results[rank] = replica.update_shard(table.take(rows), rows, plan.microbatches[rank], 0, width)
+        except BaseException as e:  # surfaced below: a failed thread must fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    listen.close()
+    assert not errors, errors
+    metrics = replicas[0].finish_step({"active_frac": 1.0})
+    return results, replicas[0].policy_state_dict(), metrics
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy, aggregation, budget", [
+    ("m2po", "token-mean", None),              # the mask's cutoff gathered from both workers
+    ("m2po", "token-mean", 12),                # ... and from every micro-batch
+    ("behavior", "seq-mean-token-mean", 12),   # PPO clip; the global sequence count
+    ("behavior", "token-sum-norm", None),      # the global row count
+])
+def test_one_update_on_two_workers_equals_one_worker(ray_session, one_torch_thread, strategy, aggregation, budget):
+    from trajflow.engines.models import WARM_START_DIR, load_model
+    from trajflow.operators.after_step import publish_weights
+    from trajflow.pipelines.policy_store import PolicyStore
+
+    store = PolicyStore.remote(0, False)
+    publish_weights(store, load_model(WARM_START_DIR), 0)
+    table = _step_rows()
+    (one,), one_weights, one_metrics = _replicas_update(store, table, 1, strategy, aggregation, None)
+    two, two_weights, two_metrics = _replicas_update(store, table, 2, strategy, aggregation, budget)
+    ray.kill(store)
+    assert sum(r.microbatches for r in two) > 2 if budget else sum(r.microbatches for r in two) == 4
+    assert two[0].losses == pytest.approx(one.losses, abs=1e-6) and two[1].losses == two[0].losses
+    print(f"\n{strategy} {aggregation} budget {budget}: weights differ by "
+          f"{max_abs_difference(two_weights, one_weights):.2e}, grad norms {one.norms} vs {two[0].norms}")
+    assert max_abs_difference(one_weights, load_model(WARM_START_DIR).state_dict()) > 1e-4
+
+    def count(results, field):
+        return sum(int(getattr(out, field).sum()) for r in results for _, out in r.parts)
+
+    for field in ("trust_masked", "clipped_low", "clipped_high", "active"):
+        assert count(two, field) == count([one], field), field
+    if strategy == "m2po":
+        assert count([one], "trust_masked") > 0, "the mask never acted: the comparison would prove nothing"
+        assert two_metrics == pytest.approx(one_metrics, rel=1e-5), (one_metrics, two_metrics)
+    else:
+        assert count([one], "clipped_low") + count([one], "clipped_high") > 0
+    # Micro-batches pad to their own widths: forward passes round differently (~1e-7), and Adam
+    # turns that into ~1e-6 on parameters whose gradient is near zero; equal shapes give 0.0.
+    assert max_abs_difference(two_weights, one_weights) < (1e-5 if budget else 1e-6)
+
+
 # -- real pipelines ----------------------------------------------------------------------------
 def run_with_final_weights(config: PipelineConfig) -> tuple[pl.DataFrame, dict[str, torch.Tensor]]:
     pipe = RLPipeline(config)

@@ -7,18 +7,24 @@ Kept tokens get no PPO clip; masked ones carry no gradient but stay in the loss 
 Reported per step: m2po/m2_before, m2po/m2_after (token-weighted over the step's updates),
 m2po/masked_tokens and m2po/masked_frac.
 
-With one minibatch per step (the default) the update's batch is the whole step. With
-data-parallel training the cutoff is one value for the whole update: gather the squared
-log-ratios, `m2_cutoff` once, mask locally.
+The mask is a statistic of the whole update (one minibatch of the step, on every worker and
+micro-batch): before the update's backward passes, the train step scores its rows once without
+gradient and hands the log-ratios to `begin_update`, which gathers them from every worker and
+computes the cutoff once; each micro-batch then masks its own tokens with it. So N workers and
+micro-batches mask exactly the tokens one worker with one batch would (an extra forward pass
+per update is the price). Diagnose (no update) masks each batch on its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from collections.abc import Callable
+
+import torch
 from torch import Tensor
 
-from trajflow.algorithms.m2po import m2po_mask
+from trajflow.algorithms.m2po import m2_cutoff, m2po_mask
 from trajflow.algorithms.objective import CorrectionConfig
 from trajflow.algorithms.proximal import behavior_logprobs
 from trajflow.operators.strategies.base import Strategy, Trainer
@@ -26,6 +32,7 @@ from trajflow.operators.strategies.base import Strategy, Trainer
 
 class M2po(Strategy):
     name = "m2po"
+    needs_update_pass = True
     kind = "baseline"
     meaning = "old := inference log-probs; mask the largest (log pi_theta/mu)^2 until their mean M2 <= tau, no PPO clip"
 
@@ -34,16 +41,7 @@ class M2po(Strategy):
             raise ValueError(f"m2_threshold must be a number >= 0, got {m2_threshold!r}")
         self.m2_threshold = float(m2_threshold)
         self._sums = dict.fromkeys(("before", "after", "tokens", "kept"), 0.0)
-
-    def check(self, config) -> None:
-        # The mask's cutoff is a statistic of the whole update; split over workers or
-        # micro-batches it would need every shard's log-ratios before any backward pass.
-        if config.trainer.num_workers > 1:
-            raise ValueError("trainer.num_workers: m2po's second-moment mask needs the whole update's log-ratios; "
-                             "it runs with one trainer worker (num_workers: 1) for now")
-        if config.trainer.max_tokens_per_microbatch is not None:
-            raise ValueError("trainer.max_tokens_per_microbatch: m2po's second-moment mask needs the whole "
-                             "update's log-ratios; it runs without micro-batches for now")
+        self._cutoff: float | None = None  # set per optimizer update by begin_update (train step)
 
     def correction(self, base: CorrectionConfig) -> CorrectionConfig:
         return dataclasses.replace(base, clip_level="none", dual_clip_c=None)
@@ -54,8 +52,20 @@ class M2po(Strategy):
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
         return behavior_logprobs(batch.inference)
 
+    def begin_update(self, log_ratios: Tensor, gather: Callable[[Tensor], Tensor]) -> None:
+        squared = gather(log_ratios.detach().to(torch.float64) ** 2)  # every worker's loss tokens
+        self._cutoff = m2_cutoff(squared, self.m2_threshold)
+        kept = squared[squared < self._cutoff]
+        self._sums["before"] += float(squared.sum())
+        self._sums["after"] += float(kept.sum())
+        self._sums["tokens"] += squared.numel()
+        self._sums["kept"] += kept.numel()
+
     def trust_mask(self, batch, current: Tensor, old: Tensor, loss_mask: Tensor) -> Tensor:
-        mask = m2po_mask(current - old, loss_mask, self.m2_threshold)
+        if self._cutoff is not None:  # the train step's update: the cutoff of begin_update
+            squared = torch.where(loss_mask, (current - old).detach().to(torch.float64) ** 2, 0.0)
+            return loss_mask & (squared < self._cutoff)
+        mask = m2po_mask(current - old, loss_mask, self.m2_threshold)  # diagnose: this batch alone
         kept = mask.loss_tokens - mask.masked_tokens
         self._sums["before"] += mask.m2_before * mask.loss_tokens
         self._sums["after"] += mask.m2_after * kept
