@@ -229,7 +229,10 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     Hugging Face checkpoints a layer only when that layer is in training mode; RL keeps the
     model in eval mode (dropout off). So only the layers' own `training` flag is set (not their
     submodules', whose dropout keeps reading eval mode)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name is deprecated)
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
             module.training = True

@@ -230,6 +230,25 @@ def test_one_update_on_two_workers_equals_one_worker(ray_session, one_torch_thre
     assert max_abs_difference(two_weights, one_weights) < (1e-5 if budget else 1e-6)
 
 
+def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradient():
+    from trajflow.engines.models import WARM_START_DIR, load_model
+    from trajflow.engines.sampling import SamplingParams
+    from trajflow.operators.train_step import enable_gradient_checkpointing
+
+    numerics, grads = TrainingNumerics(), []
+    for checkpointing in (False, True):
+        model = numerics.prepare(load_model(WARM_START_DIR))
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        mlp_runs = []
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *args: mlp_runs.append(1))
+        numerics.logprobs(model, [[1, 5, 6, 7]] * 3, [[8, 9, 10]] * 3, SamplingParams(), width=3, grad=True).sum().backward()
+        assert len(mlp_runs) == (2 if checkpointing else 1)  # recomputed in the backward pass
+        assert not any(m.training for m in model.modules() if not hasattr(m, "_gradient_checkpointing_func"))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert max(float((a - b).abs().max()) for a, b in zip(*grads)) <= 1e-6
+
+
 # -- real pipelines ----------------------------------------------------------------------------
 def run_with_final_weights(config: PipelineConfig) -> tuple[pl.DataFrame, dict[str, torch.Tensor]]:
     pipe = RLPipeline(config)
