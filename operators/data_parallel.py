@@ -65,6 +65,24 @@ class DataParallel:
     num_cpus: float = 0.5
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
+    group_name: str = ""  # the placement group's name: the pipeline removes it when the run ends
+
+
+def remove_placement_group_named(name: str) -> None:
+    """Remove this job's placement group `name` if it exists (the workers in it end with it).
+
+    Worker 0 creates the group; a placement group outlives the actor that made it (it belongs
+    to the job), so the pipeline that started the train step removes it by name at the end —
+    also when the train step was killed and never got to `close()`."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    if not name:
+        return
+    try:
+        group = get_placement_group(name)
+    except ValueError:  # none by that name: never created, or already removed
+        return
+    remove_placement_group(group)
 
 
 # -- the plan ----------------------------------------------------------------------------------
@@ -212,7 +230,9 @@ class TrainerGroup:
     `spread` (STRICT_SPREAD, and none on worker 0's node). Worker 0 itself is where Ray Data
     placed the train stage. The rendezvous store listens on 127.0.0.1 when every worker is on
     worker 0's node, else on that node's IP. `close()` kills the workers and removes the
-    placement group; they also die with worker 0's process (Ray ties an actor to its owner).
+    placement group (when Ray Data ends the train step's actor gracefully, `StageGroup.__del__`
+    calls it); if worker 0 dies, its workers die with it (Ray ties an actor to its owner) and the
+    pipeline removes the placement group by name (`remove_placement_group_named`).
     """
 
     def __init__(self, rank_class: type, rank_kwargs: dict[str, Any], spec: DataParallel,
@@ -229,9 +249,11 @@ class TrainerGroup:
         n = world_size - 1
         if placement == "spread":
             self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_SPREAD",
+                                                   name=spec.group_name,
                                                    bundle_label_selector=[{"ray.io/node-id": f"!{self.node_id}"}] * n)
         else:
-            self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+            self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK",
+                                                   name=spec.group_name)
         ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout_seconds)
         if not ready:
             self.close()
