@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -99,15 +100,15 @@ class TrainerReplica(PolicyHolder):
         strategy: Strategy,
         correction: CorrectionConfig,
         sampling: SamplingParams,
-        numerics: TrainingNumerics,
-        lr: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        grad_clip: float | None,
-        minibatches_per_step: int,
-        torch_threads: int,
-        gradient_checkpointing: bool,
-        version: int | None,
+        numerics: TrainingNumerics = TrainingNumerics(),
+        lr: float = 1.5e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.99),
+        grad_clip: float | None = 1.0,
+        minibatches_per_step: int = 1,
+        torch_threads: int = 1,
+        gradient_checkpointing: bool = False,
+        version: int | None = None,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
@@ -260,30 +261,20 @@ class TrainerRank(TrainerReplica):
 
 
 class TrainStep(TrainerReplica):
+    """Worker 0: the Ray Data operator. `replica`: TrainerReplica's arguments (model_path,
+    strategy, correction, sampling, numerics, lr, ...), which workers 1..N-1 get too."""
+
     def __init__(
         self,
         store: ray.actor.ActorHandle,
-        model_path: str | Path,
-        strategy: Strategy,
-        correction: CorrectionConfig,
-        sampling: SamplingParams,
         max_staleness: int,
-        numerics: TrainingNumerics = TrainingNumerics(),
-        lr: float = 1.5e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.99),
-        grad_clip: float | None = 1.0,
-        minibatches_per_step: int = 1,
         after_step: Sequence[AfterStep] = (),
-        torch_threads: int = 1,
         data_parallel: DataParallel = DataParallel(),
         on_start: Callable[["TrainStep"], None] | None = None,
         on_step: Callable[["TrainStep", pa.Table, dict], None] | None = None,
+        **replica: Any,
     ) -> None:
-        replica = dict(store=store, model_path=model_path, correction=correction, sampling=sampling,
-                       numerics=numerics, lr=lr, weight_decay=weight_decay, betas=betas, grad_clip=grad_clip,
-                       minibatches_per_step=minibatches_per_step, torch_threads=torch_threads,
-                       gradient_checkpointing=data_parallel.gradient_checkpointing)
+        replica.update(store=store, gradient_checkpointing=data_parallel.gradient_checkpointing)
         # One train step per store: a second one means this process replaced a trainer that died
         # (Ray Data restarts actors and retries the step), and that trainer's optimizer and
         # strategy state died with it (its published weights too). Refuse to train on.
@@ -295,8 +286,8 @@ class TrainStep(TrainerReplica):
                 f"trainer worker 0 of {data_parallel.num_workers} (node {self.node[:12]}) was restarted after its "
                 f"process died; the trainer's optimizer and strategy state is lost: {RESUME_HINT}")
             return
-        unbound = copy.deepcopy(strategy)  # what the other workers bind their own copy of
-        super().__init__(strategy=strategy, version=None, **replica)
+        unbound = copy.deepcopy(replica["strategy"])  # what the other workers bind their own copy of
+        super().__init__(version=None, **replica)
         self.max_staleness = max_staleness
         self.data_parallel = data_parallel
         self.after_step = list(after_step)
@@ -307,7 +298,7 @@ class TrainStep(TrainerReplica):
             on_start(self)  # e.g. a resumed job restores optimizer and strategy state here
         if data_parallel.num_workers > 1:
             self.group = TrainerGroup(
-                TrainerRank, dict(state=self.checkpoint_state(), strategy=unbound, version=self.version, **replica),
+                TrainerRank, dict(replica, state=self.checkpoint_state(), strategy=unbound, version=self.version),
                 data_parallel, device=self.numerics.torch_device())
             self.collective = self.group.collective
 

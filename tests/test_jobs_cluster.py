@@ -101,18 +101,25 @@ def two_node_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def submit_quickstart(cluster: dict, run_dir: Path, submission_id: str, settings: list[str]) -> str:
+    """`trajflow submit quickstart --set S...` to the cluster; asserts it SUCCEEDED; its stdout."""
+    cmd = [sys.executable, "-m", "trajflow.jobs.cli", "submit", "quickstart", "--address", cluster["address"],
+           "--run-dir", str(run_dir), "--python", sys.executable, "--submission-id", submission_id]
+    cmd += [arg for setting in settings for arg in ("--set", setting)]
+    proc = subprocess.run(cmd, env=cluster["env"], capture_output=True, text=True, timeout=400)
+    explain = f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, explain
+    assert f"trajflow: job {submission_id} SUCCEEDED" in proc.stdout, explain
+    return proc.stdout
+
+
 def test_submit_places_generation_and_training_on_different_nodes(two_node_cluster, tmp_path):
     address, env = two_node_cluster["address"], two_node_cluster["env"]
     run_dir = tmp_path / "submitted"
-    cmd = [sys.executable, "-m", "trajflow.jobs.cli", "submit", "quickstart", "--address", address,
-           "--run-dir", str(run_dir), "--python", sys.executable, "--submission-id", "trajflow-two-nodes",
-           "--set", "steps=4", "--set", "checkpoint_every=2", "--set", "save_all_versions=false",
-           "--set", "generator.resources={gen_node: 0.1}", "--set", "trainer.resources={train_node: 0.1}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    explain = f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, explain
-    assert "trajflow: job trajflow-two-nodes SUCCEEDED" in proc.stdout, explain
-    assert "step 4/4 |" in proc.stdout  # the job's logs were streamed back
+    out = submit_quickstart(two_node_cluster, run_dir, "trajflow-two-nodes", [
+        "steps=4", "checkpoint_every=2", "save_all_versions=false", "generator.resources={gen_node: 0.1}",
+        "trainer.resources={train_node: 0.1}"])
+    assert "step 4/4 |" in out  # the job's logs were streamed back
 
     status = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", "status", "trajflow-two-nodes",
                              "--address", address], env=env, capture_output=True, text=True, timeout=60)
@@ -133,17 +140,10 @@ def test_submit_places_generation_and_training_on_different_nodes(two_node_clust
 
 
 def test_two_trainer_workers_spread_over_the_two_nodes(two_node_cluster, tmp_path):
-    address, env = two_node_cluster["address"], two_node_cluster["env"]
     run_dir = tmp_path / "data_parallel"
-    cmd = [sys.executable, "-m", "trajflow.jobs.cli", "submit", "quickstart", "--address", address,
-           "--run-dir", str(run_dir), "--python", sys.executable, "--submission-id", "trajflow-two-workers",
-           "--set", "steps=3", "--set", "save_all_versions=false", "--set", "tensorboard=false",
-           "--set", "generator.resources={gen_node: 0.1}",
-           "--set", "trainer.num_workers=2", "--set", "trainer.placement=spread"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    explain = f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, explain
-    assert "trajflow: job trajflow-two-workers SUCCEEDED" in proc.stdout, explain
+    submit_quickstart(two_node_cluster, run_dir, "trajflow-two-workers", [
+        "steps=3", "save_all_versions=false", "tensorboard=false", "generator.resources={gen_node: 0.1}",
+        "trainer.num_workers=2", "trainer.placement=spread"])
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == [0, 1, 2]
     assert (metrics["trainer/num_workers"] == 2).all()

@@ -70,14 +70,19 @@ def run_and_kill(args: list[str], run_dir: Path, process_title: str, log_path: P
     return status, log_path.read_text()
 
 
+def assert_stopped_with_resume_line(status: int, out: str, run_dir: Path, starts: str, says: str) -> None:
+    """Exit status 1, and the output ends with one line naming the worker and the resume command."""
+    last = out.strip().splitlines()[-1]
+    assert status == 1, out[-3000:]
+    assert last.startswith(starts) and says in last, last
+    assert last.endswith(f"`trajflow run --resume {run_dir}`"), last
+
+
 @pytest.mark.timeout(600)
 def test_killed_worker_stops_the_run_with_one_line_and_resume_completes_it(tmp_path):
     run_dir = tmp_path / "run"
     status, out = run_and_kill(_args(run_dir, workers=2), run_dir, "TrainerRank", tmp_path / "first.log")
-    last = out.strip().splitlines()[-1]
-    assert status == 1, out[-3000:]
-    assert last.startswith("trajflow: trainer worker 1 of 2 (node ") and " died; " in last, last
-    assert f"trajflow run --resume {run_dir}" in last
+    assert_stopped_with_resume_line(status, out, run_dir, "trajflow: trainer worker 1 of 2 (node ", " died; ")
     assert len(list((run_dir / "metrics").glob("step=*.parquet"))) < STEPS, "the run finished before the kill"
 
     proc = subprocess.run(CLI + ["run", "--resume", str(run_dir), "--no-progress"], capture_output=True, text=True,
@@ -99,9 +104,7 @@ def test_killed_worker_stops_the_run_with_one_line_and_resume_completes_it(tmp_p
 def test_restarted_train_step_stops_the_run_instead_of_training_on_fresh(tmp_path):
     run_dir = tmp_path / "run"
     status, out = run_and_kill(_args(run_dir, workers=1), run_dir, "MapBatches(TrainStep)", tmp_path / "first.log")
-    last = out.strip().splitlines()[-1]
-    assert status == 1, out[-3000:]
-    assert last.startswith("trajflow: trainer worker 0 of 1 (node ") and "was restarted after its process died" in last
-    assert f"trajflow run --resume {run_dir}" in last
+    assert_stopped_with_resume_line(status, out, run_dir, "trajflow: trainer worker 0 of 1 (node ",
+                                    " was restarted after its process died; ")
     logged = sorted(int(p.stem.split("=")[1]) for p in (run_dir / "metrics").glob("step=*.parquet"))
     assert logged == list(range(len(logged))) and len(logged) < STEPS  # nothing trained after the restart
