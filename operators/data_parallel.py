@@ -178,6 +178,7 @@ class Collective:
             assert listen is not None, "worker 0 serves the rendezvous store on its listening socket"
             self._store = dist.TCPStore(host, listen.getsockname()[1], world_size=world_size, is_master=True,
                                         master_listen_fd=listen.fileno(), wait_for_workers=False, timeout=timeout)
+            listen.detach()  # the store owns the descriptor now (and closes it)
         else:
             self._store = dist.TCPStore(host, port, world_size=world_size, is_master=False, timeout=timeout)
         store = dist.PrefixStore("trajflow_trainer", self._store)
@@ -269,10 +270,10 @@ class TrainerGroup:
         ]
         self.nodes = [self.node_id] + self._call_all("node_id", timeout_seconds)
         host = "127.0.0.1" if set(self.nodes) == {self.node_id} else node_ip
-        self._listen = listening_socket(host)
-        port = self._listen.getsockname()[1]
+        listen = listening_socket(host)
+        port = listen.getsockname()[1]
         joined = [r.join.remote(host, port, timeout_seconds) for r in self.ranks]
-        self.collective = Collective(0, world_size, host=host, listen=self._listen, device=device,
+        self.collective = Collective(0, world_size, host=host, listen=listen, device=device,
                                      timeout_seconds=timeout_seconds)
         self._get(joined, timeout_seconds)
 
@@ -293,7 +294,13 @@ class TrainerGroup:
         return self._get(refs, timeout)
 
     def lost(self, error: BaseException) -> TrainerStateLost:
-        """The error that names the worker that is gone (or, if none is known to be, `error`)."""
+        """The error that names the worker that is gone (or says the all-reduce failed)."""
+        return self.dead_worker() or TrainerStateLost(
+            f"the trainer's gradient all-reduce failed ({' '.join(str(error).split())[:200]}); the trainer's state "
+            f"is inconsistent: {RESUME_HINT}")
+
+    def dead_worker(self) -> TrainerStateLost | None:
+        """A TrainerStateLost naming the first worker that no longer answers, if one does not."""
         for rank, ref in enumerate((r.node_id.remote() for r in self.ranks), start=1):
             try:
                 ray.get(ref, timeout=10)
@@ -301,8 +308,21 @@ class TrainerGroup:
                 node = self.nodes[rank][:12] if rank < len(self.nodes) else "?"
                 return TrainerStateLost(f"trainer worker {rank} of {self.world_size} (node {node}) died; the "
                                         f"trainer's optimizer and strategy state is lost: {RESUME_HINT}")
-        return TrainerStateLost(f"the trainer's gradient all-reduce failed ({' '.join(str(error).split())[:200]}); "
-                                f"the trainer's state is inconsistent: {RESUME_HINT}")
+        return None
+
+    def failure(self, error: BaseException, refs: list[ray.ObjectRef]) -> BaseException:
+        """What worker 0's failed update should raise: a dead worker named; else the error a
+        worker raised itself (it left the all-reduce that failed here); else `error`."""
+        dead = self.dead_worker()
+        if dead is not None:
+            return dead
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as worker_error:  # a worker's own exception, e.g. its strategy refused the rows
+                return worker_error
+        return error
 
     def close(self) -> None:
         for r in getattr(self, "ranks", []):
@@ -310,9 +330,6 @@ class TrainerGroup:
         self.ranks = []
         if getattr(self, "collective", None) is not None:
             self.collective.close()
-        if getattr(self, "_listen", None) is not None:
-            self._listen.close()
-            self._listen = None
         if getattr(self, "placement_group", None) is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -376,10 +376,10 @@ class TrainStep(TrainerReplica):
         try:
             results = [self.update_shard(table.take(pa.array(mine, pa.int64())), mine, plan.microbatches[0],
                                          trainer_version, batch.width)]
-        except RuntimeError as e:  # a gloo/NCCL error: a worker left the all-reduce
+        except Exception as e:  # with workers: name the one that died, or surface a worker's own error
             if self.group is None:
                 raise
-            raise self.group.lost(e) from None
+            raise self.group.failure(e, refs) from e
         results += self.group.get(refs) if refs else []
 
         parts = [part for r in results for part in r.parts]
