@@ -71,7 +71,7 @@ def test_loss_over_two_shards_with_the_global_denominator_equals_the_whole_batch
         out = decoupled_loss(shard_current[rows], logp[rows], logp[rows], advantages[rows], loss_mask[rows], config,
                              denominator=total)
         out.loss.backward()  # gradients accumulate, as over micro-batches or summed over workers
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     assert sum(losses) == pytest.approx(expected, abs=1e-7)
     assert torch.allclose(shard_current.grad, current.grad, atol=1e-7)
     # each shard's own denominator would give a different (wrong) total
