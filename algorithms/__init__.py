@@ -34,6 +34,7 @@ from .objective import (
     aggregation_weights,
     decoupled_loss,
     discrepancy_mask,
+    loss_denominator,
 )
 from .proximal import (
     behavior_logprobs,
@@ -48,7 +49,7 @@ __all__ = [
     "CorrectionConfig", "EwmaProximal", "LossOutput", "M2Mask",
     "aggregation_weights", "behavior_logprobs", "broadcast_to_tokens", "correction_diagnostics",
     "decoupled_loss", "discrepancy_mask", "dr_grpo", "effective_sample_size", "ewma_beta",
-    "ewma_mean_age", "group_advantages", "grpo", "leave_one_out",
+    "ewma_mean_age", "group_advantages", "grpo", "leave_one_out", "loss_denominator",
     "linear_logprobs", "loglinear_alpha", "loglinear_logprobs", "m2_cutoff", "m2po_mask", "masked_mean",
     "masked_sum", "mismatch_kl", "recompute_logprobs", "staleness_stats",
     "zero_variance_groups",

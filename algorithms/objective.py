@@ -186,18 +186,36 @@ def discrepancy_mask(log_rd: Tensor, loss_mask: Tensor, config: CorrectionConfig
     return keep & loss_mask
 
 
-def aggregation_weights(keep: Tensor, config: CorrectionConfig) -> Tensor:
-    """Constant per-token weights [B, T] (zero off `keep`) that turn per-token losses into one scalar."""
+def loss_denominator(keep: Tensor, config: CorrectionConfig) -> Tensor:
+    """What the aggregation divides by, counted on this batch (a float scalar, not clamped).
+
+    token-mean: kept tokens; seq-mean-token-mean: sequences with a kept token; token-sum-norm:
+    loss_norm_tokens x rows. Every one is a sum over rows, so the count of a batch split into
+    shards (workers, micro-batches) is the sum of the shards' counts: pass that global count as
+    `denominator` and the shards' losses add up to the loss of the whole batch.
+    """
     keep_f = keep.float()
     if config.aggregation == "token-mean":
-        return keep_f / keep_f.sum().clamp(min=1.0)
+        return keep_f.sum()
     if config.aggregation == "seq-mean-token-mean":
-        per_seq = keep_f.sum(dim=-1, keepdim=True)
-        n_seqs = (per_seq > 0).float().sum().clamp(min=1.0)
-        return keep_f / per_seq.clamp(min=1.0) / n_seqs
+        return (keep_f.sum(dim=-1) > 0).float().sum()
     batch, width = keep.shape
     norm_tokens = config.loss_norm_tokens if config.loss_norm_tokens is not None else width
-    return keep_f / float(max(norm_tokens * batch, 1))
+    return torch.tensor(float(norm_tokens * batch))
+
+
+def aggregation_weights(keep: Tensor, config: CorrectionConfig, denominator: float | Tensor | None = None) -> Tensor:
+    """Constant per-token weights [B, T] (zero off `keep`) that turn per-token losses into one scalar.
+
+    `denominator`: the aggregation's count over the whole batch when `keep` is one shard of it
+    (see loss_denominator); None: this batch's own count."""
+    keep_f = keep.float()
+    if denominator is None:
+        denominator = loss_denominator(keep, config)
+    denominator = torch.as_tensor(denominator, dtype=keep_f.dtype).clamp(min=1.0)
+    if config.aggregation == "seq-mean-token-mean":
+        return keep_f / keep_f.sum(dim=-1, keepdim=True).clamp(min=1.0) / denominator
+    return keep_f / denominator
 
 
 def decoupled_loss(
@@ -208,12 +226,15 @@ def decoupled_loss(
     loss_mask: Tensor,
     config: CorrectionConfig = CorrectionConfig(),
     trust_mask: Tensor | None = None,
+    denominator: float | Tensor | None = None,
 ) -> LossOutput:
     """The decoupled objective of the module docstring.
 
     current_logprobs [B, T] (with grad), old_logprobs / inference_logprobs [B, T] (treated as
     constants), advantages [B] or [B, T], loss_mask [B, T] bool, trust_mask [B, T] bool or None
-    (None: every token may carry gradient).
+    (None: every token may carry gradient). `denominator`: the aggregation's count over the
+    whole batch when these rows are a shard of it (loss_denominator summed over the shards);
+    None: this batch's own count. Data-parallel workers and micro-batches pass the global one.
 
     Every loss token must have finite log-probs: a token the sampling filter excludes under
     training numerics (-inf) is taken out of `loss_mask` by the caller and counted there.
@@ -276,7 +297,7 @@ def decoupled_loss(
 
     # The trust mask narrows what carries gradient, not the denominator (M2PO's objective divides
     # by all loss tokens).
-    weights = aggregation_weights(keep, config)
+    weights = aggregation_weights(keep, config, denominator)
     trusted = keep if trust_mask is None else keep & trust_mask
     per_token = torch.where(trusted, -w_d * pg, zero)
     loss = (per_token * weights).sum()

@@ -27,6 +27,7 @@ from benchmarks import (  # noqa: E402
     store_calls,
     strategy_overhead,
     strategy_quality,
+    trainer_dp,
     trl_compare,
 )
 from benchmarks.common import machine  # noqa: E402
@@ -35,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 SECTIONS = HERE / "results"  # one file per benchmark, so each can be refreshed on its own
 ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "hops", "store_calls", "orchestration", "compute_bound", "publish",
-         "startup", "trl"]
+         "trainer_dp", "startup", "trl"]
 
 
 def table(rows: list[dict]) -> str:
@@ -83,6 +84,10 @@ def run_section(name: str, quick: bool) -> tuple[str, str]:
     if name == "publish":
         return ("8. Publishing a weight version, per model size (trainer -> policy store -> a reader)",
                 table(publish.run(sizes=("0.6M", "25M") if q else tuple(publish.SIZES), repeats=2 if q else 5)))
+    if name == "trainer_dp":
+        return ("8b. Data-parallel training: the gradient all-reduce per update vs compute and publishing "
+                "(2 gloo workers on one node)",
+                table(trainer_dp.run(sizes=("0.6M", "25M") if q else tuple(trainer_dp.SIZES), repeats=2 if q else 5)))
     if name == "startup":
         return ("9. Start-up of `trajflow run quickstart` to the end of its first step, and its process tree "
                 "(cold process, CPU seconds per process)", startup.run(steps=5 if q else 20))

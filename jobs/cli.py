@@ -544,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         line = _bad_input_line(args.command, e)
         if line is None:
+            if isinstance(e, getattr(sys.modules.get("trajflow.jobs.run"), "RunFailed", ())):  # resumable
+                print(f"trajflow: {_one_line(e)}", file=sys.stderr)
+                return 1
             if args.command in ("submit", "status", "stop") and isinstance(e, RuntimeError):
                 print(f"trajflow: {args.command}: {_one_line(e)}", file=sys.stderr)  # the cluster said no
                 return 1

@@ -77,6 +77,31 @@ class RunError(RuntimeError):
     """A run cannot start or resume; the message is one line."""
 
 
+class RunFailed(RuntimeError):
+    """A started run stopped and can only go on with `--resume` (e.g. a trainer worker died);
+    the message is one line (the CLI prints it and exits 1)."""
+
+
+def trainer_state_lost(error: BaseException) -> str | None:
+    """The one-line message of a TrainerStateLost behind `error` (which Ray Data wraps in its
+    own exceptions; across processes only the text of the cause may survive), else None."""
+    import re
+
+    from trajflow.operators.data_parallel import TrainerStateLost
+
+    seen, stack = set(), [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, TrainerStateLost):
+            return str(e)
+        stack += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    found = re.search(rf"{TrainerStateLost.__name__}: ([^\n]+)", str(error))
+    return found.group(1).strip() if found else None
+
+
 def default_run_dir(config: JobConfig) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path(config.runs_root) / f"{config.name}-{config.build_strategy().name}-{stamp}"
@@ -402,6 +427,9 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
     except BaseException as e:
         stopped = isinstance(e, (KeyboardInterrupt, SystemExit))
         _end_session(paths, "stopped" if stopped else "failed", f"{type(e).__name__}: {e}"[:500])
+        lost = None if stopped else trainer_state_lost(e)
+        if lost is not None:  # a trainer worker died: its optimizer state is gone; say how to go on
+            raise RunFailed(lost.replace("RUN_DIR", str(paths.root))) from None
         raise
     _finish(config, paths, first_step, started, step_seconds)
 

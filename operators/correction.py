@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from trajflow.algorithms.diagnostics import correction_diagnostics
-from trajflow.algorithms.objective import CorrectionConfig, LossOutput, decoupled_loss
+from trajflow.algorithms.objective import CorrectionConfig, LossOutput, decoupled_loss, loss_denominator
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.columns import padded
@@ -48,9 +48,12 @@ class StepBatch:
     rows: Tensor        # [B] int64: positions in the step's batch
 
     @classmethod
-    def from_table(cls, table: pa.Table, trainer_version: int) -> "StepBatch":
+    def from_table(cls, table: pa.Table, trainer_version: int, width: int | None = None,
+                   rows: np.ndarray | None = None) -> "StepBatch":
+        """`width`: pad to it (a data-parallel shard pads to its step's width, so that every
+        [B, T] result has the step's shape); `rows`: the rows' positions in the step (default 0..)."""
         responses = table["response_tokens"].to_pylist()
-        width = max(len(r) for r in responses)
+        width = width if width is not None else max(len(r) for r in responses)
         old_column = table["old_logprobs"]
         return cls(
             prompts=table["prompt_tokens"].to_pylist(),
@@ -60,7 +63,7 @@ class StepBatch:
             loss_mask=torch.from_numpy(padded(table["loss_mask"], width, False, bool)),
             advantages=torch.from_numpy(table["advantage"].to_numpy(zero_copy_only=False).astype(np.float32)),
             old=None if old_column.null_count else torch.from_numpy(padded(old_column, width, 0.0)),
-            rows=torch.arange(table.num_rows),
+            rows=torch.arange(table.num_rows) if rows is None else torch.as_tensor(rows, dtype=torch.int64),
         )
 
     def __len__(self) -> int:
@@ -116,33 +119,44 @@ class Correction:
     loss: LossOutput
     old: Tensor              # [B, T] pi_old as used (detached)
     outside_support: int     # loss tokens taken out: a non-finite current, old or inference log-prob
+    denominator: float       # the aggregation's count on this batch (algorithms.loss_denominator)
 
 
 def correct(strategy: Strategy, batch: StepBatch, current: Tensor, trainer: Trainer,
-            config: CorrectionConfig) -> Correction:
-    """The strategy's loss on `batch` (see the module docstring)."""
+            config: CorrectionConfig, denominator: float | None = None) -> Correction:
+    """The strategy's loss on `batch` (see the module docstring). `denominator`: the
+    aggregation's count over the whole update when `batch` is a shard of it (None: its own)."""
     old = strategy.proximal(batch, current, trainer).detach()
-    finite = torch.isfinite(current.detach()) & torch.isfinite(old) & torch.isfinite(batch.inference)
-    loss_mask = batch.loss_mask & finite
+    loss_mask = finite_loss_mask(batch, current, old)
     trust = strategy.trust_mask(batch, current.detach(), old, loss_mask)
-    out = decoupled_loss(current, old, batch.inference, batch.advantages, loss_mask,
-                         strategy.correction(config), trust_mask=trust)
-    return Correction(out, old, int((batch.loss_mask & ~finite).sum()))
+    config = strategy.correction(config)
+    out = decoupled_loss(current, old, batch.inference, batch.advantages, loss_mask, config,
+                         trust_mask=trust, denominator=denominator)
+    return Correction(out, old, int((batch.loss_mask & ~loss_mask).sum()),
+                      float(loss_denominator(out.discrepancy_mask, config)))
 
 
-def merge_outputs(parts: list[tuple[Tensor, LossOutput]], shape: torch.Size) -> LossOutput:
+def finite_loss_mask(batch: StepBatch, current: Tensor, old: Tensor) -> Tensor:
+    """The loss tokens whose current, old and inference log-probs are all finite (step 2 above)."""
+    finite = torch.isfinite(current.detach()) & torch.isfinite(old) & torch.isfinite(batch.inference)
+    return batch.loss_mask & finite
+
+
+def merge_outputs(parts: list[tuple[Tensor, LossOutput]], shape: torch.Size, loss: float | None = None) -> LossOutput:
     """Per-minibatch LossOutputs (with their rows in the step) -> one with step-sized [B, T] fields.
 
     Every field of LossOutput is merged: [b, T] tensors are placed at their rows, scalars (the
-    loss) are averaged over the minibatches.
+    loss) are averaged over the parts — or set to `loss` when the parts are shards of updates
+    (workers, micro-batches) whose losses only add up after the gradient all-reduce.
     """
-    if len(parts) == 1:
+    if len(parts) == 1 and loss is None:
         return parts[0][1]
     merged = {}
     for f in dataclasses.fields(LossOutput):
         values = [getattr(out, f.name) for _, out in parts]
         if values[0].dim() == 0:
-            merged[f.name] = torch.stack([v.detach() for v in values]).mean()
+            merged[f.name] = (torch.tensor(loss, dtype=values[0].dtype) if loss is not None
+                              else torch.stack([v.detach() for v in values]).mean())
         elif values[0].dim() == 2:
             full = torch.zeros(shape, dtype=values[0].dtype)
             for (rows, _), part in zip(parts, values):

@@ -7,7 +7,10 @@ The step, top to bottom:
 1. Staleness bound where tokens are trained: lag = trainer version - token version. Tokens with
    lag > max_staleness are removed from the loss and counted (rows left with no token: reason
    `over_stale`). Admission already bounds lag; this makes the bound hold whatever Ray Data does.
-2. Per minibatch: pi_theta under the training numerics (engines/training_numerics.py: dropout
+2. Per minibatch (and per micro-batch of at most `max_tokens_per_microbatch`, gradients
+   accumulating), on each of `num_workers` data-parallel workers (operators/data_parallel.py:
+   the rows are shared out, gradients summed and the loss normalised over all workers, so N
+   workers give the one-worker update): pi_theta under the training numerics (engines/training_numerics.py: dropout
    off, the same autocast as every pi_old), then the strategy's correction (operators/correction.py:
    its proximal, tokens outside the sampling support taken out and counted, its trust mask, the
    decoupled loss), backward, gradient clip and the optimizer update. An update whose gradient
@@ -17,23 +20,35 @@ The step, top to bottom:
 4. The `after_step` services (operators/after_step.py: publish, held-out evaluation, store
    statistics), then the job's `on_step` hook — all in this process.
 
+`TrainerReplica` is one worker's state and update (model, optimizer, strategy): `TrainStep`
+(worker 0, the Ray Data operator) and `TrainerRank` (workers 1..N-1) are both replicas, so
+every worker runs the same code. The trainer's state lives only in these processes: a train
+step that finds it was restarted (the store already registered a trainer) or loses a worker
+stops with `TrainerStateLost` (`--resume` restores the state from the last checkpoint) rather
+than training on with a fresh optimizer.
+
 Public for the jobs layer: `version`, `strategy`, `policy()`, `policy_state_dict()`,
 `checkpoint_state()` / `load_checkpoint_state()` (optimizer + strategy state, for resume).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import ray
 import torch
+from torch import Tensor
 
-from trajflow.algorithms import CorrectionConfig
+from trajflow.algorithms import CorrectionConfig, LossOutput
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -43,15 +58,41 @@ from trajflow.operators.correction import (
     PolicyHolder,
     StepBatch,
     correct,
+    finite_loss_mask,
     merge_outputs,
     old_column,
     step_diagnostics,
+)
+from trajflow.operators.data_parallel import (
+    RESUME_HINT,
+    Collective,
+    DataParallel,
+    TrainerGroup,
+    TrainerStateLost,
+    node_address,
+    plan_shards,
 )
 from trajflow.operators.strategies.base import Strategy
 from trajflow.schemas import conform
 
 
-class TrainStep(PolicyHolder):
+@dataclass
+class ShardResult:
+    """What one worker's update of its rows gives back for the step's diagnostics."""
+
+    parts: list[tuple[Tensor, LossOutput]] = field(default_factory=list)  # (step rows, per-token fields)
+    olds: list[tuple[Tensor, Tensor]] = field(default_factory=list)       # (step rows, pi_old as used)
+    outside_support: int = 0
+    losses: list[float] = field(default_factory=list)  # per minibatch (global: the same on every worker)
+    norms: list[float] = field(default_factory=list)
+    skipped: int = 0
+    microbatches: int = 0
+    allreduce_seconds: float = 0.0
+
+
+class TrainerReplica(PolicyHolder):
+    """One data-parallel worker: the policy, its optimizer and strategy, and the update of its rows."""
+
     def __init__(
         self,
         store: ray.actor.ActorHandle,
@@ -59,43 +100,37 @@ class TrainStep(PolicyHolder):
         strategy: Strategy,
         correction: CorrectionConfig,
         sampling: SamplingParams,
-        max_staleness: int,
         numerics: TrainingNumerics = TrainingNumerics(),
         lr: float = 1.5e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.99),
         grad_clip: float | None = 1.0,
         minibatches_per_step: int = 1,
-        after_step: Sequence[AfterStep] = (),
         torch_threads: int = 1,
-        on_start: Callable[["TrainStep"], None] | None = None,
-        on_step: Callable[["TrainStep", pa.Table, dict], None] | None = None,
+        gradient_checkpointing: bool = False,
+        version: int | None = None,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
         self.strategy = strategy
         self.correction = correction
         self.sampling = sampling
-        self.max_staleness = max_staleness
         self.numerics = numerics
         self.grad_clip = grad_clip
         self.updates_per_version = minibatches_per_step
-        self.after_step = list(after_step)
-        self.on_step = on_step  # the job's hook (trajectory log, checkpoints), after the services
-
-        # Start from the store's newest weights: version 0 on a fresh run, the resumed one later.
-        self.version, (ref,) = ray.get(store.get.remote(None))
+        self.collective = Collective()  # world size 1 until a group is joined
+        # The store's newest weights (version 0 on a fresh run, the resumed one later), or the
+        # version worker 0 started from.
+        self.version, (ref,) = ray.get(store.get.remote(version))
         self.model = numerics.prepare(load_model(model_path))
         self.model.load_state_dict(ray.get(ref))
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         self.optimizer_steps = 0
         self.strategy.bind(self)
-        self.busy_seconds = 0.0
-        self.started = time.perf_counter()
-        if on_start is not None:
-            on_start(self)  # e.g. a resumed job restores optimizer and strategy state here
 
-    # -- for the jobs layer ----------------------------------------------------------------------
+    # -- state ------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps besides the weights: optimizer and strategy state."""
         return {"optimizer": self.optimizer.state_dict(), "strategy": self.strategy.state_dict()}
@@ -110,8 +145,179 @@ class TrainStep(PolicyHolder):
         elif self.strategy.state_dict():
             raise RuntimeError(f"resume: the checkpoint holds no state of strategy {self.strategy.name}")
 
+    # -- the update of this worker's rows ------------------------------------------------------
+    def update_shard(self, rows: pa.Table, positions: list[int], microbatches: list[list[list[int]]],
+                     trainer_version: int, width: int) -> ShardResult:
+        """Train this worker's `rows` (at `positions` in the step): per minibatch, forward and
+        backward each micro-batch (lists of step positions) with the loss in sum form, then one
+        all-reduce of gradients, loss sums and aggregation counts over the workers, the division
+        by the global count, the clip and the optimizer update. Every worker calls this once per
+        step with the same number of minibatches (a worker without rows in one still joins its
+        all-reduce)."""
+        result = ShardResult()
+        batch = StepBatch.from_table(rows, trainer_version, width=width, rows=np.asarray(positions)) if len(positions) else None
+        if batch is not None:
+            self.strategy.before_step(batch, self)
+        local = {position: i for i, position in enumerate(positions)}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for minibatch in microbatches:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.strategy.needs_update_pass:
+                self._begin_update([batch.select(torch.tensor([local[p] for p in micro])) for micro in minibatch])
+            loss_sum, count, first_part = 0.0, 0.0, len(result.parts)
+            for micro in minibatch:
+                shard = batch.select(torch.tensor([local[p] for p in micro]))
+                fixed = correct(self.strategy, shard, self.current(shard, grad=True), self, self.correction,
+                                denominator=1.0)
+                fixed.loss.loss.backward()
+                loss_sum += float(fixed.loss.loss.detach())
+                count += fixed.denominator
+                result.outside_support += fixed.outside_support
+                result.parts.append((shard.rows, dataclasses.replace(fixed.loss, loss=fixed.loss.loss.detach())))
+                result.olds.append((shard.rows, fixed.old))
+                result.microbatches += 1
+            started = time.perf_counter()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            scalars = torch.tensor([loss_sum, count], dtype=grads[0].dtype, device=grads[0].device)
+            flat = self.collective.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads] + [scalars]))
+            result.allreduce_seconds += time.perf_counter() - started
+            denominator = max(float(flat[-1]), 1.0)
+            offset = 0
+            for p in params:
+                p.grad = flat[offset: offset + p.numel()].view_as(p).div(denominator)
+                offset += p.numel()
+            result.losses.append(float(flat[-2]) / denominator)
+            for i in range(first_part, len(result.parts)):  # the weights each token had in the global loss
+                rows_i, out = result.parts[i]
+                result.parts[i] = (rows_i, dataclasses.replace(out, token_weights=out.token_weights / denominator))
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip or math.inf))
+            if not math.isfinite(norm):  # never step on a NaN/inf gradient: count it instead
+                result.skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                continue
+            result.norms.append(norm)
+            self.optimizer.step()
+            self.optimizer_steps += 1
+            self.strategy.after_update(self)
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+    def _begin_update(self, shards: list[StepBatch]) -> None:
+        """Hand the strategy the update's log-ratios (this worker's loss tokens, no gradient) and
+        a gather over the workers, before any backward pass of the update (M2PO's cutoff)."""
+        ratios = [torch.zeros(0)]
+        for shard in shards:
+            current = self.current(shard, grad=False)
+            old = self.strategy.proximal(shard, current, self).detach()
+            ratios.append((current - old)[finite_loss_mask(shard, current, old)])
+        self.strategy.begin_update(torch.cat(ratios), self.collective.all_gather)
+
+    def finish_step(self, diagnostics: dict) -> dict:
+        """The strategy's after-step hook with the step's (global) diagnostics; the worker then
+        holds the next version."""
+        out = self.strategy.after_step(self, diagnostics)
+        self.version += 1
+        return out
+
+    def advance_version(self) -> None:
+        """A step with nothing to train: no update, the next version all the same."""
+        self.version += 1
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass, with dropout still off.
+
+    Hugging Face checkpoints a layer only when that layer is in training mode; RL keeps the
+    model in eval mode (dropout off). So only the layers' own `training` flag is set (not their
+    submodules', whose dropout keeps reading eval mode)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name is deprecated)
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            module.training = True
+
+
+class TrainerRank(TrainerReplica):
+    """Worker `rank` (1..N-1) of a data-parallel train step: a Ray actor started by worker 0,
+    holding the same state as worker 0 (its checkpoint state is passed in)."""
+
+    def __init__(self, rank: int, world_size: int, state: dict, **replica_kwargs) -> None:
+        super().__init__(**replica_kwargs)
+        self.rank, self.world_size = rank, world_size
+        self.load_checkpoint_state(state["optimizer"], state["strategy"])
+
+    def node_id(self) -> str:
+        return node_address()[0]
+
+    def join(self, host: str, port: int, timeout_seconds: float) -> None:
+        self.collective = Collective(self.rank, self.world_size, host=host, port=port,
+                                     device=self.numerics.torch_device(), timeout_seconds=timeout_seconds)
+
+    def update(self, rows: pa.Table, positions: list[int], microbatches: list[list[list[int]]],
+               trainer_version: int, width: int) -> ShardResult:
+        return self.update_shard(rows, positions, microbatches, trainer_version, width)
+
+
+class TrainStep(TrainerReplica):
+    """Worker 0: the Ray Data operator. `replica`: TrainerReplica's arguments (model_path,
+    strategy, correction, sampling, numerics, lr, ...), which workers 1..N-1 get too."""
+
+    def __init__(
+        self,
+        store: ray.actor.ActorHandle,
+        max_staleness: int,
+        after_step: Sequence[AfterStep] = (),
+        data_parallel: DataParallel = DataParallel(),
+        on_start: Callable[["TrainStep"], None] | None = None,
+        on_step: Callable[["TrainStep", pa.Table, dict], None] | None = None,
+        **replica: Any,
+    ) -> None:
+        replica.update(store=store, gradient_checkpointing=data_parallel.gradient_checkpointing)
+        # One train step per store: a second one means this process replaced a trainer that died
+        # (Ray Data restarts actors and retries the step), and that trainer's optimizer and
+        # strategy state died with it (its published weights too). Refuse to train on.
+        self.node = node_address()[0]
+        self.group: TrainerGroup | None = None
+        self.lost: TrainerStateLost | None = None
+        if ray.get(store.claim_trainer.remote()) > 0:
+            self.lost = TrainerStateLost(
+                f"trainer worker 0 of {data_parallel.num_workers} (node {self.node[:12]}) was restarted after its "
+                f"process died; the trainer's optimizer and strategy state is lost: {RESUME_HINT}")
+            return
+        unbound = copy.deepcopy(replica["strategy"])  # what the other workers bind their own copy of
+        super().__init__(version=None, **replica)
+        self.max_staleness = max_staleness
+        self.data_parallel = data_parallel
+        self.after_step = list(after_step)
+        self.on_step = on_step  # the job's hook (trajectory log, metrics file, checkpoints), after the services
+        self.busy_seconds = 0.0
+        self.started = time.perf_counter()
+        if on_start is not None:
+            on_start(self)  # e.g. a resumed job restores optimizer and strategy state here
+        if data_parallel.num_workers > 1:
+            self.group = TrainerGroup(
+                TrainerRank, dict(replica, state=self.checkpoint_state(), strategy=unbound, version=self.version),
+                data_parallel, device=self.numerics.torch_device())
+            self.collective = self.group.collective
+
+    @property
+    def nodes(self) -> list[str]:
+        """The node id of each worker, by rank."""
+        return self.group.nodes if self.group is not None else [self.node]
+
+    def close(self) -> None:
+        """End the other workers and free their placement group (they also end with this process)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.collective = Collective()
+
     # -- the step ----------------------------------------------------------------------------------
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.lost is not None:
+            raise self.lost
         started = time.perf_counter()
         steps = np.unique(batch["rollout_step"].to_numpy())
         if len(steps) != 1:
@@ -121,15 +327,19 @@ class TrainStep(PolicyHolder):
         metrics = step_metrics(batch, trainer_version, int(steps[0]), trained, stale_tokens)
         metrics["strategy"] = self.strategy.name
 
+        diagnostics: dict = {}
         if len(trained):
-            diagnostics, old_used = self._update(batch.take(pa.array(trained)), trainer_version)
+            diagnostics, old_used, parallel = self._update(batch.take(pa.array(trained)), trainer_version)
             metrics.update(diagnostics)
+            metrics.update(parallel)
             old = np.full(batch.num_rows, None, dtype=object)
             old[trained] = old_used
             batch = replace_column(batch, "old_logprobs", pa.array(old.tolist(), pa.list_(pa.float32())))
-        self.version = trainer_version + 1
+        metrics.update(self._finish_step(diagnostics))
         metrics["version"] = self.version
         metrics["optimizer_steps"] = self.optimizer_steps
+        metrics["trainer/num_workers"] = self.data_parallel.num_workers
+        metrics["trainer/nodes"] = ",".join(self.nodes)
         for hook in self.after_step:
             hook(self, batch, metrics)
         metrics["train_seconds"] = time.perf_counter() - started
@@ -139,32 +349,48 @@ class TrainStep(PolicyHolder):
             self.on_step(self, conform(batch), metrics)
         return pa.Table.from_pylist([metrics])
 
-    def _update(self, table: pa.Table, trainer_version: int) -> tuple[dict, list]:
-        batch = StepBatch.from_table(table, trainer_version)
-        self.strategy.before_step(batch, self)
-        parts, olds = [], torch.zeros_like(batch.inference)
-        outside, norms, skipped = 0, [], 0
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for chunk in np.array_split(np.arange(len(batch)), self.updates_per_version):
-            minibatch = batch.select(torch.from_numpy(chunk))
-            result = correct(self.strategy, minibatch, self.current(minibatch, grad=True), self, self.correction)
-            olds[minibatch.rows] = result.old
-            outside += result.outside_support
-            parts.append((minibatch.rows, result.loss))
-            self.optimizer.zero_grad(set_to_none=True)
-            result.loss.loss.backward()
-            norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip or math.inf))
-            if not math.isfinite(norm):  # never step on a NaN/inf gradient: count it instead
-                skipped += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                continue
-            norms.append(norm)
-            self.optimizer.step()
-            self.optimizer_steps += 1
-            self.strategy.after_update(self)
+    def _finish_step(self, diagnostics: dict) -> dict:
+        """Every worker's strategy after-step hook on the same (global) diagnostics."""
+        if not diagnostics:  # nothing trained: no update, the version still advances
+            self.advance_version()
+            if self.group is not None:
+                self.group.get(self.group.submit("advance_version"))
+            return {}
+        refs = self.group.submit("finish_step", [diagnostics] * (self.group.world_size - 1)) if self.group else []
+        out = self.finish_step(diagnostics)
+        if refs:
+            self.group.get(refs)
+        return out
 
-        diagnostics = step_diagnostics(merge_outputs(parts, batch.loss_mask.shape), batch, trainer_version, outside)
-        diagnostics["grad/norm"] = float(np.mean(norms)) if norms else None
-        diagnostics["grad/nonfinite_skipped"] = float(skipped)
-        diagnostics.update(self.strategy.after_step(self, diagnostics))
-        return diagnostics, old_column(olds, [len(r) for r in batch.responses])
+    def _update(self, table: pa.Table, trainer_version: int) -> tuple[dict, list, dict]:
+        batch = StepBatch.from_table(table, trainer_version)
+        lengths = np.array([len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)])
+        dp = self.data_parallel
+        plan = plan_shards(lengths, self.updates_per_version, dp.num_workers, dp.max_tokens_per_microbatch)
+        refs = []
+        if self.group is not None:
+            shards = [plan.rows(rank) for rank in range(1, dp.num_workers)]
+            refs = self.group.submit("update", [table.take(pa.array(r, pa.int64())) for r in shards], shards,
+                                     plan.microbatches[1:], [trainer_version] * len(shards), [batch.width] * len(shards))
+        mine = plan.rows(0)
+        try:
+            results = [self.update_shard(table.take(pa.array(mine, pa.int64())), mine, plan.microbatches[0],
+                                         trainer_version, batch.width)]
+        except Exception as e:  # with workers: name the one that died, or surface a worker's own error
+            if self.group is None:
+                raise
+            raise self.group.failure(e, refs) from e
+        results += self.group.get(refs) if refs else []
+
+        parts = [part for r in results for part in r.parts]
+        merged = merge_outputs(parts, batch.loss_mask.shape, loss=float(np.mean(results[0].losses)))
+        olds = torch.zeros_like(batch.inference)
+        for rows, old in (o for r in results for o in r.olds):
+            olds[rows] = old
+        outside = sum(r.outside_support for r in results)
+        diagnostics = step_diagnostics(merged, batch, trainer_version, outside)
+        diagnostics["grad/norm"] = float(np.mean(results[0].norms)) if results[0].norms else None
+        diagnostics["grad/nonfinite_skipped"] = float(results[0].skipped)
+        parallel = {"trainer/microbatches": sum(r.microbatches for r in results),
+                    "trainer/allreduce_seconds": max(r.allreduce_seconds for r in results)}
+        return diagnostics, old_column(olds, [len(r) for r in batch.responses]), parallel

@@ -110,6 +110,14 @@ class StageGroup:
                 self.startup[s.name] = time.perf_counter() - started
         self.timings = timings
 
+    def __del__(self) -> None:
+        # Ray Data ends a pool's actors gracefully by dropping this object: stages that own
+        # processes or resources (the train step's data-parallel workers) release them here.
+        for _, fn in getattr(self, "stages", []):
+            close = getattr(fn, "close", None)
+            if callable(close):
+                close()
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self.timings == "off":
             for _, fn in self.stages:

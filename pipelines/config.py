@@ -140,6 +140,35 @@ class ResourceConfig(_Strict):
     torch_threads: int = Field(1, ge=1)
 
 
+class TrainerConfig(ResourceConfig):
+    """The train step: resources of each worker (num_cpus, num_gpus, resources, torch_threads,
+    as for any stage) and its data-parallel group (operators/data_parallel.py).
+
+    Each worker trains on CUDA when its resources include a GPU (Ray then makes one visible to
+    it), else on the CPU; bf16 autocast comes from `optimizer.mixed_precision`."""
+
+    num_workers: int = Field(1, ge=1, description="data-parallel workers (one torch.distributed group: gloo on "
+                             "CPU, NCCL on CUDA); losses are normalised over all of them")
+    max_tokens_per_microbatch: int | None = Field(
+        None, ge=1, description="padded tokens (rows x longest prompt+response) per forward/backward; gradients "
+        "accumulate over the micro-batches of an update (None: one micro-batch per minibatch and worker)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    placement: Literal["pack", "spread"] = Field(
+        "pack", description="workers 1..N-1: pack (fewest nodes) or spread (each on a node other than worker 0's)")
+    collective_timeout_seconds: float = Field(
+        300.0, gt=0.0, description="a worker that does not join a gradient all-reduce within this fails the step")
+
+
+    def data_parallel(self):
+        """The train step's view of this section (operators/data_parallel.py)."""
+        from trajflow.operators.data_parallel import DataParallel
+
+        return DataParallel(num_workers=self.num_workers, max_tokens_per_microbatch=self.max_tokens_per_microbatch,
+                            gradient_checkpointing=self.gradient_checkpointing, placement=self.placement,
+                            timeout_seconds=self.collective_timeout_seconds, num_cpus=self.num_cpus,
+                            num_gpus=self.num_gpus, resources=dict(self.resources))
+
+
 class VllmSettings(_Strict):
     """Knobs of the vLLM engine (`engine: vllm`); see engines/vllm_engine.py. None = vLLM's default
     (on CPU, a 512 MiB KV cache)."""
@@ -196,7 +225,7 @@ class PipelineConfig(_Strict):
     num_generators: int = Field(1, ge=1)
     generator: ResourceConfig = Field(default_factory=ResourceConfig)
     scorer: ResourceConfig = Field(default_factory=lambda: ResourceConfig(num_cpus=0.25))
-    trainer: ResourceConfig = Field(default_factory=ResourceConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     light_stage_cpus: float = Field(0.1, gt=0.0, description="CPUs of reward/advantage/filter tasks")
     colocate: Literal["auto", "off"] = Field(
         "auto", description="auto: consecutive stages share an actor process where that does not serialise "

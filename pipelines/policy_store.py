@@ -72,6 +72,7 @@ class PolicyStore:
         self.evicted_pinned = 0
         self.counters: dict[str, float] = defaultdict(float)
         self.changed = asyncio.Condition()
+        self.trainers_started = 0
 
     async def publish(self, wrapped_ref: list[ray.ObjectRef], nbytes: int, version: int | None = None) -> int:
         """Register new weights; returns their version (latest + 1 unless given, e.g. on resume).
@@ -118,6 +119,13 @@ class PolicyStore:
     async def admit(self, train_step: int) -> int:
         """Admission for the rollout of train step `train_step`: waits for the staleness bound."""
         return await self.wait_for_version(train_step - self.max_staleness)
+
+    def claim_trainer(self) -> int:
+        """Called by each train step as it starts; returns how many started before it. A run has
+        one: a second is a replacement Ray started after the first one's process died, and the
+        first one's optimizer and strategy state is gone (operators/train_step.py refuses to go on)."""
+        self.trainers_started += 1
+        return self.trainers_started - 1
 
     def latest_version(self) -> int:
         return self.latest

@@ -329,6 +329,7 @@ class Replay:
             return chain + [Stage("diagnose", Diagnose, diagnose, c.trainer)]
         train = live.train_stage(self.strategies[0])
         train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones
+        self._trainer_group_name = train.kwargs["data_parallel"].group_name  # removed when the replay ends
         return chain + [train]
 
     # -- execution --------------------------------------------------------------------------------
@@ -392,6 +393,9 @@ class Replay:
                 _, (ref,) = ray.get(stores["trainer"].get.remote(None))
                 self.final_weights = ray.get(ref)
         finally:
+            from trajflow.operators.data_parallel import remove_placement_group_named
+
+            remove_placement_group_named(getattr(self, "_trainer_group_name", ""))
             for store in stores.values():
                 ray.kill(store)
 

@@ -29,6 +29,7 @@ batch on as soon as it is ready (pipelines/executor_patch.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from pathlib import Path
@@ -43,6 +44,7 @@ from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import checkpoint_dropout
 from trajflow.operators.advantage import Advantage
 from trajflow.operators.after_step import HeldoutEvaluation, PublishWeights, StoreStatistics, publish_weights
+from trajflow.operators.data_parallel import remove_placement_group_named
 from trajflow.operators.filter import Filter
 from trajflow.operators.generate import Generate
 from trajflow.operators.reward import Reward
@@ -132,6 +134,8 @@ class RLPipeline:
         self.store: ray.actor.ActorHandle | None = None
         self.train_step_kwargs: dict[str, Any] = {}  # extra TrainStep kwargs (e.g. the job's on_step)
         self.colocation: list[list[str]] | None = None  # stage names per process; None: the default plan
+        # the placement group of the train step's data-parallel workers 1..N-1, removed at shutdown
+        self.trainer_group_name = f"trajflow_trainer_{uuid.uuid4().hex[:8]}"
         self.stages = self._default_stages()
 
     # -- editing -----------------------------------------------------------------------------------
@@ -185,6 +189,7 @@ class RLPipeline:
             minibatches_per_step=o.minibatches_per_step,
             after_step=services,
             torch_threads=c.trainer.torch_threads,
+            data_parallel=dataclasses.replace(c.trainer.data_parallel(), group_name=self.trainer_group_name),
         )
         return Stage("train", TrainStep, train, c.trainer)
 
@@ -330,6 +335,8 @@ class RLPipeline:
         return pl.DataFrame(rows)
 
     def shutdown(self) -> None:
+        if ray.is_initialized():
+            remove_placement_group_named(self.trainer_group_name)
         if self.store is not None:
             ray.kill(self.store)
             self.store = None

@@ -5,6 +5,8 @@ machine, its own ports) offers `train_node`. The quickstart is submitted with
 `generator.resources={gen_node: 0.1}` and `trainer.resources={train_node: 0.1}`; the test checks
 the job SUCCEEDED and that generation and training ran on different nodes — from the run dir's
 placement.json (Ray state API, per stage) and the trainer's own node id in every metrics row.
+A second job trains with `trainer.num_workers: 2` and `trainer.placement: spread`: its two
+data-parallel workers (one gloo group across the nodes) report two different nodes.
 
 The cluster gets its own temp dir, ports and auth token; at the end (also on failure) exactly
 its processes are killed, by pid. (`ray stop` is not used: it would stop every Ray on the
@@ -74,7 +76,7 @@ def _kill_cluster(temp_dir: str) -> None:
         psutil.wait_procs(list(procs), timeout=15)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_node_cluster():
     ray_bin = Path(sys.executable).with_name("ray")
     if not ray_bin.exists():
@@ -100,18 +102,25 @@ def two_node_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def submit_quickstart(cluster: dict, run_dir: Path, submission_id: str, settings: list[str]) -> str:
+    """`trajflow submit quickstart --set S...` to the cluster; asserts it SUCCEEDED; its stdout."""
+    cmd = [sys.executable, "-m", "trajflow.jobs.cli", "submit", "quickstart", "--address", cluster["address"],
+           "--run-dir", str(run_dir), "--python", sys.executable, "--submission-id", submission_id]
+    cmd += [arg for setting in settings for arg in ("--set", setting)]
+    proc = subprocess.run(cmd, env=cluster["env"], capture_output=True, text=True, timeout=400)
+    explain = f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, explain
+    assert f"trajflow: job {submission_id} SUCCEEDED" in proc.stdout, explain
+    return proc.stdout
+
+
 def test_submit_places_generation_and_training_on_different_nodes(two_node_cluster, tmp_path):
     address, env = two_node_cluster["address"], two_node_cluster["env"]
     run_dir = tmp_path / "submitted"
-    cmd = [sys.executable, "-m", "trajflow.jobs.cli", "submit", "quickstart", "--address", address,
-           "--run-dir", str(run_dir), "--python", sys.executable, "--submission-id", "trajflow-two-nodes",
-           "--set", "steps=4", "--set", "checkpoint_every=2", "--set", "save_all_versions=false",
-           "--set", "generator.resources={gen_node: 0.1}", "--set", "trainer.resources={train_node: 0.1}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    explain = f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, explain
-    assert "trajflow: job trajflow-two-nodes SUCCEEDED" in proc.stdout, explain
-    assert re.search(r"^step 3 \(100%\) \| reward ", proc.stdout, re.M)  # the job's logs were streamed back
+    out = submit_quickstart(two_node_cluster, run_dir, "trajflow-two-nodes", [
+        "steps=4", "checkpoint_every=2", "save_all_versions=false", "generator.resources={gen_node: 0.1}",
+        "trainer.resources={train_node: 0.1}"])
+    assert re.search(r"^step 3 \(100%\) \| reward ", out, re.M)  # the job's logs were streamed back
 
     status = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", "status", "trajflow-two-nodes",
                              "--address", address], env=env, capture_output=True, text=True, timeout=60)
@@ -138,3 +147,18 @@ def test_submit_places_generation_and_training_on_different_nodes(two_node_clust
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == [0, 1, 2, 3]
     assert set(metrics["trainer_node"].to_list()) == {train_node}
+
+
+def test_two_trainer_workers_spread_over_the_two_nodes(two_node_cluster, tmp_path):
+    run_dir = tmp_path / "data_parallel"
+    submit_quickstart(two_node_cluster, run_dir, "trajflow-two-workers", [
+        "steps=3", "save_all_versions=false", "tensorboard=false", "generator.resources={gen_node: 0.1}",
+        "trainer.num_workers=2", "trainer.placement=spread"])
+    metrics = pl.read_parquet(run_dir / "metrics.parquet")
+    assert metrics["step"].to_list() == [0, 1, 2]
+    assert (metrics["trainer/num_workers"] == 2).all()
+    nodes = {tuple(row.split(",")) for row in metrics["trainer/nodes"].to_list()}
+    assert len(nodes) == 1, nodes  # the same two workers for the whole run
+    (worker_nodes,) = nodes
+    assert len(worker_nodes) == 2 and worker_nodes[0] != worker_nodes[1], worker_nodes
+    assert set(worker_nodes) == set(json.loads((run_dir / "placement.json").read_text())["nodes"])

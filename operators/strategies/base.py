@@ -20,6 +20,10 @@ and, inside the process that trains (TrainStep) or diagnoses (Diagnose), per tra
   bind(trainer)             once, when that process starts (EWMA copies the weights here)
   before_step(batch, trainer)            before the first update of the step (whole step batch)
   proximal(batch, current, trainer)      pi_old for a (mini)batch, [B, T], detached
+  begin_update(log_ratios, gather)       if `needs_update_pass`: before each optimizer update,
+                            log pi_theta - pi_old over this worker's loss tokens of the whole
+                            update (1-D, no grad); `gather(t)` concatenates a 1-D tensor over all
+                            data-parallel workers (M2PO's cutoff is a statistic of the update)
   trust_mask(batch, current, old, loss_mask)  tokens allowed to carry gradient (None: all)
   after_update(trainer)     after each optimizer update
   after_step(trainer, diagnostics) -> metrics   after the step's updates
@@ -33,6 +37,7 @@ Objects travel to Ray actors by Ray's in-memory pickling (never to disk): keep t
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
@@ -85,6 +90,7 @@ class Strategy:
     scores_at_switch: ClassVar[bool] = False
     old_from_column: ClassVar[bool] = False
     follows_updates: ClassVar[bool] = False
+    needs_update_pass: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, config: Any) -> "Strategy":
@@ -135,6 +141,9 @@ class Strategy:
 
     def proximal(self, batch: "StepBatch", current: Tensor, trainer: Trainer) -> Tensor:
         raise NotImplementedError(f"strategy {self.name!r} does not define proximal()")
+
+    def begin_update(self, log_ratios: Tensor, gather: Callable[[Tensor], Tensor]) -> None:
+        pass
 
     def trust_mask(self, batch: "StepBatch", current: Tensor, old: Tensor, loss_mask: Tensor) -> Tensor | None:
         return None

@@ -7,9 +7,12 @@ Kept tokens get no PPO clip; masked ones carry no gradient but stay in the loss 
 Reported per step: m2po/m2_before, m2po/m2_after (token-weighted over the step's updates),
 m2po/masked_tokens and m2po/masked_frac.
 
-With one minibatch per step (the default) the update's batch is the whole step. With
-data-parallel training the cutoff is one value for the whole update: gather the squared
-log-ratios, `m2_cutoff` once, mask locally.
+The mask is a statistic of the whole update (one minibatch of the step, on every worker and
+micro-batch): before the update's backward passes, the train step scores its rows once without
+gradient and hands the log-ratios to `begin_update`, which gathers them from every worker and
+computes the cutoff once; each micro-batch then masks its own tokens with it. So N workers and
+micro-batches mask exactly the tokens one worker with one batch would (an extra forward pass
+per update is the price). Diagnose (no update) masks each batch on its own.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import TYPE_CHECKING
 from trajflow.operators.strategies.base import Strategy, Trainer
 
 if TYPE_CHECKING:  # torch-free at import (see base.py)
+    from collections.abc import Callable
+
     from torch import Tensor
 
     from trajflow.algorithms.objective import CorrectionConfig
@@ -27,6 +32,7 @@ if TYPE_CHECKING:  # torch-free at import (see base.py)
 
 class M2po(Strategy):
     name = "m2po"
+    needs_update_pass = True
     kind = "baseline"
     meaning = "old := inference log-probs; mask the largest (log pi_theta/mu)^2 until their mean M2 <= tau, no PPO clip"
 
@@ -35,6 +41,7 @@ class M2po(Strategy):
             raise ValueError(f"m2_threshold must be a number >= 0, got {m2_threshold!r}")
         self.m2_threshold = float(m2_threshold)
         self._sums = dict.fromkeys(("before", "after", "tokens", "kept"), 0.0)
+        self._cutoff: float | None = None  # set per optimizer update by begin_update (train step)
 
     def correction(self, base: CorrectionConfig) -> CorrectionConfig:
         return dataclasses.replace(base, clip_level="none", dual_clip_c=None)
@@ -47,10 +54,28 @@ class M2po(Strategy):
 
         return behavior_logprobs(batch.inference)
 
+    def begin_update(self, log_ratios: Tensor, gather: Callable[[Tensor], Tensor]) -> None:
+        import torch
+
+        from trajflow.algorithms.m2po import m2_cutoff
+
+        squared = gather(log_ratios.detach().to(torch.float64) ** 2)  # every worker's loss tokens
+        self._cutoff = m2_cutoff(squared, self.m2_threshold)
+        kept = squared[squared < self._cutoff]
+        self._sums["before"] += float(squared.sum())
+        self._sums["after"] += float(kept.sum())
+        self._sums["tokens"] += squared.numel()
+        self._sums["kept"] += kept.numel()
+
     def trust_mask(self, batch, current: Tensor, old: Tensor, loss_mask: Tensor) -> Tensor:
+        import torch
+
+        if self._cutoff is not None:  # the train step's update: the cutoff of begin_update
+            squared = torch.where(loss_mask, (current - old).detach().to(torch.float64) ** 2, 0.0)
+            return loss_mask & (squared < self._cutoff)
         from trajflow.algorithms.m2po import m2po_mask
 
-        mask = m2po_mask(current - old, loss_mask, self.m2_threshold)
+        mask = m2po_mask(current - old, loss_mask, self.m2_threshold)  # diagnose: this batch alone
         kept = mask.loss_tokens - mask.masked_tokens
         self._sums["before"] += mask.m2_before * mask.loss_tokens
         self._sums["after"] += mask.m2_after * kept
