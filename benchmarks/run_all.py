@@ -51,7 +51,7 @@ def _fmt(v) -> str:
     return f"{v:,.3f}" if isinstance(v, float) else "" if v is None else str(v)
 
 
-def run_section(name: str, quick: bool) -> tuple[str, str]:
+def run_section(name: str, quick: bool, strategies: list[str] | None = None) -> tuple[str, str]:
     """(title, markdown table) of one benchmark."""
     q = quick
     if name == "data_plane":
@@ -79,8 +79,8 @@ def run_section(name: str, quick: bool) -> tuple[str, str]:
                 table(orchestration.run(steps=10 if q else 40)))
     if name == "compute_bound":
         return ("7. Compute-bound point (25 M-parameter Llama, random init, 2 prompts x 8 samples, 64 tokens)",
-                table(compute_bound.run(steps=6 if q else 12, strategies=["behavior", "snapshot"] if q
-                                        else compute_bound.STRATEGIES)))
+                table(compute_bound.run(steps=6 if q else 12, strategies=strategies or (
+                    ["behavior", "snapshot"] if q else compute_bound.STRATEGIES))))
     if name == "publish":
         return ("8. Publishing a weight version, per model size (trainer -> policy store -> a reader)",
                 table(publish.run(sizes=("0.6M", "25M") if q else tuple(publish.SIZES), repeats=2 if q else 5)))
@@ -111,12 +111,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="tiny settings: a smoke pass, not numbers to quote")
     p.add_argument("--only", nargs="*", default=ORDER, choices=ORDER)
+    p.add_argument("--strategies", nargs="*", help="compute_bound: these strategies (behavior first) instead of all")
     a = p.parse_args()
     SECTIONS.mkdir(exist_ok=True)
     for name in a.only:
         started = time.time()
-        title, body = run_section(name, a.quick)
+        title, body = run_section(name, a.quick, a.strategies)
         command = f"python -m benchmarks.run_all --only {name}{' --quick' if a.quick else ''}"
+        if a.strategies and name == "compute_bound":
+            command += " --strategies " + " ".join(a.strategies)
         load = os.getloadavg()
         text = (f"## {title}\n\nCommand: `{command}`  \nMachine: {machine()}  \n"
                 f"Date: {datetime.date.today()}; wall time {time.time() - started:.0f} s; load average at the end "
