@@ -176,17 +176,23 @@ class TrainerReplica(PolicyHolder):
                 result.parts.append((shard.rows, dataclasses.replace(fixed.loss, loss=fixed.loss.loss.detach())))
                 result.olds.append((shard.rows, fixed.old))
                 result.microbatches += 1
-            started = time.perf_counter()
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            scalars = torch.tensor([loss_sum, count], dtype=grads[0].dtype, device=grads[0].device)
-            flat = self.collective.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads] + [scalars]))
-            result.allreduce_seconds += time.perf_counter() - started
-            denominator = max(float(flat[-1]), 1.0)
-            offset = 0
+            for p in params:  # every worker steps every parameter (zeros where it had no rows)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if self.collective.world_size > 1:  # one flat all-reduce: gradients, loss sum, count
+                started = time.perf_counter()
+                scalars = torch.tensor([loss_sum, count], dtype=params[0].grad.dtype, device=params[0].grad.device)
+                flat = self.collective.all_reduce_sum(torch.cat([p.grad.reshape(-1) for p in params] + [scalars]))
+                result.allreduce_seconds += time.perf_counter() - started
+                offset = 0
+                for p in params:
+                    p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+                loss_sum, count = float(flat[-2]), float(flat[-1])
+            denominator = max(count, 1.0)
             for p in params:
-                p.grad = flat[offset: offset + p.numel()].view_as(p).div(denominator)
-                offset += p.numel()
-            result.losses.append(float(flat[-2]) / denominator)
+                p.grad.div_(denominator)
+            result.losses.append(loss_sum / denominator)
             for i in range(first_part, len(result.parts)):  # the weights each token had in the global loss
                 rows_i, out = result.parts[i]
                 result.parts[i] = (rows_i, dataclasses.replace(out, token_weights=out.token_weights / denominator))
