@@ -21,6 +21,7 @@ configs/     quickstart.yaml and one config per strategy (`trajflow configs` lis
 A run dir: config.yaml (resolved), run.json (state and sessions), metrics/step=N.parquet
 (+ metrics.parquet), trajectories/step=N/part-0.parquet (schema v1, validated),
 checkpoints/step-N/ (safetensors + JSON, the newest `keep_checkpoints`), versions/vN.safetensors
-(save_all_versions), tensorboard/, summary.txt, placement.json (on a cluster). Nothing is pickled.
+(save_all_versions), tensorboard/, summary.txt, placement.json (the node of each stage's
+process). Nothing is pickled.
 The embedded Ray is pipelines/local_ray.py (127.0.0.1 only; ended with the driver).
 """

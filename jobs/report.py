@@ -126,7 +126,7 @@ def summarize(label: str, run: Run | pl.DataFrame) -> dict:
         values = col(name)
         return round(float(values.mean()), digits) if len(values) else None
 
-    acc = col("heldout_accuracy")
+    acc, start = col("heldout_accuracy"), col("heldout_accuracy_start")
     tail = m.tail(max(1, m.height // FINAL_FRACTION))
     seconds = step_seconds(run)["seconds_per_step"]
     first_session = (run.state.get("sessions") or [{}])[0]
@@ -142,6 +142,7 @@ def summarize(label: str, run: Run | pl.DataFrame) -> dict:
         "steps": m.height,
         "final_reward": round(float(tail["reward_mean"].mean()), 3),
         "final_reward_steps": tail.height,
+        "start_heldout_accuracy": round(float(start[0]), 3) if len(start) else None,
         "best_heldout_accuracy": round(float(acc.max()), 3) if len(acc) else None,
         "final_heldout_accuracy": round(float(acc[-1]), 3) if len(acc) else None,
         "mask_kept": mean("mask/token_kept_frac", 4),
@@ -166,6 +167,7 @@ PRINTED = [
     ("steps", "steps", "{:d}"),
     ("final reward", "final_reward", "{:.3f}"),
     ("  = mean of last N steps, N", "final_reward_steps", "{:d}"),
+    ("held-out accuracy, version 0", "start_heldout_accuracy", "{:.3f}"),
     ("held-out accuracy, best", "best_heldout_accuracy", "{:.3f}"),
     ("held-out accuracy, final", "final_heldout_accuracy", "{:.3f}"),
     ("mask: tokens kept (mean)", "mask_kept", "{:.4f}"),

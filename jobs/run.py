@@ -48,6 +48,8 @@ from trajflow.pipelines.local_ray import WORKER_ENV, quiet_ray, start_local_ray
 
 log = logging.getLogger("trajflow")
 
+NODE_PREFIX = "node/"  # metrics-row columns naming the node of a stage's process (pipelines/colocation.py)
+
 # (label, metrics key, format) of a status line, in the order they are dropped last to first
 STATUS_KEYS = (
     ("reward", "reward_mean", "{:.3f}"),
@@ -214,42 +216,63 @@ class _TensorBoard:
             self.writer.close()
 
 
-def record_placement(paths: RunPaths) -> dict[str, list[str]]:
-    """Which node each stage's actors run on (Ray state API, which needs the cluster's dashboard:
-    on an embedded Ray without one this records nothing). Written to placement.json with the
-    nodes' custom resources, e.g. {"stages": {"Generate": [node]}, "nodes": {node: {...}}}."""
+def record_placement(paths: RunPaths, placement: dict[str, list[str]], row: dict) -> bool:
+    """Add the nodes a metrics row reports to `placement` ({stage class: [node ids]}): each
+    stage-group actor reports its node in the `node/<stage class>` columns of the row of its first
+    batch (pipelines/colocation.py). When that adds a node, placement.json is rewritten with the
+    nodes' custom resources, e.g. {"stages": {"Generate": [node]}, "nodes": {node: {...}}}, and
+    True returned. (Not Ray's state API: it needs the dashboard, and an embedded Ray has none.)"""
     import json
 
     import ray
 
-    try:
-        from ray.util.state import list_actors
-
-        actors = list_actors(limit=1000, timeout=10, raise_on_missing_output=False)
-    except Exception:
-        return {}
-    placement: dict[str, list[str]] = {}
-    for actor in actors:
-        name = getattr(actor, "class_name", "") or ""
-        if "MapBatches(" not in name and "PolicyStore" not in name:
-            continue
-        # a process running several stages is named after all of them: Generate+Reward+...
-        for stage in name.split("MapBatches(")[-1].rstrip(")").split("+") if "MapBatches(" in name else [name]:
-            placement.setdefault(stage, [])
-            if actor.node_id and actor.node_id not in placement[stage]:
-                placement[stage].append(actor.node_id)
-    if placement:
+    changed = False
+    for key, node in row.items():
+        if key.startswith(NODE_PREFIX) and node and node not in placement.setdefault(key[len(NODE_PREFIX):], []):
+            placement[key[len(NODE_PREFIX):]].append(node)
+            changed = True
+    if changed:
         nodes = {n["NodeID"]: {"address": n.get("NodeManagerAddress"), "resources": n.get("Resources", {})}
                  for n in ray.nodes() if n.get("Alive")}
         ckpt.atomic_write_text(paths.root / "placement.json",
                                json.dumps({"stages": placement, "nodes": nodes}, indent=1, sort_keys=True))
-    return placement
+    return changed
+
+
+def heldout_line(metrics, prompts: int) -> str | None:
+    """Held-out accuracy of the starting weights (version 0) and of the last version evaluated,
+    with the standard error sqrt(p (1 - p) / n) over the n held-out prompts (exact for a 0/1
+    reward, an upper bound for rewards in [0, 1]); of the change, sqrt(se0² + se1²) (the same
+    prompts both times, so conservative). None without an evaluation. `metrics`: polars, by step."""
+    import math
+
+    def se(p: float | None) -> float | None:
+        return math.sqrt(p * (1 - p) / prompts) if p is not None and 0.0 <= p <= 1.0 else None
+
+    def last(column: str):
+        values = metrics.select("version", column).drop_nulls() if column in metrics.columns else metrics.clear()
+        return (float(values[column][-1]), int(values["version"][-1])) if values.height else (None, None)
+
+    start, _ = last("heldout_accuracy_start")
+    end, version = last("heldout_accuracy")
+    if start is not None and end is not None:
+        errors = (se(start), se(end))
+        interval = f" ± {math.hypot(*errors):.3f} (s.e.)" if None not in errors else ""
+        text = f"{start:.3f} at version 0 -> {end:.3f} at version {version}, {end - start:+.3f}{interval}"
+    elif start is not None or end is not None:
+        p = start if start is not None else end
+        text = f"{p:.3f}" + (f" ± {se(p):.3f} (s.e.)" if se(p) is not None else "") + \
+            f" at version {0 if start is not None else version}"
+    else:
+        return None
+    return f"held-out accuracy on {prompts} prompts: {text}"
 
 
 def summary_table(paths: RunPaths, steps: int, first_step: int, session_seconds: float,
-                  step_seconds: list[float]) -> str:
+                  step_seconds: list[float], heldout_prompts: int = 0) -> str:
     """Every step of a short run, or about 10 evenly spaced ones and the last; then the reward
-    at both ends, the time per step, the checkpoints and the run dir."""
+    at both ends, held-out accuracy before and after (over `heldout_prompts`), the time per step,
+    the checkpoints and the run dir."""
     metrics = read_metrics(paths)
     if metrics.is_empty():
         return "no steps were trained"
@@ -269,6 +292,11 @@ def summary_table(paths: RunPaths, steps: int, first_step: int, session_seconds:
         format_table(shown, list(SUMMARY_COLUMNS)),
         f"steps logged: {metrics.height} of {steps} | reward: mean of the first {n} steps "
         f"{rewards.head(n).mean():.3f}, of the last {n} {rewards.tail(n).mean():.3f}",
+    ]
+    heldout = heldout_line(metrics, heldout_prompts) if heldout_prompts else None
+    if heldout is not None:
+        lines.append(wrap(heldout))
+    lines += [
         timing,
         f"checkpoints kept: {', '.join(checkpoints) or 'none'}",
         f"run dir: {paths.root}",
@@ -439,7 +467,7 @@ def _stream(config, paths, pipeline, first_step, started, interactive, step_seco
     bar = tqdm(total=config.steps, initial=first_step, desc=f"trajflow {pipeline.strategy.name}", disable=not interactive,
                file=sys.stderr, dynamic_ncols=True, leave=False)
     say = bar.write if interactive else (lambda line: print(line, flush=True))
-    placement_done = False
+    placement: dict[str, list[str]] = {}
     last = started
 
     def on_sigterm(signum, frame):  # `trajflow stop` / `ray job stop` send SIGTERM: record it, exit
@@ -454,21 +482,18 @@ def _stream(config, paths, pipeline, first_step, started, interactive, step_seco
             now = time.time()
             step_seconds.append(now - last)
             last = now
+            step = int(row["step"])
+            if config.status_every and (step % config.status_every == 0 or step == config.steps - 1):
+                say(status_line(row, config.steps, step_seconds[-1]))  # first: the line shows the step's end
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
             if tb is not None:
                 tb.add(row)
-            step = int(row["step"])
-            if config.status_every and (step % config.status_every == 0 or step == config.steps - 1):
-                say(status_line(row, config.steps, step_seconds[-1]))
             if row.get("checkpoint") is not None:
                 say(f"trajflow: checkpoint of version {row['checkpoint']} (resumes at step {row['checkpoint']})")
-            if not placement_done:
-                placement = record_placement(paths)
-                placement_done = True
-                if placement:
-                    say(wrap("trajflow: placement " + ", ".join(f"{k} on {[n[:8] for n in v]}"
-                                                                for k, v in sorted(placement.items()))))
+            if record_placement(paths, placement, row) and len({n for v in placement.values() for n in v}) > 1:
+                say(wrap("trajflow: placement " + ", ".join(f"{k} on {[n[:8] for n in v]}"
+                                                            for k, v in sorted(placement.items()))))
     finally:
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
@@ -481,7 +506,8 @@ def _finish(config: JobConfig, paths: RunPaths, first_step: int, started: float,
     metrics = read_metrics(paths)
     if not metrics.is_empty():
         write_table_atomic(metrics.to_arrow(), paths.metrics)
-    summary = summary_table(paths, config.steps, first_step, time.time() - started, step_seconds)
+    summary = summary_table(paths, config.steps, first_step, time.time() - started, step_seconds,
+                            heldout_prompts=config.eval_prompts if config.eval_every else 0)
     ckpt.atomic_write_text(paths.summary, summary + "\n")
     print(summary, flush=True)
     missing = sorted(set(range(config.steps)) - set(metrics["step"].to_list() if not metrics.is_empty() else []))

@@ -4,7 +4,8 @@ Each is a callable `hook(trainstep, batch, metrics)` that the train step runs, i
 its update (`TrainStep(after_step=[...])`): no extra actor and no extra Ray Data hop per step.
 
     PublishWeights      the new weights become version k + 1 in the policy store (generators wait on it)
-    HeldoutEvaluation   greedy accuracy on the task's held-out prompts every `every` versions
+    HeldoutEvaluation   greedy accuracy on the task's held-out prompts every `every` versions (and of
+                        version 0, in a fresh run's first step)
     StoreStatistics     snapshot memory and the actors' timing counters, read from the store
 
 The job's own hook (the run recorder: trajectory log, metrics file, checkpoints) runs after these.
@@ -45,8 +46,10 @@ class PublishWeights:
 
 class HeldoutEvaluation:
     """Greedy accuracy on the workload's first `prompts` held-out prompts (a task's test split or
-    `data.test_files`), every `every` versions (metric `heldout_accuracy`). The tokenizer loads
-    on first use, in the trainer."""
+    `data.test_files`), every `every` versions (metric `heldout_accuracy`), and once of the
+    starting weights of a fresh run (`heldout_accuracy_start`, in step 0's row: version 0 is the
+    model at `model_path`, loaded for this alone; the trainer's copy is already updated when
+    the hooks run). The tokenizer loads on first use, in the trainer."""
 
     def __init__(self, model_path: str | Path, workload: Workload, every: int, prompts: int, max_new_tokens: int,
                  stop: Sequence[str] = ()) -> None:
@@ -55,15 +58,23 @@ class HeldoutEvaluation:
         self._tokenizer = None
 
     def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
-        if not self.every or trainstep.version % self.every:
+        if not self.every:
             return
-        from trajflow.engines.models import load_tokenizer
+        from trajflow.engines.models import load_model, load_tokenizer
+
+        if self._tokenizer is None:  # this trainer's first step
+            self._tokenizer = load_tokenizer(self.model_path)
+            if trainstep.version == 1:  # it started from version 0 (a resumed run starts later)
+                device = next(trainstep.policy().parameters()).device
+                metrics["heldout_accuracy_start"] = self._accuracy(load_model(self.model_path).to(device))
+        if trainstep.version % self.every == 0:
+            metrics["heldout_accuracy"] = self._accuracy(trainstep.policy())
+
+    def _accuracy(self, model: torch.nn.Module) -> float:
         from trajflow.operators.evaluate import heldout_accuracy
 
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.model_path)
-        metrics["heldout_accuracy"] = heldout_accuracy(trainstep.policy(), self._tokenizer, self.workload,
-                                                       self.prompts, self.max_new_tokens, stop=self.stop)
+        return heldout_accuracy(model, self._tokenizer, self.workload, self.prompts, self.max_new_tokens,
+                                stop=self.stop)
 
 
 class StoreStatistics:

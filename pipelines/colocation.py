@@ -20,8 +20,10 @@ which process runs a stage, never the order of stages or what a stage computes.
 
 Each group also times its stages and hands the times on in the batch's schema metadata; the
 last group adds them to the metrics row as `stage_seconds/<stage>` (and, in the first row, where
-start-up went: `startup_seconds/...`), so a step's wall time can be read against the compute
-inside it without any extra call.
+start-up went: `startup_seconds/...`, and which node each stage's process runs on:
+`node/<stage class>`), so a step's wall time can be read against the compute inside it, and the
+placement recorded, without any extra call (Ray's state API needs the dashboard, and without one
+it spins ~40 s before failing).
 """
 
 from __future__ import annotations
@@ -75,10 +77,15 @@ def _joins(group: list["Stage"], stage: "Stage", colocate: bool) -> bool:
     return all(_can_share(a, stage) for a in anchors)
 
 
+def stage_class(stage: "Stage") -> str:
+    """The class name of a stage: its class (a class stage) or its callable's type."""
+    return stage.fn.__name__ if stage.is_actor else type(stage.fn).__name__
+
+
 def group_name(group: list["Stage"]) -> str:
     """The class name of a group's actor: its stages' class names joined by '+'. Process titles
-    and placement records read it (`MapWorker(MapBatches(Generate+Reward+...))`)."""
-    return "+".join(s.fn.__name__ if s.is_actor else type(s.fn).__name__ for s in group)
+    read it (`MapWorker(MapBatches(Generate+Reward+...))`)."""
+    return "+".join(stage_class(s) for s in group)
 
 
 class StageGroup:
@@ -88,19 +95,25 @@ class StageGroup:
     `timings`: "off"; "carry" (add this group's measurements to those the batch brought and hand
     them on in the schema metadata); "emit" (the last group: add them to the output rows as
     columns). Measured: `stage_seconds/<stage>`, the seconds each stage took on this batch; and,
-    on a group's first batch only, `startup_seconds/<stage>` (constructing the stage: model loads)
-    and `startup_seconds/<first stage>.process` (from the actor process's creation to the
-    group's constructor: worker start and imports). The stages never see the metadata.
+    on a group's first batch only, `startup_seconds/<stage>` (constructing the stage: model loads),
+    `startup_seconds/<first stage>.process` (from the actor process's creation to the group's
+    constructor: worker start and imports) and `node/<stage class>` (the Ray node id of this
+    process, "" outside Ray). The stages never see the metadata.
     """
 
     def __init__(self, stages: list["Stage"], store: Any = None, extra_kwargs: dict[str, dict] | None = None,
                  timings: str = "off") -> None:
         extra_kwargs = extra_kwargs or {}
         self.startup: dict[str, float] = {}
+        self.node: dict[str, str] = {}
         if stages and timings != "off":
             import psutil
+            import ray
 
             self.startup[f"{stages[0].name}.process"] = time.time() - psutil.Process().create_time()
+            # get_runtime_context() outside Ray would start one: check first
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+            self.node = {stage_class(s): node for s in stages}
         self.stages: list[tuple[str, Callable[[pa.Table], pa.Table]]] = []
         for s in stages:
             started = time.perf_counter()
@@ -127,6 +140,7 @@ class StageGroup:
         seconds = measured.setdefault("stage_seconds", {})
         if self.startup:
             measured.setdefault("startup_seconds", {}).update(self.startup)
+            measured.setdefault("node", {}).update(self.node)
             self.startup = {}
         for name, fn in self.stages:
             started = time.perf_counter()
@@ -135,12 +149,13 @@ class StageGroup:
         if self.timings == "emit":
             for area, values in measured.items():
                 for name, value in values.items():
-                    batch = batch.append_column(f"{area}/{name}", pa.array([value] * batch.num_rows, pa.float64()))
+                    kind = pa.string() if isinstance(value, str) else pa.float64()
+                    batch = batch.append_column(f"{area}/{name}", pa.array([value] * batch.num_rows, kind))
             return batch
         return batch.replace_schema_metadata({**(batch.schema.metadata or {}), MEASURED_KEY: json.dumps(measured)})
 
 
-def pop_measurements(batch: pa.Table) -> tuple[dict[str, dict[str, float]], pa.Table]:
+def pop_measurements(batch: pa.Table) -> tuple[dict[str, dict[str, float | str]], pa.Table]:
     """(what the groups before measured on this batch, the batch without that metadata)."""
     metadata = dict(batch.schema.metadata or {})
     raw = metadata.pop(MEASURED_KEY, None)

@@ -94,7 +94,7 @@ def test_stage_group_constructs_class_stages_and_carries_timings():
     assert set(carried) == {"double", "tag"} and all(v >= 0 for v in carried.values())
     assert set(measured["startup_seconds"]) == {"double.process", "tag"}  # the first batch only
     assert bare.schema.metadata is None  # the stages themselves never see the timing metadata
-    assert "startup_seconds" not in pop_measurements(first(pa.table({"x": [1]})))[0]
+    assert not {"startup_seconds", "node"} & set(pop_measurements(first(pa.table({"x": [1]})))[0])
 
     seen = []
     last = StageGroup([Stage("spy", lambda t: seen.append(t.schema.metadata) or t.slice(0, 1))], timings="emit")
@@ -103,8 +103,14 @@ def test_stage_group_constructs_class_stages_and_carries_timings():
     assert row.num_rows == 1
     assert set(row.column_names) == {"x", "tag", "stage_seconds/double", "stage_seconds/tag", "stage_seconds/spy",
                                      "startup_seconds/double.process", "startup_seconds/tag",
-                                     "startup_seconds/spy.process"}
+                                     "startup_seconds/spy.process", "node/function", "node/AddColumn"}
     assert row["stage_seconds/double"][0].as_py() == carried["double"]
+    # where each stage's process runs (a lambda's class is `function`): no Ray here, no node id
+    import ray
+
+    here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    assert measured["node"] == {"function": here, "AddColumn": here}
+    assert row["node/AddColumn"].type == pa.string() and row["node/AddColumn"][0].as_py() == here
 
 
 def test_fused_applies_callables_in_order_without_timings():

@@ -7,7 +7,11 @@
 - replaying the logged run under `snapshot` in --diagnose mode reproduces the run's own
   diagnostics; replaying it under another strategy gives that strategy's (different) numbers;
 - bad input (wrong column type, truncated Parquet, missing version weights) ends with one line
-  and exit status 2, and writes nothing.
+  and exit status 2, and writes nothing;
+- each status line is printed when its step ends: after the step's end and before the next
+  step's end (timestamps of the lines as they arrive, against the trainer's `time/step_end`).
+
+The other runs are the quickstart at its old, small size (8 prompts x 4 samples per step, ROWS).
 
 Each `trajflow run` starts its own embedded Ray (a subprocess), so these tests do not share the
 test session's Ray.
@@ -40,7 +44,9 @@ pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "trajflow.jobs.cli"]
 QUICK_STEPS = 8
-ROWS = 32  # quickstart: 8 prompts x 4 samples
+ROWS = 32
+SMALL = ["--set", "prompts_per_step=8", "--set", "group_size=4"]  # ROWS per step
+EVAL_PROMPTS = 64
 # the diagnostics a train step reports that a --diagnose replay recomputes
 DIAGNOSTIC_PREFIXES = ("mask/", "clip/", "mismatch/", "is/", "staleness/", "active_frac", "loss_tokens", "loss")
 
@@ -67,8 +73,9 @@ def _all_trajectories(run_dir: Path) -> pa.Table:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp_path_factory.mktemp("jobs") / "quick"
-    proc = run_cli(["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={QUICK_STEPS}",
-                    "--set", "checkpoint_every=2", "--set", "keep_checkpoints=2"])
+    proc = run_cli(["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={QUICK_STEPS}", *SMALL,
+                    "--set", "checkpoint_every=2", "--set", "keep_checkpoints=2", "--set", "eval_every=4",
+                    "--set", f"eval_prompts={EVAL_PROMPTS}"])
     assert proc.returncode == 0, _explain(proc)
     return run_dir, proc
 
@@ -106,6 +113,28 @@ def test_quickstart_run_writes_a_complete_run_dir(quick_run):
     assert metrics["version"].to_list() == list(range(1, QUICK_STEPS + 1))
     assert metrics["trainer_node"].n_unique() == 1 and len(metrics["trainer_node"][0]) > 8
     assert (metrics["rows"] == ROWS).all()
+    # placement.json, from the node each stage's process reported (no state API: no dashboard here)
+    from trajflow.pipelines.colocation import stage_class
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    placement = json.loads((run_dir / "placement.json").read_text())
+    stages = {stage_class(s) for s in RLPipeline(config.pipeline_config()).stages}
+    assert {"Generate", "TrainStep"} < stages and set(placement["stages"]) == stages
+    assert set(placement["nodes"]) == {metrics["trainer_node"][0]}
+    assert all(nodes == [metrics["trainer_node"][0]] for nodes in placement["stages"].values())
+    assert "trajflow: placement" not in proc.stdout  # said only when stages run on several nodes
+
+    # held-out accuracy: version 0 (the warm start) in step 0's row, then versions 4 and 8; the summary
+    # shows both ends with the standard error over the 64 prompts
+    assert metrics["heldout_accuracy_start"].drop_nulls().len() == 1
+    start = metrics["heldout_accuracy_start"][0]
+    assert start == pytest.approx(_warm_start_accuracy(EVAL_PROMPTS), abs=1e-9)
+    evaluated = metrics.filter(pl.col("heldout_accuracy").is_not_null())
+    assert evaluated["version"].to_list() == [4, 8]
+    end = evaluated["heldout_accuracy"][-1]
+    error = np.hypot(np.sqrt(start * (1 - start) / EVAL_PROMPTS), np.sqrt(end * (1 - end) / EVAL_PROMPTS))
+    assert (f"held-out accuracy on {EVAL_PROMPTS} prompts: {start:.3f} at version 0 -> {end:.3f} at version 8, "
+            f"{end - start:+.3f} ± {error:.3f} (s.e.)") in proc.stdout
 
     # trajectories: schema-valid partitions of one train step each, unique ids
     table = _all_trajectories(run_dir)
@@ -146,6 +175,56 @@ def test_quickstart_run_writes_a_complete_run_dir(quick_run):
     accumulator.Reload()
     assert [e.step for e in accumulator.Scalars("reward_mean")] == list(range(QUICK_STEPS))
     assert [e.value for e in accumulator.Scalars("reward_mean")] == pytest.approx(metrics["reward_mean"].to_list())
+
+
+def _warm_start_accuracy(prompts: int) -> float:
+    """Greedy held-out accuracy of the warm start, computed here as the trainer does (one thread)."""
+    import torch
+
+    from trajflow.engines.models import WARM_START_DIR, load_model, load_tokenizer
+    from trajflow.operators.evaluate import heldout_accuracy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        workload = load_job_config("quickstart").workload()
+        return heldout_accuracy(load_model(WARM_START_DIR), load_tokenizer(WARM_START_DIR), workload, prompts, 6)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_status_lines_are_printed_as_their_steps_end(tmp_path):
+    """`trajflow` (the installed entry point) on a tiny synchronous config whose steps take at
+    least 6 x 0.15 s of (simulated) decoding each: the line of step k arrives after step k ended
+    (the trainer's wall-clock `time/step_end`) and before step k+1 ended. A driver that holds the
+    lines back (e.g. a 40 s call after the first row) prints them in a burst after the last step."""
+    steps, run_dir = 4, tmp_path / "timed"
+    entry = Path(sys.executable).with_name("trajflow")
+    args = ["run", "quickstart", "--run-dir", run_dir, "--no-progress", "--set", f"steps={steps}",
+            "--set", "max_staleness=0", "--set", "prompts_per_step=4", "--set", "group_size=2",
+            "--set", "simulate_decode_seconds=0.15", "--set", "eval_every=0", "--set", "checkpoint_every=0",
+            "--set", "save_all_versions=false", "--set", "trajectory_log=false", "--set", "tensorboard=false"]
+    proc = subprocess.Popen([str(entry), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=_env())
+    arrived: dict[int, float] = {}
+    lines = []
+    try:
+        for line in proc.stdout:  # unbuffered child (PYTHONUNBUFFERED): each line as it is printed
+            lines.append(line)
+            found = re.match(r"step +(\d+) \(", line)
+            if found:
+                arrived[int(found.group(1))] = time.time()
+        assert proc.wait(timeout=300) == 0, "".join(lines)[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ended = pl.read_parquet(run_dir / "metrics.parquet").sort("step")["time/step_end"].to_list()
+    assert sorted(arrived) == list(range(steps)) and len(ended) == steps, "".join(lines)
+    for k in range(steps):
+        assert arrived[k] >= ended[k], (k, arrived[k] - ended[k])
+        if k + 1 < steps:
+            assert arrived[k] < ended[k + 1], f"the line of step {k} came {arrived[k] - ended[k + 1]:.1f}s after " \
+                                              f"step {k + 1} ended"
 
 
 def test_resuming_a_finished_run_says_so_and_touches_nothing(quick_run):
@@ -341,8 +420,9 @@ def run_until_checkpoint_then_kill(args: list, run_dir: Path, version: int, log_
 def test_sigkilled_run_resumes_without_repeating_or_skipping_steps(tmp_path):
     steps = 10
     run_dir = tmp_path / "killed"
-    args = ["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={steps}", "--set", "checkpoint_every=2",
-            "--set", "keep_checkpoints=2", "--set", "save_all_versions=false", "--set", "tensorboard=false"]
+    args = ["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={steps}", *SMALL, "--set", "checkpoint_every=2",
+            "--set", "keep_checkpoints=2", "--set", "save_all_versions=false", "--set", "tensorboard=false",
+            "--set", "eval_every=5", "--set", "eval_prompts=16"]
     run_until_checkpoint_then_kill(args, run_dir, 4, tmp_path / "first.log")
     logged_before = sorted((run_dir / "metrics").glob("step=*.parquet"))
     assert len(logged_before) < steps, "the run finished before it could be killed"
@@ -359,6 +439,8 @@ def test_sigkilled_run_resumes_without_repeating_or_skipping_steps(tmp_path):
 
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == list(range(steps))  # each step exactly once, in order
+    # version 0 is evaluated once, by the first session; the resumed trainer started later
+    assert metrics.filter(pl.col("heldout_accuracy_start").is_not_null())["step"].to_list() == [0]
     assert metrics["version"].to_list() == list(range(1, steps + 1))
     # the optimizer state was restored: its step count runs on across the resume
     trained_steps = (metrics["rows_trained"] > 0).cast(pl.Int64).cum_sum()
