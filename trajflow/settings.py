@@ -37,12 +37,15 @@ class SettingError(ValueError):
         self.field = field
 
 
-def setting(default: Any = MISSING, doc: str = "", *, default_factory: Any = MISSING, **bounds: float) -> Any:
-    """A dataclass field with its documentation and numeric bounds (ge, gt, le, lt)."""
+def setting(default: Any = MISSING, doc: str = "", *, default_factory: Any = MISSING, key: str | None = None,
+            **bounds: float) -> Any:
+    """A dataclass field with its documentation and numeric bounds (ge, gt, le, lt). `key`: its
+    name in a job config when the field's name cannot be it (a Python keyword: `in_` -> `in`)."""
     unknown = set(bounds) - set(BOUNDS)
     if unknown:
         raise TypeError(f"setting(): unknown bound(s) {sorted(unknown)}; use {sorted(BOUNDS)}")
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={"doc": doc, **bounds})
+    metadata = {"doc": doc, **bounds, **({"key": key} if key else {})}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 def describe(cls: type) -> dict[str, str]:
