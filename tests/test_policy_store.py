@@ -72,8 +72,7 @@ def test_ray_get_returns_views_into_shared_memory(ray_session):
 @pytest.mark.timeout(300)
 def test_only_the_final_version_is_copied_and_it_outlives_the_publisher(ray_session):
     ray = ray_session
-    from trajflow.operators.after_step import publish_weights
-    from trajflow.pipelines.policy_store import PolicyStore
+    from trajflow.pipelines.policy_store import RayStore
 
     @ray.remote(num_cpus=0)
     class Trainer:
@@ -83,27 +82,26 @@ def test_only_the_final_version_is_copied_and_it_outlives_the_publisher(ray_sess
         def step(self) -> int:
             with torch.no_grad():
                 self.model.weight.add_(1.0)
-            return publish_weights(self.store, self.model)
+            return self.store.publish(self.model.state_dict())
 
         def weight(self):
             return self.model.weight.detach().clone()
 
-    store = PolicyStore.remote(max_staleness=0, keep_history=False, final_version=2)
+    store = RayStore.start(max_staleness=0, keep_history=False, final_version=2)
     trainer = Trainer.remote(store)
     published = [ray.get(trainer.step.remote()) for _ in range(3)]
     assert published == [0, 1, 2]
     final_weight = ray.get(trainer.weight.remote())
     ray.kill(trainer)
-    version, (ref,) = ray.get(store.get.remote(None))
+    version, weights = store.weights()
     assert version == 2
-    assert torch.equal(ray.get(ref)["weight"], final_weight)  # the store's own copy: the trainer is gone
+    assert torch.equal(weights["weight"], final_weight)  # the store's own copy: the trainer is gone
 
     # without a final version every version is the store's own (the safe default)
-    store_all = PolicyStore.remote(max_staleness=0, keep_history=False)
+    store_all = RayStore.start(max_staleness=0, keep_history=False)
     trainer = Trainer.remote(store_all)
     ray.get(trainer.step.remote())
     ray.kill(trainer)
-    _, (ref,) = ray.get(store_all.get.remote(None))
-    assert ray.get(ref)["weight"].shape == (4, 4)
-    for actor in (store, store_all):
-        ray.kill(actor)
+    assert store_all.weights()[1]["weight"].shape == (4, 4)
+    for s in (store, store_all):
+        s.kill()

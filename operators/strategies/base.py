@@ -71,7 +71,7 @@ class Trainer(Protocol):
     """What a strategy may use of the process that trains (TrainStep) or diagnoses (Diagnose)."""
 
     version: int              # the trainer's version k: it trains step k and then holds k + 1
-    updates_per_version: int  # optimizer updates per version (minibatches_per_step; 1 in diagnose)
+    minibatches_per_step: int  # optimizer updates per version (1 in diagnose: one set of weights per version)
     numerics: TrainingNumerics
     sampling: SamplingParams
 
@@ -93,10 +93,11 @@ class Strategy:
     needs_update_pass: ClassVar[bool] = False
 
     @classmethod
-    def from_config(cls, config: Any) -> "Strategy":
+    def from_config(cls, config: Any, options: dict[str, Any] | None = None) -> "Strategy":
         """An instance with its settings from the PipelineConfig: `strategy_options` are the
-        constructor's keyword arguments."""
-        options = dict(config.strategy_options)
+        constructor's keyword arguments (a subclass may pass `options` with defaults that depend
+        on the config filled in, e.g. EWMA's window from max_staleness)."""
+        options = dict(config.strategy_options if options is None else options)
         # object.__init__'s (*args, **kwargs) would accept anything, then refuse it less clearly
         parameters = inspect.signature(cls.__init__).parameters if cls.__init__ is not object.__init__ else {}
         accepted = [name for name, p in parameters.items() if name != "self"
