@@ -10,7 +10,9 @@ Warn, not refuse: pip enforces the pin, so an off-series Ray was chosen on purpo
 to try a Ray that fixed a cause upstream, which is how a patch below gets dropped; and the three
 speed patches change when and in which process work happens, never what is computed. The
 exception is `loopback_node`, which carries a guarantee rather than speed: an off-series Ray whose
-embedded instance would listen beyond 127.0.0.1 is refused before it starts (`RayVersionError`).
+embedded instance would listen beyond 127.0.0.1 is refused before it starts (`RayVersionError`;
+exporting RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Python starts keeps any Ray on loopback
+without a patch).
 
 The patches (measured figures: benchmarks/results/, on this 2-core machine, load in each table):
 
@@ -96,8 +98,6 @@ from typing import Any
 
 import ray
 
-from trajflow.pipelines.local_ray import SINGLE_NODE_ENV
-
 log = logging.getLogger("trajflow")
 
 RAY_SERIES = "2.60"  # the Ray minor series these patches were read against; pyproject.toml pins it
@@ -107,7 +107,9 @@ _told: set[str] = set()  # Ray versions the user was told about (once per proces
 
 
 class RayVersionError(RuntimeError):
-    """The installed Ray cannot start an embedded Ray that keeps trajflow's guarantees."""
+    """A Ray outside the pinned series whose embedded instance would listen beyond 127.0.0.1.
+    (Exporting RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Python starts keeps any Ray on
+    loopback without a patch, for whoever tries another Ray on purpose.)"""
 
 
 def ray_in_series(version: str | None = None) -> bool:
@@ -137,9 +139,8 @@ def loopback_node() -> Iterator[None]:
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (the caller sets the variable). On another Ray series,
     RayVersionError: its embedded Ray would listen on the machine's public address."""
     if not ray_in_series():
-        raise RayVersionError(
-            f"Ray {ray.__version__} is not the pinned {RAY_SERIES}.x, the one trajflow keeps on 127.0.0.1: "
-            f"pip install 'ray[data]=={RAY_SERIES}.*', or export {SINGLE_NODE_ENV}=0")
+        raise RayVersionError(f"Ray {ray.__version__} would listen beyond 127.0.0.1: "
+                              f"pip install the pinned 'ray[data]=={RAY_SERIES}.*'")
     from ray._private import ray_constants
 
     before = ray_constants.ENABLE_RAY_CLUSTER

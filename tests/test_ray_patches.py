@@ -79,7 +79,9 @@ def test_on_another_ray_simulated_nothing_is_patched_and_one_line_says_so(ray_se
             assert data_services.apply() is False and not data_services.active()
             with ray_patches.lean_head(log_monitor=False):
                 assert (node.Node.__init__, node.Node.start_api_server) == shipped_node
-            with pytest.raises(RayVersionError, match=r"Ray 2\.61\.0 is not the pinned 2\.60\.x.*127\.0\.0\.1"):
+            refused = (r"^Ray 2\.61\.0 would listen beyond "
+                       r"127\.0\.0\.1: pip install the pinned 'ray\[data\]==2\.60\.\*'$")
+            with pytest.raises(RayVersionError, match=refused):
                 with ray_patches.loopback_node():
                     pass
         assert streaming_executor_state.ray is shipped_wait
