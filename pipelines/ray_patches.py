@@ -119,8 +119,9 @@ def ray_in_series(version: str | None = None) -> bool:
 
 
 def patches_apply() -> bool:
-    """The one version check: whether the installed Ray is the pinned series. When it is not,
-    says so in one line, once per process (every patch then leaves Ray as shipped)."""
+    """Whether the speed patches apply: the installed Ray is the pinned series. When it is not,
+    says so in one line, once per process, and every patch leaves Ray as shipped
+    (`loopback_node` asks `ray_in_series` too, and refuses instead)."""
     if ray_in_series():
         return True
     if ray.__version__ not in _told:
