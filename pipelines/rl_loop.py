@@ -24,7 +24,7 @@ so step b reaches the trainer as its b-th batch; every stage after generate sees
 
 Processes: which consecutive stages share one actor process is decided apart from the stage list
 (pipelines/colocation.py; `pipe.layout()` shows it), and Ray Data's executor is patched to hand a
-batch on as soon as it is ready (pipelines/executor_patch.py).
+batch on as soon as it is ready (pipelines/ray_patches.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from trajflow.operators.stage import Placement, Stage, place, stage_index
 from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
 from trajflow.operators.train_step import StepHooks, TrainerSpec, TrainStep
-from trajflow.pipelines import executor_patch
+from trajflow.pipelines import ray_patches
 from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.local_ray import start_local_ray
@@ -248,7 +248,7 @@ class RLPipeline:
         c = self.config
         if self.store is None:
             self.start_store(first_step)
-        executor_patch.apply()  # Ray Data's executor otherwise hands a batch on at most every 0.1 s
+        ray_patches.executor.apply()  # Ray Data's executor otherwise hands a batch on at most every 0.1 s
         ctx = DataContext.get_current()
         ctx.execution_options.preserve_order = True  # step b must reach the trainer as batch b
         # The source: one block per train step holding that step's prompt rows, built on the driver
