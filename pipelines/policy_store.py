@@ -218,7 +218,7 @@ class RayStore:
         try:
             version, (ref,) = ray.get(self.actor.get.remote(version, pin))
         except VersionNotHeld as e:  # Ray raises the actor's exception as a subclass of it
-            raise VersionNotHeld(str(e).strip().splitlines()[-1].removeprefix("VersionNotHeld: ")) from None
+            raise VersionNotHeld(str(getattr(e, "cause", None) or e)) from None
         return version, ray.get(ref)
 
     def latest_version(self) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from trajflow.engines.models import load_tokenizer
 from trajflow.operators.diagnose import Diagnose
-from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
+from trajflow.operators.old_logprobs import OldLogprobsAtBehaviourVersion
 from trajflow.operators.train_step import TrainStep
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.policy_store import InProcessStore
@@ -77,13 +77,13 @@ def test_snapshot_pipeline_runs_step_by_step_in_one_process(without_ray, one_tor
     pipe = RLPipeline(_config())
     store = _store(pipe)
     ops = _build(pipe, store)
-    assert list(ops) == ["generate", "reward", "advantage", "filter", "old_logits", "train"]
+    assert list(ops) == ["generate", "reward", "advantage", "filter", "old_logprobs", "train"]
     metrics, scored = [], []
     for step in range(3):
         batch = _prompt_rows(pipe, step)
         for name, op in ops.items():
             batch = op(batch)
-            if name == "old_logits":
+            if name == "old_logprobs":
                 scored.append(batch)
         metrics.append(batch.to_pylist()[0])
 
@@ -109,7 +109,7 @@ def test_snapshot_pipeline_runs_step_by_step_in_one_process(without_ray, one_tor
 
 
 @pytest.mark.timeout(300)
-def test_old_logits_score_each_token_at_its_own_version(without_ray, one_torch_thread):
+def test_old_logprobs_score_each_token_at_its_own_version(without_ray, one_torch_thread):
     """Staleness 1 by hand: step 1's rollout is generated at version 0 while the trainer holds
     version 1. Snapshot scores every token under version 0 (not the trainer's weights): exact."""
     pipe = RLPipeline(_config())
@@ -121,10 +121,10 @@ def test_old_logits_score_each_token_at_its_own_version(without_ray, one_torch_t
         stale = op(stale)
     # the trainer trains step 0 and publishes version 1; version 0 stays pinned by `stale`
     fresh = ops["generate"](_prompt_rows(pipe, 0))
-    for op in light + [ops["old_logits"], ops["train"]]:
+    for op in light + [ops["old_logprobs"], ops["train"]]:
         fresh = op(fresh)
     assert store.latest_version() == 1 and 0 in store.stats().versions_held
-    scored = ops["old_logits"](stale)
+    scored = ops["old_logprobs"](stale)
     assert set(pc.list_flatten(scored["versions"]).to_pylist()) == {0}
     assert _max_gap(scored) < 1e-5
     # and the train step at version 1 trains it with lag 1, within max_staleness
@@ -139,9 +139,9 @@ def test_dedicated_scores_right_after_generate_every_row(without_ray, one_torch_
     pipe = RLPipeline(_config(strategy="dedicated"))
     store = _store(pipe)
     ops = _build(pipe, store)
-    assert list(ops)[:2] == ["generate", "old_logits"]
-    assert isinstance(ops["old_logits"], OldLogitsAtBehaviourVersion)
-    batch = ops["old_logits"](ops["generate"](_prompt_rows(pipe, 0)))
+    assert list(ops)[:2] == ["generate", "old_logprobs"]
+    assert isinstance(ops["old_logprobs"], OldLogprobsAtBehaviourVersion)
+    batch = ops["old_logprobs"](ops["generate"](_prompt_rows(pipe, 0)))
     assert batch["old_logprobs"].null_count == 0  # every row, before any filter
     assert _max_gap(batch) < 1e-5
 

@@ -103,8 +103,8 @@ def test_pipeline_stages_come_from_the_strategy_object():
     def names(strategy: str) -> list[str]:
         return [s.name for s in RLPipeline(PipelineConfig(strategy=strategy)).stages]
 
-    assert names("snapshot") == ["generate", "reward", "advantage", "filter", "old_logits", "train"]
-    assert names("dedicated") == ["generate", "old_logits", "reward", "advantage", "filter", "train"]
+    assert names("snapshot") == ["generate", "reward", "advantage", "filter", "old_logprobs", "train"]
+    assert names("dedicated") == ["generate", "old_logprobs", "reward", "advantage", "filter", "train"]
     for strategy in ("interrupt", "ewma", "recompute", "behavior", "loglinear", "m2po"):
         assert names(strategy) == ["generate", "reward", "advantage", "filter", "train"], strategy
     pipe = RLPipeline(PipelineConfig(strategy="interrupt"))

@@ -120,7 +120,7 @@ class Strategy:
         own = self.stages(ctx)
         if own or not self.old_from_column:
             return own
-        return [Placement(old_logit_stage(ctx, skip_filtered=True), before="train")]
+        return [Placement(old_logprob_stage(ctx, skip_filtered=True), before="train")]
 
     def replay_versions(self, step: int, token_versions: set[int], mode: str) -> set[int]:
         """Weights a replay of train step `step` needs beyond the trainer's own (diagnose: version
@@ -177,10 +177,10 @@ class OldLogprobsColumn(Strategy):
         return batch.old
 
 
-def old_logit_stage(ctx: StageContext, skip_filtered: bool) -> Stage:
-    """The operator that scores every token under its own version's weights (operators/old_logits.py)."""
-    from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
+def old_logprob_stage(ctx: StageContext, skip_filtered: bool) -> Stage:
+    """The operator that scores every token under its own version's weights (operators/old_logprobs.py)."""
+    from trajflow.operators.old_logprobs import OldLogprobsAtBehaviourVersion
 
     kwargs = dict(model_path=ctx.model_path, sampling=ctx.sampling, numerics=ctx.numerics,
                   skip_filtered=skip_filtered, torch_threads=ctx.scorer.torch_threads)
-    return Stage("old_logits", OldLogitsAtBehaviourVersion, kwargs, ctx.scorer)
+    return Stage("old_logprobs", OldLogprobsAtBehaviourVersion, kwargs, ctx.scorer)

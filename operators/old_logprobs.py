@@ -1,4 +1,4 @@
-"""Old logits at the behaviour version: pi_v^train for every token, exactly (Ray Data actor).
+"""Old log-probs at the behaviour version: pi_v^train for every token, exactly (Ray Data actor).
 
 For each version v carried by the batch's tokens, the operator loads the weights of v from the
 policy store into a model scored under the training numerics (engines/training_numerics.py: the
@@ -36,7 +36,7 @@ from trajflow.operators.columns import filter_reasons, mark_filtered, replace_co
 from trajflow.operators.store import PolicyStoreClient, VersionNotHeld
 
 
-class OldLogitsAtBehaviourVersion:
+class OldLogprobsAtBehaviourVersion:
     """pi_v^train of every token at its own version v (see the module docstring)."""
 
     def __init__(
@@ -99,7 +99,7 @@ class OldLogitsAtBehaviourVersion:
         for version in {v for vs in versions for v in vs}:
             self.store.release(version)
         self.store.add_counters(
-            {"old_logit_seconds": time.perf_counter() - started, "old_logit_version_switches": float(len(needed))}
+            {"old_logprob_seconds": time.perf_counter() - started, "old_logprob_version_switches": float(len(needed))}
         )
         batch = replace_column(batch, "old_logprobs", pa.array(old, pa.list_(pa.float32())))
         return mark_filtered(batch, over_stale, "over_stale") if over_stale.any() else batch
