@@ -20,14 +20,14 @@ rewards are all equal.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from .config import GROUP_STDS, GroupStd
+
 ArrayLike = Any  # np.ndarray | torch.Tensor | sequence
-GroupStd = Literal["sample", "population"]
-GROUP_STDS: tuple[str, ...] = ("sample", "population")
 
 
 def _to_numpy(x: ArrayLike) -> np.ndarray:

@@ -34,102 +34,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from .config import AGGREGATIONS, CLIP_LEVELS, MASK_LEVELS, CorrectionConfig
 from .masked import broadcast_to_tokens, masked_mean
 
-MaskLevel = Literal["token", "sequence", "none"]
-ClipLevel = Literal["token", "sequence", "none"]
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "token-sum-norm"]
-
-MASK_LEVELS = ("token", "sequence", "none")
-CLIP_LEVELS = ("token", "sequence", "none")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum-norm")
+__all__ = ["AGGREGATIONS", "CLIP_LEVELS", "LOG_RATIO_CLAMP", "MASK_LEVELS", "CorrectionConfig", "LossOutput",
+           "aggregation_weights", "decoupled_loss", "discrepancy_mask", "loss_denominator"]
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ≈ 4.9e8: finite in float32, squares still finite
-
-
-@dataclass(frozen=True)
-class CorrectionConfig:
-    """Thresholds of the decoupled objective (see the module docstring for the formula).
-
-    mask_level        where the symmetric r_d mask acts: "token", "sequence" (geometric mean of
-                      r_d over the sequence's loss tokens) or "none"
-    mask_c_token      token mask keeps 1/c <= r_d <= c
-    mask_c_seq        sequence mask keeps 1/c <= exp(mean_t log r_d) <= c
-    tis_cap           truncated IS weight min(r_d, C) on kept tokens; None = off (the default)
-    clip_level        "token" (PPO), "sequence" (GSPO-style geometric mean of r_s over the
-                      sequence's loss tokens) or "none" (no clip: r_s A unbounded)
-    eps_low/eps_high  asymmetric clip interval [1 - eps_low, 1 + eps_high] on r_s
-    dual_clip_c       for A < 0, bound the per-token loss by c·|A| (c > 1); None = off
-    aggregation       "token-mean": sum over kept tokens / number of kept tokens;
-                      "seq-mean-token-mean": mean over sequences (with >= 1 kept token) of the
-                      per-sequence token mean;
-                      "token-sum-norm": sum over kept tokens / (loss_norm_tokens × B), a constant
-                      normaliser (Dr.GRPO-style) that does not depend on how many tokens survive
-    loss_norm_tokens  the per-sequence token budget for "token-sum-norm" (e.g. max_new_tokens);
-                      None = the batch's padded width T (then not constant across batches)
-    """
-
-    mask_level: MaskLevel = "token"
-    mask_c_token: float = 2.0
-    mask_c_seq: float = 1.003
-    tis_cap: float | None = None
-    clip_level: ClipLevel = "token"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip_c: float | None = None
-    aggregation: Aggregation = "token-mean"
-    loss_norm_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        def fail(field: str, why: str) -> None:
-            raise ValueError(f"CorrectionConfig.{field} {why}, got {getattr(self, field)!r}")
-
-        if self.mask_level not in MASK_LEVELS:
-            fail("mask_level", f"must be one of {MASK_LEVELS}")
-        if self.clip_level not in CLIP_LEVELS:
-            fail("clip_level", f"must be one of {CLIP_LEVELS}")
-        if self.aggregation not in AGGREGATIONS:
-            fail("aggregation", f"must be one of {AGGREGATIONS}")
-        for name in ("mask_c_token", "mask_c_seq"):
-            c = getattr(self, name)
-            if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 1.0):
-                fail(name, "must be a finite number >= 1 (the mask keeps [1/c, c])")
-        if self.tis_cap is not None and not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
-            fail("tis_cap", "must be None or a finite number > 0")
-        if not (0.0 <= self.eps_low < 1.0):
-            fail("eps_low", "must be in [0, 1) (lower clip bound 1 - eps_low must stay > 0)")
-        if not (math.isfinite(self.eps_high) and self.eps_high >= 0.0):
-            fail("eps_high", "must be a finite number >= 0")
-        if self.dual_clip_c is not None and not (math.isfinite(self.dual_clip_c) and self.dual_clip_c > 1.0):
-            fail("dual_clip_c", "must be None or a finite number > 1")
-        if self.loss_norm_tokens is not None and not (
-            isinstance(self.loss_norm_tokens, int) and self.loss_norm_tokens > 0
-        ):
-            fail("loss_norm_tokens", "must be None or a positive int")
-
-    @classmethod
-    def paper(cls, c_ti: float = 1.003, c_stale: float = 1.004, **overrides) -> "CorrectionConfig":
-        """The paper's setting: both factors bounded at sequence level by [1/c, c].
-
-        r_d: geometric-mean sequence mask [1/c_ti, c_ti].
-        r_s: sequence-level clip [1/c_stale, c_stale], i.e. eps_low = 1 - 1/c_stale, eps_high = c_stale - 1.
-        """
-        if not c_stale >= 1.0:
-            raise ValueError(f"CorrectionConfig.paper: c_stale must be >= 1, got {c_stale!r}")
-        kwargs = dict(
-            mask_level="sequence",
-            mask_c_seq=c_ti,
-            clip_level="sequence",
-            eps_low=1.0 - 1.0 / c_stale,
-            eps_high=c_stale - 1.0,
-        )
-        kwargs.update(overrides)
-        return cls(**kwargs)
 
 
 @dataclass

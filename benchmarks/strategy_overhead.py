@@ -28,8 +28,8 @@ def run(steps: int = 30, max_staleness: int = 2) -> list[dict]:
             "extra RSS MiB vs behavior": round(sum(r.memory_mb.values()) - base_mem),
             "max snapshot MiB (store)": round(float(m["snapshot_bytes"].max()) / 2**20, 2),
             "max versions held": int(m["snapshot_max_versions_held"].max()),
-            "old-logit s/step": round(float(m["seconds/old_logit_seconds"].mean()), 3)
-            if "seconds/old_logit_seconds" in m.columns else 0.0,
+            "old-logit s/step": round(float(m["seconds/old_logprob_seconds"].mean()), 3)
+            if "seconds/old_logprob_seconds" in m.columns else 0.0,
         })
     return rows
 

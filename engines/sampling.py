@@ -14,29 +14,28 @@ greedy token (the argmax) is never filtered out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+from trajflow.settings import check_settings, setting
+
+if TYPE_CHECKING:  # torch loads in the functions below: a job config's `sampling:` section is
+    # built from SamplingParams before Ray starts, without torch (tests/test_startup.py)
+    import torch
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 16
-    stop: tuple[str, ...] = ()  # strings that end a response (engines.tokenizer.StopStrings)
+    """How responses are sampled, and so the distribution every log-prob is taken under."""
+
+    temperature: float = setting(1.0, "0 = greedy (log-probs then at temperature 1)", ge=0.0)
+    top_p: float = setting(1.0, "nucleus filter: keep the smallest set of tokens with this mass", gt=0.0, le=1.0)
+    top_k: int = setting(0, "keep the k most likely tokens (0 = off)", ge=0)
+    max_new_tokens: int = setting(6, "response length limit in tokens (per turn for an environment)", ge=1)
+    stop: tuple[str, ...] = setting((), "strings that end a response (besides the eos tokens)")
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_settings(self)
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +48,8 @@ def warp_logits(logits: Tensor, sampling: SamplingParams) -> Tensor:
     Not normalised: `process_logits` / `token_logprobs` normalise. Differentiable in the kept
     entries (the filter is a selection, carrying no gradient).
     """
+    import torch
+
     logits = logits.float()
     if not sampling.greedy and sampling.temperature != 1.0:
         logits = logits / sampling.temperature
@@ -71,6 +72,8 @@ def warp_logits(logits: Tensor, sampling: SamplingParams) -> Tensor:
 def process_logits(logits: Tensor, sampling: SamplingParams) -> Tensor:
     """Float32 logits [..., V] -> processed log-probs [..., V] (temperature, top-k, top-p; -inf
     where filtered). The distribution generation samples from."""
+    import torch
+
     return torch.log_softmax(warp_logits(logits, sampling), dim=-1)
 
 
@@ -78,6 +81,8 @@ def token_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingParams) -> 
     """Processed log-prob of `tokens` [...] under `logits` [..., V], in the memory-light
     gather-minus-logsumexp form (no [..., V] log-softmax kept). Equals
     `process_logits(logits).gather(tokens)`; a filtered token scores -inf."""
+    import torch
+
     warped = warp_logits(logits, sampling)
     picked = warped.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(warped, dim=-1)
@@ -89,6 +94,8 @@ def sample_tokens(logits: Tensor, sampling: SamplingParams, generator: torch.Gen
 
     Log-probs are under the processed distribution (see module docstring for temperature 0).
     """
+    import torch
+
     warped = warp_logits(logits, sampling)
     # Same gather-minus-logsumexp arithmetic as `token_logprobs`, so generation and scoring of the
     # same logits give bit-identical log-probs.

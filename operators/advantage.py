@@ -10,18 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from trajflow.algorithms.advantages import ESTIMATORS, GROUP_STDS, group_advantages
+from trajflow.algorithms.advantages import group_advantages
+from trajflow.algorithms.config import AdvantageConfig
 from trajflow.operators.columns import group_codes, replace_column
 
 
 class Advantage:
-    def __init__(self, estimator: str = "grpo", std: str = "sample") -> None:
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"advantage: unknown estimator {estimator!r}; choose from {sorted(ESTIMATORS)}")
-        if std not in GROUP_STDS:
-            raise ValueError(f"advantage.std: {std!r} is not one of {', '.join(GROUP_STDS)}")
-        self.estimator = estimator
-        self.kwargs = {"std": std} if estimator == "grpo" else {}
+    def __init__(self, config: AdvantageConfig) -> None:
+        self.estimator = config.estimator
+        self.kwargs = {"std": config.std} if config.estimator == "grpo" else {}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rewards = batch["reward"].to_numpy(zero_copy_only=False).astype(np.float64)

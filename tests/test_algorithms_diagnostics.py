@@ -21,7 +21,7 @@ VERSIONS = torch.tensor([[5, 4, 0], [3, 3, 2]])
 
 
 def batch_output(**cfg):
-    return decoupled_loss(CUR, OLD, INF, ADV, MASK, CorrectionConfig(mask_c_token=2.5, **cfg))
+    return decoupled_loss(CUR, OLD, INF, ADV, MASK, CorrectionConfig(mask_level="token", mask_c_token=2.5, eps_high=0.2, **cfg))
 
 
 def test_fractions_kl_ess_staleness_by_hand():

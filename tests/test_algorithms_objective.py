@@ -14,12 +14,16 @@ def t(rows):
     return torch.tensor(rows, dtype=torch.float32)
 
 
+# The hand-computed cases below assume a token-level mask and a symmetric 0.2 clip.
+TOKEN_LEVEL = dict(mask_level="token", eps_high=0.2)
+
+
 def run(cur, old, inf, adv, mask=None, **cfg):
     """Loss output and d loss / d current_logprobs."""
     cur = t(cur).requires_grad_(True)
     old, inf, adv = t(old), t(inf), t(adv)
     mask = torch.ones_like(cur, dtype=torch.bool) if mask is None else torch.tensor(mask)
-    out = decoupled_loss(cur, old, inf, adv, mask, CorrectionConfig(**cfg))
+    out = decoupled_loss(cur, old, inf, adv, mask, CorrectionConfig(**{**TOKEN_LEVEL, **cfg}))
     out.loss.backward()
     return out, cur.grad
 
@@ -241,6 +245,10 @@ def test_everything_masked_gives_zero_loss_with_graph():
         ("eps_high", -0.1),
         ("dual_clip_c", 1.0),
         ("loss_norm_tokens", 0),
+        ("tis_cap", True),  # a boolean is never a number, in the library as in YAML
+        ("mask_c_token", True),
+        ("loss_norm_tokens", False),
+        ("eps_high", "0.2"),
     ],
 )
 def test_config_validation_names_the_field(field, value):

@@ -80,7 +80,7 @@ def test_loss_matches_float64_reference_on_ordinary_values(batch):
     cur_np, old_np, inf_np, adv_np, mask_np, _ = batch
     cur_np, old_np, inf_np, adv_np = (np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
                                       for x in (cur_np, old_np, inf_np, adv_np))
-    cfg = CorrectionConfig(mask_c_token=1.5, tis_cap=2.0, dual_clip_c=3.0)
+    cfg = CorrectionConfig(mask_level="token", mask_c_token=1.5, tis_cap=2.0, eps_high=0.2, dual_clip_c=3.0)
     out = decoupled_loss(*(torch.from_numpy(x) for x in (cur_np, old_np, inf_np, adv_np, mask_np)), cfg)
 
     c, o, i = (x.astype(np.float64) for x in (cur_np, old_np, inf_np))

@@ -203,7 +203,7 @@ def test_an_environment_by_import_path_from_a_file(ray_session, tmp_path):
         assert max(len(r) for r in batch["response_tokens"].to_pylist()) <= 24
 
     pipe = RLPipeline(config)
-    pipe.train_step_kwargs = {"on_step": check_episodes}
+    pipe.hooks.on_step = check_episodes
     metrics = pipe.run(progress=False)
     assert metrics.height == 2 and (metrics["rows"] == 4).all()
     rows = pa.concat_tables([pipe.prompts.step_rows(s) for s in range(2)])

@@ -31,7 +31,7 @@ class SmallTrainer(PolicyHolder):
     def __init__(self, version: int = 0, seed: int = 0) -> None:
         torch.manual_seed(seed)
         self.model = torch.nn.Linear(3, 2)
-        self.numerics, self.sampling, self.updates_per_version = TrainingNumerics(), None, 1
+        self.numerics, self.sampling, self.minibatches_per_step = TrainingNumerics(), None, 1
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.optimizer_steps = 0
         self.version = version

@@ -214,7 +214,7 @@ def test_exact_strategies_on_episodes_spanning_versions(ray_session, publish_ins
     # A publish lands between the turns (snapshot) or inside a turn (interrupt) of every rollout
     # that runs ahead of the trainer.
     pipe = publish_inside_rollouts(RLPipeline(config))
-    pipe.train_step_kwargs = {"on_step": _log_batches(str(tmp_path))}
+    pipe.hooks.on_step = _log_batches(str(tmp_path))
     m = pipe.run(progress=False)
     print(f"\ncalc {strategy} S={max_staleness}: max|log r_d|={m['mismatch/max_abs_log_rd'].max():.2e} "
           f"max lag={m['staleness/max'].max()} spanning rows={m['rows_spanning_versions'].sum()} "
