@@ -60,7 +60,7 @@ class HeldoutEvaluation:
         if trainstep.version % self.every == 0:
             metrics["heldout_accuracy"] = self._accuracy(trainstep.policy())
 
-    def _accuracy(self, model: torch.nn.Module) -> float:
+    def _accuracy(self, model) -> float:
         from trajflow.operators.evaluate import heldout_accuracy
 
         return heldout_accuracy(model, self._tokenizer, self.workload, self.prompts, self.max_new_tokens,
