@@ -146,25 +146,38 @@ class RunResult:
         """CPU seconds of the driver process (Ray Data's executor, the source, all its threads)."""
         return self._per_step("driver_cpu", skip)
 
-    def stage_seconds(self, skip: int = 3) -> dict[str, float]:
-        """Compute seconds per step of each stage, steady state: the time each stage's process
-        spent in it (`stage_seconds/<stage>`), except that generation counts without its wait
-        for an admission permit (the generator's own `generate_seconds`)."""
-        m = self.metrics[skip + 1:-1]
-        out = {c.removeprefix("stage_seconds/"): float(m[c].mean()) for c in m.columns if c.startswith("stage_seconds/")}
+    @staticmethod
+    def _stage_columns(m: pl.DataFrame) -> dict[str, pl.Series]:
+        """Compute seconds of each stage in each row: the time the stage's process spent in it
+        (`stage_seconds/<stage>`), except that generation counts without its wait for an
+        admission permit (the generator's own `generate_seconds`)."""
+        out = {c.removeprefix("stage_seconds/"): m[c] for c in m.columns if c.startswith("stage_seconds/")}
         if "generate" in out and "seconds/generate_seconds" in m.columns:
-            out["generate"] = float(m["seconds/generate_seconds"].fill_null(0.0).mean())
+            out["generate"] = m["seconds/generate_seconds"].fill_null(0.0)
         return out
+
+    def stage_seconds(self, skip: int = 3) -> dict[str, float]:
+        """Compute seconds per step of each stage, steady state (see _stage_columns)."""
+        return {name: float(values.mean()) for name, values in self._stage_columns(self.metrics[skip + 1:-1]).items()}
+
+    def _critical(self, stages: dict[str, float], synchronous: bool, cores: int) -> float:
+        if synchronous:
+            return sum(stages.values())
+        per_process = [sum(stages.get(name, 0.0) for name in group) for group in self.layout]
+        return max(max(per_process, default=0.0), sum(stages.values()) / cores)
 
     def critical_path(self, synchronous: bool, cores: int = 2, skip: int = 3) -> float:
         """The compute a step cannot go below. Sync: every stage in turn, so their sum. Async: the
         busiest process (its stages run one after another), or all compute spread over the cores
         if that is more."""
-        stages = self.stage_seconds(skip)
-        if synchronous:
-            return sum(stages.values())
-        per_process = [sum(stages.get(name, 0.0) for name in group) for group in self.layout]
-        return max(max(per_process, default=0.0), sum(stages.values()) / cores)
+        return self._critical(self.stage_seconds(skip), synchronous, cores)
+
+    def compute_seconds(self, synchronous: bool, cores: int = 2, first: int = 1) -> tuple[float, float]:
+        """(the critical path of each step from `first` on, summed: what those steps cannot go
+        below; all their stages' compute, summed)."""
+        columns = self._stage_columns(self.metrics[first:])
+        rows = [{name: float(values[i]) for name, values in columns.items()} for i in range(self.metrics.height - first)]
+        return (sum(self._critical(r, synchronous, cores) for r in rows), sum(sum(r.values()) for r in rows))
 
     def trainer_busy(self, skip: int = 3) -> float:
         """Steady-state fraction of wall time the train stage computes."""

@@ -20,6 +20,7 @@ from benchmarks import (  # noqa: E402
     async_vs_sync,
     compute_bound,
     data_plane,
+    end_to_end,
     hops,
     orchestration,
     publish,
@@ -36,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 SECTIONS = HERE / "results"  # one file per benchmark, so each can be refreshed on its own
 ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "hops", "store_calls", "orchestration", "compute_bound", "publish",
-         "trainer_dp", "startup", "trl"]
+         "trainer_dp", "startup", "end_to_end", "trl"]
 
 
 def table(rows: list[dict]) -> str:
@@ -91,6 +92,9 @@ def run_section(name: str, quick: bool, strategies: list[str] | None = None) -> 
     if name == "startup":
         return ("9. Start-up of `trajflow run quickstart` to the end of its first step, and its process tree "
                 "(cold process, CPU seconds per process)", startup.run(steps=5 if q else 20))
+    if name == "end_to_end":
+        return ("9b. `trajflow run quickstart` from enter to exit, beside its start-up plus its steps' compute "
+                "(the quickstart as shipped; cold process)", end_to_end.run(steps=5 if q else None))
     if name == "trl":
         return ("10. Side by side with TRL's GRPOTrainer (quickstart size: 16 prompts x 8 samples, 6 tokens)",
                 table(trl_compare.run(steps=12 if q else 60, repeats=1 if q else 3)))
