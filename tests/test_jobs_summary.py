@@ -1,0 +1,83 @@
+"""What a run says at its end and records of where it ran (jobs/run.py, jobs/report.py), on
+hand-written metrics rows: the held-out line of the summary (accuracy before and after with its
+standard error), the report's version-0 accuracy, and placement.json from the rows' `node/...`
+columns (each stage-group actor reports its node on its first batch)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pytest
+
+from trajflow.jobs.console import WIDTH
+from trajflow.jobs.recorder import RunPaths, write_table_atomic
+from trajflow.jobs.report import load_runs, summarize
+from trajflow.jobs.run import heldout_line, record_placement, summary_table
+
+
+def write_metrics(root: Path, heldout: dict[int, float], start: float | None) -> RunPaths:
+    paths = RunPaths(root)
+    for step in range(4):
+        row = {"step": step, "version": step + 1, "reward_mean": 0.5, "rows": 8, "rows_trained": 8}
+        if step == 0 and start is not None:
+            row["heldout_accuracy_start"] = start
+        if step in heldout:
+            row["heldout_accuracy"] = heldout[step]
+        write_table_atomic(pa.Table.from_pylist([row]), paths.metrics_file(step))
+    return paths
+
+
+def test_heldout_line_gives_both_ends_and_the_standard_error_of_the_change(tmp_path):
+    paths = write_metrics(tmp_path / "run", {1: 0.30, 3: 0.36}, start=0.25)
+    metrics = pl.concat([pl.read_parquet(f) for f in sorted(paths.metrics_dir.glob("*.parquet"))],
+                        how="diagonal_relaxed")
+    # se = sqrt(p (1 - p) / n): 0.0433 at 0.25 and 0.0480 at 0.36 over 100 prompts; of the change, their hypot
+    assert math.hypot(math.sqrt(0.25 * 0.75 / 100), math.sqrt(0.36 * 0.64 / 100)) == pytest.approx(0.0646, abs=1e-4)
+    line = heldout_line(metrics, 100)
+    assert line == "held-out accuracy on 100 prompts: 0.250 at version 0 -> 0.360 at version 4, +0.110 ± 0.065 (s.e.)"
+    # one end only: that accuracy with its own standard error
+    assert heldout_line(metrics.drop("heldout_accuracy"), 100) == \
+        "held-out accuracy on 100 prompts: 0.250 ± 0.043 (s.e.) at version 0"
+    assert heldout_line(metrics.drop("heldout_accuracy_start"), 100) == \
+        "held-out accuracy on 100 prompts: 0.360 ± 0.048 (s.e.) at version 4"
+    assert heldout_line(metrics.drop("heldout_accuracy_start", "heldout_accuracy"), 100) is None
+    # a reward outside [0, 1] is no accuracy: no binomial standard error
+    assert heldout_line(metrics.with_columns(pl.col("heldout_accuracy") * 10), 100).endswith(
+        "0.250 at version 0 -> 3.600 at version 4, +3.350")
+
+    summary = summary_table(paths, 4, 0, 10.0, [5.0, 1.0, 1.0, 1.0], heldout_prompts=100)
+    assert line in summary.splitlines() and len(line) <= WIDTH
+    assert "held-out" not in summary_table(paths, 4, 0, 10.0, [5.0, 1.0, 1.0, 1.0])  # evaluation off
+
+
+def test_report_shows_version_0_accuracy(tmp_path):
+    root = write_metrics(tmp_path / "run", {3: 0.36}, start=0.25).root
+    (run,) = load_runs([root]).values()
+    row = summarize("run", run)
+    assert row["start_heldout_accuracy"] == 0.25 and row["final_heldout_accuracy"] == 0.36
+    (run,) = load_runs([write_metrics(tmp_path / "no_start", {3: 0.36}, start=None).root]).values()
+    assert summarize("run", run)["start_heldout_accuracy"] is None
+
+
+def test_placement_json_comes_from_the_rows_node_columns(tmp_path, ray_session):
+    here = ray_session.get_runtime_context().get_node_id()
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    placement: dict[str, list[str]] = {}
+    first = {"step": 0, "node/Generate": here, "node/TrainStep": here, "stage_seconds/generate": 0.1}
+    assert record_placement(paths, placement, first)
+    assert placement == {"Generate": [here], "TrainStep": [here]}
+    written = json.loads((paths.root / "placement.json").read_text())
+    assert written["stages"] == placement and here in written["nodes"]
+    assert "resources" in written["nodes"][here] and written["nodes"][here]["resources"].get("CPU", 0) > 0
+    # later rows without node columns, or with nodes already known, change nothing
+    assert not record_placement(paths, placement, {"step": 1, "stage_seconds/generate": 0.1})
+    assert not record_placement(paths, placement, first)
+    # a second generator actor of the pool reports from its own first batch: the stage lists both
+    assert record_placement(paths, placement, {"step": 1, "node/Generate": "another-node"})
+    assert json.loads((paths.root / "placement.json").read_text())["stages"]["Generate"] == [here, "another-node"]
+
