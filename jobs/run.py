@@ -4,9 +4,11 @@
     resume_job(run_dir)             continue a killed run from its last complete checkpoint
 
 The config is validated and the run dir prepared before Ray starts. The driver shows a progress
-bar and a status line per step; the durable record (trajectories, metrics, checkpoints) is
-written by the trainer actor itself (RunRecorder), so it does not depend on the driver surviving.
-At the end the per-step metrics are gathered into metrics.parquet and a summary is printed.
+bar and a status line per step, printed as the step's metrics row arrives (nothing slow runs
+between rows: where the stages run, placement.json, comes in the rows themselves); the durable
+record (trajectories, metrics, checkpoints) is written by the trainer actor itself (RunRecorder),
+so it does not depend on the driver surviving. At the end the per-step metrics are gathered into
+metrics.parquet and a summary is printed, held-out accuracy before and after training included.
 
 Steps are numbered from 0 everywhere (status lines, the summary, metrics, TensorBoard, trajectory
 partitions): step s trains on weight version s and publishes version s + 1. A checkpoint holds a

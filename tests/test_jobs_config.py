@@ -141,7 +141,7 @@ def test_bundled_configs_validate_and_cover_every_strategy():
     for name in strategies:  # one config per strategy, each valid on this machine
         assert load_job_config(name).strategy == name
     quick = load_job_config("quickstart")
-    # a ~1 minute run on 2 cores (benchmarks/results/quickstart.md): 30 steps x 1,024 rows at most
+    # a ~1 minute run on 2 cores (benchmarks/results/end_to_end.md): 30 steps x 1,024 rows at most
     assert quick.steps <= 30 and quick.steps * quick.rows_per_step <= 30 * 1024
     # the resolved config round-trips through YAML
     again = build_job_config(__import__("yaml").safe_load(quick.to_yaml()))
