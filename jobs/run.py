@@ -46,11 +46,12 @@ from trajflow.jobs.recorder import (
     write_state,
     write_table_atomic,
 )
+from trajflow.pipelines.colocation import NODE_AREA
 from trajflow.pipelines.local_ray import WORKER_ENV, quiet_ray, start_local_ray
 
 log = logging.getLogger("trajflow")
 
-NODE_PREFIX = "node/"  # metrics-row columns naming the node of a stage's process (pipelines/colocation.py)
+NODE_PREFIX = f"{NODE_AREA}/"  # metrics-row columns naming the node of a stage's process
 
 # (label, metrics key, format) of a status line, in the order they are dropped last to first
 STATUS_KEYS = (
@@ -230,8 +231,11 @@ def record_placement(paths: RunPaths, placement: dict[str, list[str]], row: dict
 
     changed = False
     for key, node in row.items():
-        if key.startswith(NODE_PREFIX) and node and node not in placement.setdefault(key[len(NODE_PREFIX):], []):
-            placement[key[len(NODE_PREFIX):]].append(node)
+        if not (key.startswith(NODE_PREFIX) and node):
+            continue
+        where = placement.setdefault(key.removeprefix(NODE_PREFIX), [])
+        if node not in where:
+            where.append(node)
             changed = True
     if changed:
         nodes = {n["NodeID"]: {"address": n.get("NodeManagerAddress"), "resources": n.get("Resources", {})}

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from trajflow.pipelines.rl_loop import Stage
 
 MEASURED_KEY = b"trajflow.measured"
+NODE_AREA = "node"  # `node/<stage class>`: the node id of the stage's process (read for placement.json)
 
 
 def _can_share(a: "Stage", b: "Stage") -> bool:
@@ -140,7 +141,7 @@ class StageGroup:
         seconds = measured.setdefault("stage_seconds", {})
         if self.startup:
             measured.setdefault("startup_seconds", {}).update(self.startup)
-            measured.setdefault("node", {}).update(self.node)
+            measured.setdefault(NODE_AREA, {}).update(self.node)
             self.startup = {}
         for name, fn in self.stages:
             started = time.perf_counter()
