@@ -30,7 +30,7 @@ class PublishWeights:
     too (unchanged weights, new version): the rollouts of later steps wait on this version."""
 
     def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
-        trainstep.store.publish(trainstep.policy_state_dict(), trainstep.version)
+        trainstep.publish()
 
 
 class HeldoutEvaluation:
