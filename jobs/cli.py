@@ -489,7 +489,7 @@ _BAD_INPUT = (
     ("trajflow.schemas.trajectory", "SchemaError"),
     ("trajflow.engines.checkpoint", "CheckpointError"),
     ("trajflow.tasks.dataset", "DataError"),  # a dataset problem found while reading it (e.g. a null prompt)
-    ("trajflow.tasks.user_code", "UserCodeError"),  # a reward, env or strategy import path (RewardSpecError too)
+    ("trajflow.user_code", "UserCodeError"),  # a reward, env or strategy import path (RewardSpecError too)
 )
 # a path the user gave that cannot be used: `trajflow: PATH: reason`
 _BAD_PATH = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)

@@ -33,7 +33,7 @@ def heldout_accuracy(
     workload = task if isinstance(task, Workload) else None
     env = workload.environment() if workload is not None else (task if is_environment(task) else None)
     if env is not None and (workload is None or workload.data is None):
-        from trajflow.operators.episodes import heldout_success_rate
+        from trajflow.tasks.rollout import heldout_success_rate
 
         return heldout_success_rate(model, tokenizer, env, n, max_new_tokens, batch_size)
     if workload is None:  # a Task object

@@ -7,7 +7,7 @@ run episodes:
     step = episode.step("12*34")            # the policy's turn as text (eos stripped)
     step.observation, step.reward, step.done  # "=408;", 0.0, False
 
-The rollout loop (operators/episodes.py) appends the observation's characters to the trajectory
+The rollout loop (tasks/rollout.py) appends the observation's characters to the trajectory
 as environment tokens (never trained), and ends the episode when the environment says `done`,
 after `max_turns` policy turns, or when the response reaches `max_response_tokens` tokens
 (policy and environment tokens together). The episode's reward is the sum of its step rewards.

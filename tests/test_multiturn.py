@@ -25,7 +25,7 @@ from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.scoring import response_logprobs, score
 from trajflow.engines.tokenizer import CHARACTERS, decode_response
 from trajflow.engines.torch_engine import TorchEngine
-from trajflow.operators.episodes import heldout_success_rate, run_episodes
+from trajflow.tasks.rollout import heldout_success_rate, run_episodes
 from trajflow.operators.evaluate import heldout_accuracy
 from trajflow.tasks import Environment, Task, get_task, is_environment
 from trajflow.tasks.environments import CalculatorEnv, calculator
