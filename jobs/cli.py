@@ -81,8 +81,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from trajflow.engines.models import load_model, load_tokenizer
-    from trajflow.operators.evaluate import heldout_accuracy
     from trajflow.tasks import get_task
+    from trajflow.tasks.rollout import heldout_accuracy
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     accuracy = heldout_accuracy(load_model(model_dir), load_tokenizer(model_dir), get_task(task_name), args.n,
