@@ -123,7 +123,6 @@ class CalculatorEnv(SyntheticTask):
         self.max_turns = max_turns
         self.max_response_tokens = max_response_tokens
         self.test_fraction = test_fraction
-        self.max_answer_chars = 2 * max_digits + 1
 
     def _operand(self, rng: np.random.Generator) -> int:
         digits = int(rng.integers(1, self.max_digits + 1))
