@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from trajflow.engines.models import REPO_ROOT, build_tiny_model, load_model, load_tokenizer, save_model
+from trajflow.engines.models import REPO_ROOT, load_model, load_tokenizer, save_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import encode_prompt, encode_response
 from trajflow.engines.torch_engine import TorchEngine

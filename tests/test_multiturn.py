@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from trajflow.algorithms import CorrectionConfig, decoupled_loss
-from trajflow.engines.models import REPO_ROOT, build_tiny_model, load_model, load_tokenizer
+from trajflow.engines.models import REPO_ROOT, load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.scoring import response_logprobs, score
 from trajflow.engines.tokenizer import CHARACTERS, decode_response
