@@ -48,7 +48,7 @@ class HeldoutEvaluation:
         if not self.every or trainstep.version % self.every:
             return
         from trajflow.engines.models import load_tokenizer
-        from trajflow.operators.evaluate import heldout_accuracy
+        from trajflow.tasks.rollout import heldout_accuracy
 
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.model_path)
