@@ -400,6 +400,7 @@ _BAD_INPUT = (
     ("trajflow.engines.checkpoint", "CheckpointError"),
     ("trajflow.tasks.dataset", "DataError"),  # a dataset problem found while reading it (e.g. a null prompt)
     ("trajflow.user_code", "UserCodeError"),  # a reward, env or strategy import path (RewardSpecError too)
+    ("trajflow.pipelines.ray_patches", "RayVersionError"),  # an unpinned Ray that would not stay on loopback
 )
 # a path the user gave that cannot be used: `trajflow: PATH: reason`
 _BAD_PATH = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
@@ -442,8 +443,25 @@ def _bad_input_line(command: str, error: BaseException) -> str | None:
     return None
 
 
+def _one_line_warnings() -> None:
+    """A renamed config key (pipelines.config.TrajflowDeprecation) is one `trajflow:` line, not
+    Python's two-line warning with the source line."""
+    import warnings
+
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if category.__name__ == "TrajflowDeprecation":
+            print(f"trajflow: deprecated: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _one_line_warnings()
     args = build_parser().parse_args(argv)
     # before transformers is imported: its weight-loading bars follow this variable
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "0" if args.verbose else "1")
