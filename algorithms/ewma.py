@@ -59,10 +59,6 @@ class EwmaProximal:
         self.reset_count = 0
         self._copy_from(state_dict)
 
-    @classmethod
-    def from_window(cls, state_dict: StateDict, window: int, **kwargs) -> "EwmaProximal":
-        return cls(state_dict, ewma_beta(window), **kwargs)
-
     # -- the EWMA ---------------------------------------------------------------------------
     def _own(self, t: Tensor) -> Tensor:
         t = t.detach()

@@ -41,7 +41,7 @@ class ActorMemory:
         name = title.split()[0].removeprefix("ray::") if title.startswith("ray::") else ""
         if name.startswith("MapWorker(MapBatches("):
             return name.removeprefix("MapWorker(MapBatches(").split(")")[0]
-        if name.split(".")[0] == "PolicyStore":
+        if name.split(".")[0] == "PolicyStoreActor":
             return "PolicyStore"
         return None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from trajflow.settings import check_settings, setting
 
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from trajflow.engines.torch_engine import TorchEngine
     from trajflow.engines.vllm_engine import VllmEngine
 
-EngineName = Literal["torch", "vllm"]
 ENGINES: tuple[str, ...] = ("torch", "vllm")
 Engine = Union["TorchEngine", "VllmEngine"]
 

@@ -31,7 +31,7 @@ class PublishWeights:
     too (unchanged weights, new version): the rollouts of later steps wait on this version."""
 
     def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
-        trainstep.store.publish(trainstep.policy_state_dict(), trainstep.version)
+        trainstep.publish()
 
 
 class HeldoutEvaluation:
@@ -61,7 +61,7 @@ class HeldoutEvaluation:
             metrics["heldout_accuracy"] = self._accuracy(trainstep.policy())
 
     def _accuracy(self, model) -> float:
-        from trajflow.operators.evaluate import heldout_accuracy
+        from trajflow.tasks.rollout import heldout_accuracy
 
         return heldout_accuracy(model, self._tokenizer, self.workload, self.prompts, self.max_new_tokens,
                                 stop=self.stop)

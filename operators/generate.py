@@ -6,7 +6,7 @@ out: `len(rows) * group_size` trajectory rows (schema v1, then `prompt`, the pas
 and `rollout_step`), a group's samples contiguous, each repeating its prompt row's columns.
 
 For an environment workload (`tasks.environments.Environment`) each row is a multi-turn episode
-(operators/episodes.py): `response_tokens` hold policy turns and environment observations,
+(tasks/rollout.py): `response_tokens` hold policy turns and environment observations,
 `loss_mask` is false on the observation tokens, `reward` is already filled in by the environment,
 and the extra column `turns` counts policy turns. Before every turn the generator takes the
 newest weights, so the turns of one episode may come from different versions.
@@ -37,9 +37,9 @@ from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import stop_token_ids
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.engines.torch_engine import Generation, TorchEngine
-from trajflow.operators.episodes import Episode, EpisodeBatch, EpisodeView, run_episodes
 from trajflow.operators.store import PolicyStoreClient
 from trajflow.schemas import SamplingSemantics, conform
+from trajflow.tasks.rollout import Episode, EpisodeBatch, EpisodeView, run_episodes
 from trajflow.tasks.workload import Workload, prompt_of
 
 # Columns of a prompt row that generation replaces with per-trajectory values.

@@ -55,14 +55,12 @@ class OldLogprobsAtBehaviourVersion:
         self.sampling = sampling
         self.skip_filtered = skip_filtered
         self.resident_version: int | None = None
-        self.version_switches = 0
 
     def _ensure(self, version: int) -> None:
         if version != self.resident_version:
             _, weights = self.store.weights(version)
             self.model.load_state_dict(weights)
             self.resident_version = version
-            self.version_switches += 1
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         started = time.perf_counter()

@@ -310,6 +310,11 @@ class TrainStep(TrainerReplica):
                 data_parallel, device=self.numerics.torch_device())
             self.collective = self.group.collective
 
+    def publish(self) -> None:
+        """Make the trainer's current weights version `self.version` in the policy store (the
+        after-step service `PublishWeights` calls it)."""
+        self.store.publish(self.policy_state_dict(), self.version)
+
     @property
     def nodes(self) -> list[str]:
         """The node id of each worker, by rank."""

@@ -405,9 +405,9 @@ def migrate_deprecated_keys(data: dict) -> dict:
             data.pop(section)
         option = new.rpartition(".")[2]
         if accepted is not None and option not in accepted:
-            notice = f"{old} is deprecated and ignored here (strategy {data.get('strategy')} has no option {option})"
+            notice = f"{old}: ignored (strategy {data.get('strategy')} has no option {option})"
         else:
-            notice = f"{old} is deprecated, use {new}"
+            notice = f"{old}: use {new}"
             if value is not None:
                 options.setdefault(option, value)
         warnings.warn(f"{notice}; the old key goes in the next release", TrajflowDeprecation, stacklevel=2)

@@ -325,7 +325,6 @@ class EventDrivenWait:
     def __init__(self, real: Any = ray) -> None:
         self._real = real
         self._seen_ready: frozenset = frozenset()
-        self.wakeups = 0  # loop turns that returned with news (for measurements)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
@@ -344,7 +343,6 @@ class EventDrivenWait:
                           fetch_local=fetch_local)
                 ready, rest = real_wait(refs, **everything)
         self._seen_ready = frozenset(ready)
-        self.wakeups += bool(ready)
         return ready, rest
 
 

@@ -115,7 +115,6 @@ def run_in_process(ray_session):
     but without Ray Data's executor and its per-run actor start-up. Steps are synchronous (a
     rollout never runs ahead of the trainer). Returns the metrics as a polars DataFrame."""
     import polars as pl
-    import pyarrow as pa
 
     def run(pipe):
         store = pipe.start_store()

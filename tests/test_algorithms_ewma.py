@@ -110,7 +110,7 @@ def test_checkpoint_round_trip_continues_identically():
     for sd in seq[4:]:
         a.update(sd)
         b.update(sd)
-    assert (b.beta, b.tau, b.reset_count, b.steps_since_reset, b.age) == (a.beta, a.tau, a.reset_count, a.steps_since_reset, a.age)
+    assert (b.beta, b.reset_threshold, b.reset_count, b.steps_since_reset, b.age) == (a.beta, a.reset_threshold, a.reset_count, a.steps_since_reset, a.age)
     for key, v in a.prox_state_dict().items():
         assert torch.equal(b.prox_state_dict()[key], v)
 

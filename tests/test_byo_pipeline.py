@@ -96,7 +96,7 @@ def reference_run(workload_dir, bpe_model_dir, ray_session, tmp_path_factory) ->
 
 
 def test_logged_prompt_tokens_and_rewards_are_the_users(reference_run, workload_dir, bpe_model_dir):
-    from trajflow.tasks.user_code import load_object
+    from trajflow.user_code import load_object
 
     rows = [json.loads(line) for line in (workload_dir / "train.jsonl").read_text().splitlines()]
     tokenizer = load_tokenizer(bpe_model_dir)

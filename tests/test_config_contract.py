@@ -107,9 +107,9 @@ def test_renamed_keys_work_for_one_release_with_one_line_notice():
     assert config.strategy_options == {"window": 3, "reset_threshold": 0.5}
     assert config.build_strategy().window == 3 and config.build_strategy().reset_threshold == 0.5
     assert all("\n" not in str(w.message) and "strategy_options" in str(w.message) for w in caught)
-    with pytest.warns(FutureWarning, match="loglinear_alpha is deprecated, use strategy_options.alpha"):
+    with pytest.warns(FutureWarning, match="loglinear_alpha: use strategy_options.alpha"):
         assert build_job_config({"strategy": "loglinear", "loglinear_alpha": 0.25}).build_strategy().alpha == 0.25
-    with pytest.warns(FutureWarning, match="ignored here"):  # an option the strategy does not take
+    with pytest.warns(FutureWarning, match="loglinear_alpha: ignored"):  # an option the strategy does not take
         assert build_job_config({"strategy": "snapshot", "loglinear_alpha": 0.25}).strategy_options == {}
 
 
@@ -135,3 +135,18 @@ def test_no_operator_constructor_takes_kwargs_from_the_pipeline():
     for strategy in ("snapshot", "dedicated", "interrupt", "ewma"):
         for stage in RLPipeline(PipelineConfig(strategy=strategy)).stages:
             assert not any(isinstance(v, dict) for v in stage.kwargs.values()), (strategy, stage.name)
+
+
+def test_the_cli_shows_a_renamed_key_as_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    config = tmp_path / "old.yaml"
+    config.write_text("strategy: ewma\newma: {window: 2}\nsteps: 0\n")  # steps 0: stops before Ray
+    proc = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", "run", str(config)], capture_output=True,
+                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "trajflow: deprecated: ewma.window: use strategy_options.window; the old key goes in the next release",
+        "trajflow: config error: steps: Input should be greater than or equal to 1 (got 0)",
+    ]

@@ -182,7 +182,7 @@ def _warm_start_accuracy(prompts: int) -> float:
     import torch
 
     from trajflow.engines.models import WARM_START_DIR, load_model, load_tokenizer
-    from trajflow.operators.evaluate import heldout_accuracy
+    from trajflow.tasks.rollout import heldout_accuracy
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

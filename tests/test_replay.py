@@ -161,7 +161,7 @@ def test_replay_stages_come_from_the_live_stage_list(tmp_path):
     replay, stages = names(["m2po"], "train")
     assert stages == ["mine", "advantage", "filter", "train"]
     train = replay.stages({"logged": None, "trainer": "trainer-store"})[-1]
-    assert train.kwargs["strategy"].name == "m2po" and train.kwargs["store"] == "trainer-store"
+    assert train.kwargs["spec"].strategy.name == "m2po" and train.kwargs["store"] == "trainer-store"
     # the replayed user stage: its row filter takes effect again, its reward edit is already logged
     mine = replay.stages({"logged": None, "trainer": None})[0]
     logged = load_trajectories(root)[1]
