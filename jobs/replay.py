@@ -108,7 +108,10 @@ def replay_job(trajectories: str | os.PathLike, checkpoints: str | os.PathLike, 
     rows = metrics.to_dicts()
     print(format_table(rows[:40], TABLE_COLUMNS))
     if len(strategies) > 1 or len(rows) > 40:
-        means = metrics.group_by("strategy", maintain_order=True).mean().to_dicts()
+        import polars.selectors as cs
+
+        # numbers only: a row also names things (trainer/nodes, node/<stage class>)
+        means = metrics.group_by("strategy", maintain_order=True).agg(cs.numeric().mean()).to_dicts()
         print("mean over steps:")
         print(format_table(means, [c for c in TABLE_COLUMNS if c[0] != "step"]))
     _compare_with_logged(metrics, run_root, job.build_strategy().name, mode)
