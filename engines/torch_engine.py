@@ -9,6 +9,7 @@ rebuilt by re-prefilling prompt + generated prefix under the new ones ("interrup
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +23,12 @@ from trajflow.engines.scoring import pack_batch
 from trajflow.engines.tokenizer import StopStrings
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+def cache_key(model: torch.nn.Module) -> str:
+    """The KV cache's argument and output name: `cache` from transformers 5.24 (where the old
+    `past_key_values` warns on every call), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -74,6 +81,7 @@ class TorchEngine:
         self.sampling = sampling
         self.version = int(version)
         self.device = next(self.model.parameters()).device
+        self.cache_key = cache_key(self.model)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._weights_changed = False  # set by load_weights: the KV cache is stale
@@ -103,7 +111,7 @@ class TorchEngine:
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
         )
-        return out.logits[:, -1].float(), out.past_key_values, mask, mask.sum(-1)
+        return out.logits[:, -1].float(), out[self.cache_key], mask, mask.sum(-1)
 
     @torch.no_grad()
     def generate(
@@ -183,10 +191,10 @@ class TorchEngine:
                 input_ids=tokens[:, None],
                 attention_mask=mask,
                 position_ids=next_pos[:, None],
-                past_key_values=cache,
                 use_cache=True,
+                **{self.cache_key: cache},
             )
-            logits, cache = out.logits[:, -1].float(), out.past_key_values
+            logits, cache = out.logits[:, -1].float(), out[self.cache_key]
             next_pos = next_pos + 1
 
         self._abort_requested = False

@@ -484,5 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m trajflow.jobs.cli`: the module's own classes, not __main__'s copies
+    from trajflow.jobs.cli import main as cli_main
+
+    sys.exit(cli_main())

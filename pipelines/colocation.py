@@ -102,9 +102,8 @@ class StageGroup:
     process, "" outside Ray). The stages never see the metadata.
     """
 
-    def __init__(self, stages: list["Stage"], store: Any = None, extra_kwargs: dict[str, dict] | None = None,
+    def __init__(self, stages: list["Stage"], store: Any = None,
                  timings: str = "off") -> None:
-        extra_kwargs = extra_kwargs or {}
         self.startup: dict[str, float] = {}
         self.node: dict[str, str] = {}
         if stages and timings != "off":
@@ -118,7 +117,7 @@ class StageGroup:
         self.stages: list[tuple[str, Callable[[pa.Table], pa.Table]]] = []
         for s in stages:
             started = time.perf_counter()
-            fn = s.fn(**{"store": store, **s.kwargs, **extra_kwargs.get(s.name, {})}) if s.is_actor else s.fn
+            fn = s.fn(**{"store": store, **s.kwargs}) if s.is_actor else s.fn
             self.stages.append((s.name, fn))
             if s.is_actor and timings != "off":
                 self.startup[s.name] = time.perf_counter() - started

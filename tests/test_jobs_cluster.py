@@ -106,7 +106,8 @@ def submit_quickstart(cluster: dict, run_dir: Path, submission_id: str, settings
     """`trajflow submit quickstart --set S...` to the cluster; asserts it SUCCEEDED; its stdout."""
     cmd = [sys.executable, "-m", "trajflow.jobs.cli", "submit", "quickstart", "--address", cluster["address"],
            "--run-dir", str(run_dir), "--python", sys.executable, "--submission-id", submission_id]
-    cmd += [arg for setting in settings for arg in ("--set", setting)]
+    small = ["prompts_per_step=8", "group_size=4", "eval_every=0"]  # these tests are about placement
+    cmd += [arg for setting in small + settings for arg in ("--set", setting)]
     proc = subprocess.run(cmd, env=cluster["env"], capture_output=True, text=True, timeout=400)
     explain = f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, explain

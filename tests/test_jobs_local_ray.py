@@ -59,7 +59,8 @@ def running_run(tmp_path_factory):
     log = open(tmp / "run.log", "w")
     args = ["run", "quickstart", "--run-dir", tmp / "run", "--no-progress", "--set", "steps=500",
             "--set", "checkpoint_every=0", "--set", "save_all_versions=false", "--set", "tensorboard=false",
-            "--set", "trajectory_log=false"]
+            "--set", "trajectory_log=false", "--set", "prompts_per_step=8", "--set", "group_size=4",
+            "--set", "eval_every=0"]
     env = dict(_env(), TRAJFLOW_WATCHDOG_LOG=str(tmp / "watchdog.log"))
     proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
