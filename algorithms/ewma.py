@@ -10,10 +10,10 @@ staleness window of W versions with m optimizer steps per version (minibatches_p
 W·m updates, so beta = W·m / (W·m + 2) puts the mean age beta / (1 - beta) at W·m / 2 updates =
 W / 2 versions, the middle of the version window. (beta = W / (W + 2) with m > 1 would put the
 reference at W / (2m) versions.) Auto-reset: theta_prox <- theta when the active-token fraction
-(kept by the r_d mask and unclipped) falls below tau (default 0.9).
+(kept by the r_d mask and unclipped) falls below reset_threshold tau (default 0.9).
 
 Step order in the trainer: score the batch with theta_prox, take the optimizer step, then
-`ewma.step(new_state_dict, active_fraction)` (reset if below tau, else update).
+`ewma.step(new_state_dict, active_fraction)` (reset if below reset_threshold, else update).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from torch import Tensor
 StateDict = dict[str, Tensor]
 
 
-def ewma_beta(window: int, updates_per_version: int = 1) -> float:
-    """beta = n / (n + 2) for a window of n = window · updates_per_version EWMA updates: mean age
+def ewma_beta(window: int, minibatches_per_step: int = 1) -> float:
+    """beta = n / (n + 2) for a window of n = window · minibatches_per_step EWMA updates: mean age
     n / 2 updates = window / 2 versions. window = 0 gives beta = 0 (prox = current)."""
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
-    if updates_per_version < 1:
-        raise ValueError(f"updates_per_version must be >= 1, got {updates_per_version}")
-    updates = window * updates_per_version
+    if minibatches_per_step < 1:
+        raise ValueError(f"minibatches_per_step must be >= 1, got {minibatches_per_step}")
+    updates = window * minibatches_per_step
     return updates / (updates + 2)
 
 
@@ -47,21 +47,17 @@ def ewma_mean_age(beta: float) -> float:
 class EwmaProximal:
     """A float32 EWMA copy of a state dict. Non-float entries (int buffers) track the latest value."""
 
-    def __init__(self, state_dict: StateDict, beta: float, *, tau: float = 0.9,
+    def __init__(self, state_dict: StateDict, beta: float, *, reset_threshold: float,
                  device: str | torch.device | None = None) -> None:
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"EwmaProximal.beta must be in [0, 1), got {beta}")
-        if not 0.0 <= tau <= 1.0:
-            raise ValueError(f"EwmaProximal.tau must be in [0, 1], got {tau}")
+        if isinstance(reset_threshold, bool) or not 0.0 <= reset_threshold <= 1.0:
+            raise ValueError(f"EwmaProximal.reset_threshold must be in [0, 1], got {reset_threshold}")
         self.beta = float(beta)
-        self.tau = float(tau)
+        self.reset_threshold = float(reset_threshold)
         self.device = device
         self.reset_count = 0
         self._copy_from(state_dict)
-
-    @classmethod
-    def from_window(cls, state_dict: StateDict, window: int, **kwargs) -> "EwmaProximal":
-        return cls(state_dict, ewma_beta(window), **kwargs)
 
     # -- the EWMA ---------------------------------------------------------------------------
     def _own(self, t: Tensor) -> Tensor:
@@ -98,16 +94,15 @@ class EwmaProximal:
         self._copy_from(state_dict)
         self.reset_count += 1
 
-    def maybe_reset(self, active_fraction: float, state_dict: StateDict, *, tau: float | None = None) -> bool:
-        """Reset iff active_fraction < tau (self.tau unless given). Returns whether it fired."""
-        tau = self.tau if tau is None else tau
-        if active_fraction < tau:
+    def maybe_reset(self, active_fraction: float, state_dict: StateDict) -> bool:
+        """Reset iff active_fraction < reset_threshold (tau). Returns whether it fired."""
+        if active_fraction < self.reset_threshold:
             self.reset(state_dict)
             return True
         return False
 
     def step(self, state_dict: StateDict, active_fraction: float) -> bool:
-        """After an optimizer step: reset if active_fraction < tau, else update. Returns reset?"""
+        """After an optimizer step: reset if active_fraction < reset_threshold, else update. Returns reset?"""
         if self.maybe_reset(active_fraction, state_dict):
             return True
         self.update(state_dict)
@@ -128,7 +123,7 @@ class EwmaProximal:
         return {
             "weights": {k: v.clone() for k, v in self.weights.items()},
             "beta": self.beta,
-            "tau": self.tau,
+            "reset_threshold": self.reset_threshold,
             "norm": self.norm,
             "age_sum": self._age_sum,
             "steps_since_reset": self.steps_since_reset,
@@ -138,7 +133,7 @@ class EwmaProximal:
     def load_state_dict(self, state: dict) -> None:
         self.weights = {k: self._own(v) for k, v in state["weights"].items()}
         self.beta = float(state["beta"])
-        self.tau = float(state["tau"])
+        self.reset_threshold = float(state["reset_threshold"])
         self.norm = float(state["norm"])
         self._age_sum = float(state["age_sum"])
         self.steps_since_reset = int(state["steps_since_reset"])

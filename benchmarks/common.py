@@ -41,7 +41,7 @@ class ActorMemory:
         name = title.split()[0].removeprefix("ray::") if title.startswith("ray::") else ""
         if name.startswith("MapWorker(MapBatches("):
             return name.removeprefix("MapWorker(MapBatches(").split(")")[0]
-        if name.split(".")[0] == "PolicyStore":
+        if name.split(".")[0] == "PolicyStoreActor":
             return "PolicyStore"
         return None
 
@@ -173,8 +173,8 @@ class RunResult:
 
 def run_pipeline(*, executor_patch: bool = True, **config) -> RunResult:
     """Run one pipeline to the end on the current Ray; `executor_patch=False` runs Ray Data's
-    executor as shipped (pipelines/executor_patch.py), for side-by-side comparisons."""
-    from trajflow.pipelines import executor_patch as patch
+    executor as shipped (pipelines/ray_patches.py, patch 4), for side-by-side comparisons."""
+    from trajflow.pipelines.ray_patches import executor as patch
     from trajflow.pipelines.config import PipelineConfig
     from trajflow.pipelines.rl_loop import RLPipeline
 

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from trajflow.algorithms.config import AdvantageConfig
 from trajflow.engines.models import WARM_START_DIR
 from trajflow.operators.advantage import Advantage
 from trajflow.operators.filter import Filter
@@ -50,7 +51,7 @@ def run(rows: int = 4096, group_size: int = 8, response_len: int = 32, repeats: 
     torch.set_num_threads(1)
     batch = synthetic_step(rows, group_size, response_len)
     tokens = int(np.sum([len(r) for r in batch["response_tokens"].to_pylist()]))
-    stages = {"reward": Reward(WARM_START_DIR, Workload(task="addition")), "advantage": Advantage("grpo"),
+    stages = {"reward": Reward(WARM_START_DIR, Workload(task="addition"), ()), "advantage": Advantage(AdvantageConfig()),
               "filter": Filter(True)}
     stages["reward"](batch)  # load the tokenizer outside the timing
     results = {}

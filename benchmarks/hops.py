@@ -1,5 +1,5 @@
 """Benchmark: what one Ray Data operator hop costs while a long task is active — the diagnosis
-behind pipelines/executor_patch.py, isolated from trajflow's operators.
+behind pipelines/ray_patches.py (patch 4), isolated from trajflow's operators.
 
 Four one-actor stages, each sleeping 20 ms per item, in a synchronous chain like trajflow's sync
 mode: the first stage of item i blocks (inside its task, as the generator blocks on its
@@ -18,7 +18,7 @@ import ray
 from ray.data import DataContext
 
 from benchmarks.common import ensure_ray
-from trajflow.pipelines import executor_patch
+from trajflow.pipelines.ray_patches import executor
 from trajflow.pipelines.rl_loop import in_order_pool
 
 SLEEP_S, STAGES = 0.02, 4
@@ -77,18 +77,18 @@ def run(items: int = 40) -> list[dict]:
     ensure_ray()
     rows = []
     setups = [("Ray Data as shipped", False, None), ("block metadata read inline only", False, False),
-              ("wake on the first task event only", True, True), ("both (executor_patch)", True, False)]
+              ("wake on the first task event only", True, True), ("both (ray_patches.executor)", True, False)]
     for name, patched, metadata_on_thread in setups:
-        executor_patch.revert()
+        executor.revert()
         saved = metadata_fetcher._PREFETCH_ON_THREAD
         if patched:
-            executor_patch.apply()
+            executor.apply()
         if metadata_on_thread is not None:
             metadata_fetcher._PREFETCH_ON_THREAD = metadata_on_thread
         try:
             wall, cpu = chain(items)
         finally:
-            executor_patch.revert()
+            executor.revert()
             metadata_fetcher._PREFETCH_ON_THREAD = saved
         rows.append({"set-up": name, "wall ms/item": 1000 * wall, "compute ms/item": 1000 * SLEEP_S * STAGES,
                      "wall / compute": wall / (SLEEP_S * STAGES), "driver CPU ms/item": 1000 * cpu})

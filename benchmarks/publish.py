@@ -3,7 +3,7 @@
 
 - before: the trainer cloned its weights, put them as a pickled torch state dict, and the policy
   store re-put every version to own it (one more full copy per publish);
-- after: `publish_weights` puts a `SharedStateDict` (one copy, straight from the parameters into
+- after: `RayStore.publish` puts a `SharedStateDict` (one copy, straight from the parameters into
   shared memory) and the store keeps the trainer's object (it copies only a run's final version).
 
 Per size: the trainer's seconds per publish (until the store has registered the version), a
@@ -29,15 +29,13 @@ class Publisher:
         self.model, self.store = build_model(size), store
 
     def publish(self, before: bool) -> float:
-        from trajflow.operators.after_step import publish_weights
-
         started = time.perf_counter()
-        if before:
+        if before:  # a cloned state dict, put as it is (the store actor's raw method)
             state = {k: v.detach().to(torch.float32).clone() for k, v in self.model.state_dict().items()}
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
-            ray.get(self.store.publish.remote([ray.put(state)], nbytes))
+            ray.get(self.store.actor.put.remote([ray.put(state)], nbytes))
         else:
-            publish_weights(self.store, self.model)
+            self.store.publish(self.model.state_dict())
         return time.perf_counter() - started
 
 
@@ -49,24 +47,24 @@ class Reader:
 
     def fetch(self) -> float:
         started = time.perf_counter()
-        _, (ref,) = ray.get(self.store.get.remote(None))
-        self.model.load_state_dict(ray.get(ref))
+        self.model.load_state_dict(self.store.weights()[1])
         return time.perf_counter() - started
 
 
 def measure(size: str, before: bool, repeats: int) -> dict:
-    from trajflow.pipelines.policy_store import PolicyStore
+    from trajflow.pipelines.policy_store import RayStore
 
     # before: the store owned (re-put) every version; after: only the final one, never reached here
-    store = PolicyStore.remote(0, False, final_version=None if before else 10**9)
+    store = RayStore.start(0, False, final_version=None if before else 10**9)
     publisher, reader = Publisher.remote(size, store), Reader.remote(size, store)
     publish_s, fetch_s = [], []
     for _ in range(repeats):
         publish_s.append(ray.get(publisher.publish.remote(before)))
         fetch_s.append(ray.get(reader.fetch.remote()))
-    nbytes = ray.get(store.stats.remote()).snapshot_bytes
-    for actor in (publisher, reader, store):
+    nbytes = store.stats().snapshot_bytes
+    for actor in (publisher, reader):
         ray.kill(actor)
+    store.kill()
     return {"publish s": min(publish_s), "fetch + load s": min(fetch_s), "bytes": nbytes}
 
 

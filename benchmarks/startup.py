@@ -95,7 +95,7 @@ ROLES = (
     ("runtime-env agent", "runtime_env/agent/main.py"),
     ("log monitor", "log_monitor.py"),
     ("dashboard", "dashboard/dashboard.py"),
-    ("policy store", "PolicyStore"),
+    ("policy store", "PolicyStoreActor"),
     ("Ray Data coordinator", "ray::_StatsActor"),
     ("Ray Data coordinator", "ray::AutoscalingRequester"),
     ("actor", "ray::MapWorker"),

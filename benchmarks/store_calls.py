@@ -18,8 +18,6 @@ class Caller:
         self.model = torch.nn.Linear(128, 128)
 
     def time(self, calls: int) -> dict[str, float]:
-        from trajflow.operators.after_step import publish_weights
-
         def per_call(fn) -> float:
             fn()  # warm
             started = time.perf_counter()
@@ -27,30 +25,28 @@ class Caller:
                 fn()
             return 1000 * (time.perf_counter() - started) / calls
 
-        store = self.store
-        publish_weights(store, self.model)  # version 0: admission for step 0 passes at once
+        store = self.store  # a RayStore, the client every operator is handed
+        store.publish(self.model.state_dict())  # version 0: admission for step 0 passes at once
         return {
-            "admit (generator)": per_call(lambda: ray.get(store.admit.remote(0))),
-            "get newest + pin (generator)": per_call(lambda: ray.get(store.get.remote(None, True))),
-            "fetch weights object (generator)": per_call(lambda: ray.get(ray.get(store.get.remote(None))[1][0])),
-            "latest_version (per decode step, partial rollouts)": per_call(
-                lambda: ray.get(store.latest_version.remote())),
-            "stats (train step)": per_call(lambda: ray.get(store.stats.remote(True))),
-            "publish 66 k params (train step)": per_call(lambda: publish_weights(store, self.model)),
-            "add_counters, fire-and-forget (send only)": per_call(lambda: store.add_counters.remote({"x": 1.0})),
+            "admit (generator)": per_call(lambda: store.admit(0)),
+            "newest weights + pin (generator)": per_call(lambda: store.weights(None, pin=True)),
+            "latest_version (per decode step, partial rollouts)": per_call(store.latest_version),
+            "stats (train step)": per_call(lambda: store.stats(reset_counters=True)),
+            "publish 66 k params (train step)": per_call(lambda: store.publish(self.model.state_dict())),
+            "add_counters, fire-and-forget (send only)": per_call(lambda: store.add_counters({"x": 1.0})),
         }
 
 
 def run(calls: int = 200) -> list[dict]:
-    from trajflow.pipelines.policy_store import PolicyStore
+    from trajflow.pipelines.policy_store import RayStore
 
     ensure_ray()
-    store = PolicyStore.remote(0, False, final_version=10**9)
+    store = RayStore.start(0, False, final_version=10**9)
     caller = Caller.remote(store)
     ray.get(caller.time.remote(2))
     times = ray.get(caller.time.remote(calls))
-    for actor in (caller, store):
-        ray.kill(actor)
+    ray.kill(caller)
+    store.kill()
     return [{"call": name, "ms per call": ms} for name, ms in times.items()]
 
 

@@ -26,10 +26,13 @@ def run(steps: int = 30, max_staleness: int = 2) -> list[dict]:
             "wall / compute": round(r.seconds_per_step() / r.critical_path(synchronous=max_staleness == 0), 2),
             "actors peak RSS MiB": round(sum(r.memory_mb.values())),
             "extra RSS MiB vs behavior": round(sum(r.memory_mb.values()) - base_mem),
-            "max snapshot MiB (store)": round(float(m["snapshot_bytes"].max()) / 2**20, 2),
-            "max versions held": int(m["snapshot_max_versions_held"].max()),
-            "old-logit s/step": round(float(m["seconds/old_logit_seconds"].mean()), 3)
-            if "seconds/old_logit_seconds" in m.columns else 0.0,
+            # only the strategies whose store keeps history report snapshots
+            "max snapshot MiB (store)": round(float(m["snapshot_bytes"].max()) / 2**20, 2)
+            if "snapshot_bytes" in m.columns else 0.0,
+            "max versions held": int(m["snapshot_max_versions_held"].max())
+            if "snapshot_max_versions_held" in m.columns else 1,
+            "old-logit s/step": round(float(m["seconds/old_logprob_seconds"].mean()), 3)
+            if "seconds/old_logprob_seconds" in m.columns else 0.0,
         })
     return rows
 

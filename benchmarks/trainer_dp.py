@@ -63,29 +63,28 @@ class Worker:
         return min(seconds)
 
     def publish(self, store, repeats: int) -> float:
-        from trajflow.operators.after_step import publish_weights
-
         seconds = []
         for _ in range(repeats):
             started = time.perf_counter()
-            publish_weights(store, self.model)
+            store.publish(self.model.state_dict())
             seconds.append(time.perf_counter() - started)
         return min(seconds)
 
 
 def measure(size: str, repeats: int) -> dict:
-    from trajflow.pipelines.policy_store import PolicyStore
+    from trajflow.pipelines.policy_store import RayStore
 
     workers = [Worker.remote(size, rank, 2) for rank in range(2)]
     port = ray.get(workers[0].port.remote())
     ray.get([w.join.remote(port) for w in workers])
     allreduce = max(ray.get([w.allreduce.remote(repeats) for w in workers]))
     compute = ray.get(workers[0].forward_backward.remote(repeats))
-    store = PolicyStore.remote(0, False, final_version=10**9)
+    store = RayStore.start(0, False, final_version=10**9)
     publish = ray.get(workers[0].publish.remote(store, repeats))
-    nbytes = ray.get(store.stats.remote()).snapshot_bytes
-    for actor in (*workers, store):
+    nbytes = store.stats().snapshot_bytes
+    for actor in workers:
         ray.kill(actor)
+    store.kill()
     params = sum(p.numel() for p in build_model(size).parameters())
     return {
         "model": f"{size} ({params / 1e6:.1f} M params)",

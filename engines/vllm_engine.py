@@ -85,6 +85,7 @@ from trajflow.engines.numerics import check_inference_dtype
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import StopStrings
 from trajflow.engines.torch_engine import Generation
+from trajflow.engines.factory import VllmOptions
 
 BetweenSteps = Callable[["VllmEngine", list[Generation]], None]
 
@@ -118,10 +119,7 @@ class VllmEngine:
     temporary directory that lives as long as the engine. The weights in that directory are the
     initial weights; `load_weights` replaces them.
 
-    Knobs (all optional): `gpu_memory_utilization` (on CPU: fraction of node memory for the KV
-    cache), `kv_cache_memory_bytes` (explicit KV cache size; default 512 MiB on CPU),
-    `max_model_len` (default: the model's), `enforce_eager` (default True: no CUDA graphs /
-    torch.compile, fast start-up), `tensor_parallel_size` (>1 needs CUDA), `enable_prefix_caching`,
+    Knobs: `options` (engines.factory.VllmOptions: the `vllm:` section of a job config),
     `max_logprobs`, and `llm_kwargs` passed verbatim to `vllm.LLM`.
     """
 
@@ -135,18 +133,16 @@ class VllmEngine:
         inference_dtype: str = "float32",
         seed: int = 0,
         version: int = 0,
-        gpu_memory_utilization: float | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        max_model_len: int | None = None,
-        enforce_eager: bool = True,
-        tensor_parallel_size: int = 1,
-        enable_prefix_caching: bool = True,
+        options: VllmOptions = VllmOptions(),
         max_logprobs: int = 64,
         llm_kwargs: dict[str, Any] | None = None,
         stop_token_ids: Sequence[int] = (),
         tokenizer=None,
     ) -> None:
         self.inference_dtype = check_inference_dtype(inference_dtype)
+        gpu_memory_utilization, kv_cache_memory_bytes = options.gpu_memory_utilization, options.kv_cache_memory_bytes
+        max_model_len, enforce_eager = options.max_model_len, options.enforce_eager
+        tensor_parallel_size, enable_prefix_caching = options.tensor_parallel_size, options.enable_prefix_caching
         if not vllm_available():
             raise ImportError(
                 "the vLLM engine needs the `vllm` package: `pip install trajflow[vllm]` on a CUDA "

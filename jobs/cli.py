@@ -81,8 +81,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from trajflow.engines.models import load_model, load_tokenizer
-    from trajflow.operators.evaluate import heldout_accuracy
     from trajflow.tasks import get_task
+    from trajflow.tasks.rollout import heldout_accuracy
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     accuracy = heldout_accuracy(load_model(model_dir), load_tokenizer(model_dir), get_task(task_name), args.n,
@@ -202,109 +202,14 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     return stop(args.job_id, _checked_address(args.address))
 
 
-def _find_run_config(trajectories: Path) -> Path | None:
-    path = trajectories.resolve()
-    for candidate in [path, *path.parents][:4]:
-        if (candidate / "config.yaml").is_file():
-            return candidate / "config.yaml"
-    return None
-
-
 def _cmd_replay(args: argparse.Namespace) -> int:
-    import time
+    from trajflow.jobs.replay import replay_job
 
-    from trajflow.engines import checkpoint as ckpt
-    from trajflow.jobs.config import JobConfigError, load_job_config
-    from trajflow.jobs.console import filtered_stderr, format_table
-    from trajflow.jobs.recorder import write_table_atomic
-    from trajflow.jobs.run import quiet_ray_data, start_ray
-    from trajflow.pipelines.replay import Replay, format_versions
-    from trajflow.schemas import LOGPROB_COLUMNS, SchemaError, nonfinite_rows
-
-    trajectories = Path(args.trajectories)
-    if not trajectories.exists():
-        raise UsageError(f"{trajectories}: no such file or directory")
-    config_path = Path(args.config) if args.config else _find_run_config(trajectories)
-    if config_path is None:
-        raise JobConfigError(f"config error: no config.yaml found beside {trajectories}; pass --config FILE")
-    config = load_job_config(config_path, args.set)
     strategies = [s for item in args.strategy for s in item.split(",") if s]
-    mode = "train" if args.train else "diagnose"
-    run_root = config_path.parent
-    out = Path(args.out) if args.out else run_root / "replay" / f"{mode}-{'+'.join(strategies)}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"--out {out} already exists and is not an empty directory")
-    try:  # checks every input before Ray starts
-        replay = Replay(config.pipeline_config(), trajectories, args.checkpoints, strategies, mode,
-                        quarantine_nonfinite=args.quarantine_nonfinite)
-    except SchemaError as e:
-        if e.column in LOGPROB_COLUMNS and "non-finite" in str(e):
-            where = str(e).rsplit(" (", 1)[0]
-            raise UsageError(f"{where}; --quarantine-nonfinite replays the log without such rows (counted)") from None
-        raise
-    print(f"trajflow: replay ({mode}) of {len(replay.steps)} steps under {', '.join(strategies)}; "
-          f"{len(replay.weights)} versions", flush=True)
-    if replay.quarantined:
-        print(f"trajflow: quarantined {sum(replay.quarantined.values())} rows with NaN/inf log-probs "
-              f"(steps {format_versions(replay.quarantined)}): not trained, not in the diagnostics", flush=True)
-    start_ray(config, args.verbose)
-    with filtered_stderr(enabled=not args.verbose):
-        quiet_ray_data()
-        metrics = replay.run()
-
-    # everything is written into a temp dir and renamed at the end: no half-written output
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    write_table_atomic(metrics.to_arrow(), tmp / "metrics.parquet")
-    ckpt.atomic_write_text(tmp / "config.yaml", config.to_yaml())
-    if replay.quarantined:
-        import pyarrow as pa
-
-        bad = pa.concat_tables([t.filter(pa.array(nonfinite_rows(t))) for t in replay.steps.values()],
-                               promote_options="permissive")
-        write_table_atomic(bad.filter(pa.array(nonfinite_rows(bad))), tmp / "quarantine.parquet")
-    if mode == "train":
-        ckpt.save_weights(replay.final_weights, tmp / "model.safetensors")
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
-
-    columns = [("step", "step", "{:d}"), ("strategy", "strategy", "{}"), ("trained", "rows_trained", "{:d}"),
-               ("mask", "mask/token_kept_frac", "{:.3f}"), ("clip", "clip/frac", "{:.3f}"),
-               ("active", "active_frac", "{:.3f}"), ("k3", "mismatch/k3", "{:.1e}"), ("ess", "is/ess", "{:.3f}"),
-               ("stale", "staleness/mean", "{:.2f}"), ("loss", "loss", "{:+.4f}")]
-    rows = metrics.to_dicts()
-    print(format_table(rows[:40], columns))
-    if len(strategies) > 1 or len(rows) > 40:
-        means = metrics.group_by("strategy", maintain_order=True).mean().to_dicts()
-        print("mean over steps:")
-        print(format_table(means, [c for c in columns if c[0] != "step"]))
-    _compare_with_logged(metrics, run_root, config.build_strategy().name, mode)
-    print(f"trajflow: replay written to {out}")
+    replay_job(args.trajectories, args.checkpoints, strategies, mode="train" if args.train else "diagnose",
+               config=args.config, overrides=args.set, out=args.out,
+               quarantine_nonfinite=args.quarantine_nonfinite, verbose=args.verbose)
     return 0
-
-
-def _compare_with_logged(metrics, run_root: Path, logged_strategy: str, mode: str) -> None:
-    """Diagnosing a run under its own strategy should reproduce its logged diagnostics: say how close."""
-    import polars as pl
-
-    from trajflow.jobs.recorder import RunPaths, read_metrics
-
-    if mode != "diagnose" or "strategy" not in metrics.columns:
-        return
-    logged = read_metrics(RunPaths(run_root))
-    mine = metrics.filter(pl.col("strategy") == logged_strategy)
-    if logged.is_empty() or mine.is_empty():
-        return
-    prefixes = ("mask/", "clip/", "mismatch/", "is/", "staleness/", "active_frac", "loss")
-    keys = [k for k in mine.columns if k.startswith(prefixes) and k in logged.columns]
-    joined = mine.select("step", *keys).join(logged.select("step", *keys), on="step", suffix="_logged")
-    worst = 0.0
-    for k in keys:
-        diff = (joined[k] - joined[f"{k}_logged"]).abs().max()
-        worst = max(worst, float(diff or 0.0))
-    print(f"trajflow: {logged_strategy} replay vs the logged run: {joined.height} steps, {len(keys)} keys, "
-          f"max |difference| {worst:.2e}")
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -480,8 +385,13 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
-_BAD_INPUT = (
+# a command-line argument that cannot be used: `trajflow: COMMAND: ...`
+_BAD_ARGUMENT = (
     ("trajflow.jobs.cli", "UsageError"),
+    ("trajflow.jobs.replay", "ReplayArgumentError"),
+)
+# any other input the user can fix: `trajflow: ...` (the message names what)
+_BAD_INPUT = (
     ("trajflow.jobs.config", "JobConfigError"),
     ("trajflow.jobs.run", "RunError"),
     ("trajflow.jobs.report", "ReportError"),
@@ -489,16 +399,18 @@ _BAD_INPUT = (
     ("trajflow.schemas.trajectory", "SchemaError"),
     ("trajflow.engines.checkpoint", "CheckpointError"),
     ("trajflow.tasks.dataset", "DataError"),  # a dataset problem found while reading it (e.g. a null prompt)
-    ("trajflow.tasks.user_code", "UserCodeError"),  # a reward, env or strategy import path (RewardSpecError too)
+    ("trajflow.user_code", "UserCodeError"),  # a reward, env or strategy import path (RewardSpecError too)
+    ("trajflow.pipelines.ray_patches", "RayVersionError"),  # an unpinned Ray that would not stay on loopback
 )
 # a path the user gave that cannot be used: `trajflow: PATH: reason`
 _BAD_PATH = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
 
 
-def _is_bad_input(error: BaseException) -> bool:
-    """An error about the user's input (not a bug): reported as one line. Only modules already
-    imported are checked — an error cannot come from a module that was never loaded."""
-    for module, name in _BAD_INPUT:
+def _is_bad_input(error: BaseException, classes: tuple[tuple[str, str], ...] = _BAD_INPUT) -> bool:
+    """An error about the user's input (not a bug), one of `classes` (module, name): reported as
+    one line. Only modules already imported are checked — an error cannot come from a module that
+    was never loaded."""
+    for module, name in classes:
         cls = getattr(sys.modules.get(module), name, None)
         if cls is not None and isinstance(error, cls):
             return True
@@ -509,7 +421,7 @@ def _bad_input_line(command: str, error: BaseException) -> str | None:
     """The one line for an error the user can fix, or None for a bug (which keeps its traceback)."""
     from pydantic import ValidationError
 
-    if isinstance(error, UsageError):
+    if _is_bad_input(error, _BAD_ARGUMENT):
         return f"{command}: {_one_line(error)}"
     if _is_bad_input(error):
         return _one_line(error)
@@ -531,8 +443,25 @@ def _bad_input_line(command: str, error: BaseException) -> str | None:
     return None
 
 
+def _one_line_warnings() -> None:
+    """A renamed config key (pipelines.config.TrajflowDeprecation) is one `trajflow:` line, not
+    Python's two-line warning with the source line."""
+    import warnings
+
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if category.__name__ == "TrajflowDeprecation":
+            print(f"trajflow: deprecated: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _one_line_warnings()
     args = build_parser().parse_args(argv)
     # before transformers is imported: its weight-loading bars follow this variable
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "0" if args.verbose else "1")

@@ -418,7 +418,7 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
                 resume_from=str(checkpoint.path) if checkpoint is not None else None,
                 data_state=pipeline.data_state(),
             )
-            pipeline.train_step_kwargs.update(on_start=recorder.on_start, on_step=recorder.on_step)
+            pipeline.hooks.on_start, pipeline.hooks.on_step = recorder.on_start, recorder.on_step
             weights = checkpoint.model_state() if checkpoint is not None else None
             pipeline.start_store(initial_version=first_step, initial_weights=weights)
             print(wrap(pipeline.describe()), flush=True)

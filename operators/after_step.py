@@ -17,10 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 import pyarrow as pa
-import ray
-import torch
 
-from trajflow.schemas.weights import SharedStateDict
 from trajflow.tasks.workload import Workload
 
 
@@ -28,19 +25,12 @@ class AfterStep(Protocol):
     def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None: ...
 
 
-def publish_weights(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int | None = None) -> int:
-    """Put a float32 copy of the weights in the object store (the only copy: see
-    schemas/weights.py) and register it as a version."""
-    state = SharedStateDict.of(model)
-    return ray.get(store.publish.remote([ray.put(state)], state.nbytes, version))
-
-
 class PublishWeights:
     """Publish the trainer's weights as its (new) version. A step with nothing to train publishes
     too (unchanged weights, new version): the rollouts of later steps wait on this version."""
 
     def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
-        publish_weights(trainstep.store, trainstep.policy(), trainstep.version)
+        trainstep.publish()
 
 
 class HeldoutEvaluation:
@@ -58,7 +48,7 @@ class HeldoutEvaluation:
         if not self.every or trainstep.version % self.every:
             return
         from trajflow.engines.models import load_tokenizer
-        from trajflow.operators.evaluate import heldout_accuracy
+        from trajflow.tasks.rollout import heldout_accuracy
 
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.model_path)
@@ -67,13 +57,15 @@ class HeldoutEvaluation:
 
 
 class StoreStatistics:
-    """Snapshot versions and bytes held, and the seconds the actors reported since the last step."""
+    """The seconds the actors reported since the last step, and — for a strategy whose store keeps
+    a version's weights after generation (snapshot, dedicated) — the versions and bytes held."""
 
     def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
-        stats = ray.get(trainstep.store.stats.remote(True))
-        metrics.update({
-            "snapshot_versions_held": len(stats.versions_held),
-            "snapshot_bytes": stats.snapshot_bytes,
-            "snapshot_max_versions_held": stats.max_versions_held,
-            **{f"seconds/{k}" if k.endswith("seconds") else k: v for k, v in stats.counters.items()},
-        })
+        stats = trainstep.store.stats(reset_counters=True)
+        if stats.keeps_history:
+            metrics.update({
+                "snapshot_versions_held": len(stats.versions_held),
+                "snapshot_bytes": stats.snapshot_bytes,
+                "snapshot_max_versions_held": stats.max_versions_held,
+            })
+        metrics.update({f"seconds/{k}" if k.endswith("seconds") else k: v for k, v in stats.counters.items()})

@@ -7,6 +7,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 FILTER_REASON = "filter_reason"  # null = kept for training; otherwise why the row is not trained
+# pi_old as the train step's loss used it (every strategy; -inf: a token outside the sampling
+# support). `old_logprobs` keeps its one meaning: what an upstream operator supplied (exact strategies).
+PROXIMAL_COLUMN = "proximal_logprobs"
 
 
 def replace_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:

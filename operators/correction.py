@@ -95,7 +95,7 @@ class PolicyHolder:
     numerics: TrainingNumerics
     sampling: SamplingParams
     version: int
-    updates_per_version: int
+    minibatches_per_step: int
 
     def policy(self) -> torch.nn.Module:
         return self.model

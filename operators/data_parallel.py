@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import datetime
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,17 +55,18 @@ RESUME_HINT = "restart from the last checkpoint with `trajflow run --resume RUN_
 @dataclass(frozen=True)
 class DataParallel:
     """How the train step trains: its workers, their resources and micro-batches (the
-    `trainer:` section of the config; see pipelines/config.py for each key)."""
+    `trainer:` section of the config, which holds the defaults and documents each key:
+    pipelines/config.py `TrainerConfig`)."""
 
-    num_workers: int = 1
-    max_tokens_per_microbatch: int | None = None
-    gradient_checkpointing: bool = False
-    placement: str = "pack"  # "pack" | "spread"
-    timeout_seconds: float = 300.0
-    num_cpus: float = 0.5
-    num_gpus: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)
-    group_name: str = ""  # the placement group's name: the pipeline removes it when the run ends
+    num_workers: int
+    max_tokens_per_microbatch: int | None
+    gradient_checkpointing: bool
+    placement: str  # "pack" | "spread"
+    collective_timeout_seconds: float
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float]
+    group_name: str  # the placement group's name: the pipeline removes it when the run ends
 
 
 def remove_placement_group_named(name: str) -> None:
@@ -219,7 +220,10 @@ class Collective:
 
 
 def node_address() -> tuple[str, str]:
-    """(node id, node IP) of this process's Ray node."""
+    """(node id, node IP) of this process's Ray node; outside Ray (an operator run in one
+    process) the host name and the loopback address."""
+    if not ray.is_initialized():
+        return f"local:{socket.gethostname()}", "127.0.0.1"
     return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
 
@@ -241,7 +245,7 @@ class TrainerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        world_size, placement, timeout_seconds = spec.num_workers, spec.placement, spec.timeout_seconds
+        world_size, placement, timeout_seconds = spec.num_workers, spec.placement, spec.collective_timeout_seconds
         num_cpus, num_gpus, resources = spec.num_cpus, spec.num_gpus, dict(spec.resources)
         self.world_size = world_size
         self.node_id, node_ip = node_address()

@@ -25,29 +25,31 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import ray
 import torch
 
-from trajflow.algorithms import CorrectionConfig
+from trajflow.algorithms.config import CorrectionConfig
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.columns import apply_staleness_bound, step_metrics
 from trajflow.operators.correction import PolicyHolder, StepBatch, correct, step_diagnostics
+from trajflow.operators.store import PolicyStoreClient, VersionNotHeld
 from trajflow.operators.strategies.base import Strategy
 
 
 class Diagnose(PolicyHolder):
+    """The correction metrics of each logged step under each of `strategies` (module docstring)."""
+
     def __init__(
         self,
-        store: ray.actor.ActorHandle,
+        store: PolicyStoreClient,
         model_path: str | Path,
         strategies: list[Strategy],
         correction: CorrectionConfig,
         sampling: SamplingParams,
         max_staleness: int,
-        numerics: TrainingNumerics = TrainingNumerics(),
-        torch_threads: int = 1,
+        numerics: TrainingNumerics,
+        torch_threads: int,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
@@ -56,7 +58,7 @@ class Diagnose(PolicyHolder):
         self.sampling = sampling
         self.max_staleness = max_staleness
         self.numerics = numerics
-        self.updates_per_version = 1  # the log holds one set of weights per version
+        self.minibatches_per_step = 1  # the log holds one set of weights per version
         self.model = numerics.prepare(load_model(model_path))
         self.version: int | None = None
         self.bound = False
@@ -65,10 +67,10 @@ class Diagnose(PolicyHolder):
         """Make `version` the resident weights; False if the store does not hold it."""
         if self.version != version:
             try:
-                _, (ref,) = ray.get(self.store.get.remote(version))
-            except ray.exceptions.RayTaskError:
+                _, weights = self.store.weights(version)
+            except VersionNotHeld:
                 return False
-            self.model.load_state_dict(ray.get(ref))
+            self.model.load_state_dict(weights)
             self.version = version
         return True
 

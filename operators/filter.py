@@ -21,7 +21,7 @@ from trajflow.schemas import nonfinite_rows
 
 
 class Filter:
-    def __init__(self, drop_zero_variance_groups: bool = True) -> None:
+    def __init__(self, drop_zero_variance_groups: bool) -> None:
         self.drop_zero_variance_groups = drop_zero_variance_groups
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -6,15 +6,15 @@ out: `len(rows) * group_size` trajectory rows (schema v1, then `prompt`, the pas
 and `rollout_step`), a group's samples contiguous, each repeating its prompt row's columns.
 
 For an environment workload (`tasks.environments.Environment`) each row is a multi-turn episode
-(operators/episodes.py): `response_tokens` hold policy turns and environment observations,
+(tasks/rollout.py): `response_tokens` hold policy turns and environment observations,
 `loss_mask` is false on the observation tokens, `reward` is already filled in by the environment,
 and the extra column `turns` counts policy turns. Before every turn the generator takes the
 newest weights, so the turns of one episode may come from different versions.
 
 Before sampling, the actor takes an admission permit from the policy store: the rollout of
 step b starts only once version b - max_staleness exists, which bounds policy lag. With
-`mid_generation_updates` it also takes newer weights between decode steps, so one trajectory can
-span versions; for a strategy that scores at a switch (`interrupt`: `score_on_switch`) it first
+`partial_rollout` it also takes newer weights between decode steps, so one trajectory can
+span versions; for a strategy that scores at a switch (`interrupt`: `scores_at_switch`) it first
 scores the prefix generated so far with the still-resident weights under the training numerics
 (`numerics`, the trainer's) — the exact old log-probs — then switches. The prefix is scored with
 its full context (for episodes: prompt, earlier turns and observations).
@@ -29,17 +29,17 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import ray
 import torch
 
-from trajflow.engines.factory import make_engine
+from trajflow.engines.factory import VllmOptions, make_engine
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import stop_token_ids
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.engines.torch_engine import Generation, TorchEngine
-from trajflow.operators.episodes import Episode, EpisodeBatch, EpisodeView, run_episodes
+from trajflow.operators.store import PolicyStoreClient
 from trajflow.schemas import SamplingSemantics, conform
+from trajflow.tasks.rollout import Episode, EpisodeBatch, EpisodeView, run_episodes
 from trajflow.tasks.workload import Workload, prompt_of
 
 # Columns of a prompt row that generation replaces with per-trajectory values.
@@ -55,22 +55,25 @@ def rollout_step_of(batch: pa.Table) -> int:
 
 
 class Generate:
+    """The rollout of one train step per call (see the module docstring). Every argument is a
+    setting of the pipeline's config (pipelines/config.py), which holds their defaults."""
+
     def __init__(
         self,
-        store: ray.actor.ActorHandle,
+        store: PolicyStoreClient,
         model_path: str | Path,
         workload: Workload,
         group_size: int,
         sampling: SamplingParams,
         inference_dtype: str,
         seed: int,
-        mid_generation_updates: bool = False,
-        score_on_switch: bool = False,
-        simulate_decode_seconds: float = 0.0,
-        torch_threads: int = 1,
-        engine: str = "torch",
-        engine_kwargs: dict | None = None,
-        numerics: TrainingNumerics = TrainingNumerics(),
+        partial_rollout: bool,
+        scores_at_switch: bool,
+        simulate_decode_seconds: float,
+        torch_threads: int,
+        engine: str,
+        vllm: VllmOptions,
+        numerics: TrainingNumerics,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
@@ -79,15 +82,17 @@ class Generate:
         self.group_size = group_size
         self.sampling = sampling
         self.seed = seed
-        self.mid_generation_updates = mid_generation_updates
-        self.score_on_switch = score_on_switch
+        # a strategy that scores at a switch takes new weights mid-generation by definition
+        self.partial_rollout = partial_rollout or scores_at_switch
+        self.scores_at_switch = scores_at_switch
         self.simulate_decode_seconds = simulate_decode_seconds
         # The torch engine copies an in-memory model; vLLM loads the directory itself. The float32
         # model is also the scorer of prefixes at a switch (interrupt).
-        model = load_model(model_path) if (engine == "torch" or score_on_switch) else None
+        model = load_model(model_path) if (engine == "torch" or scores_at_switch) else None
         self.engine = make_engine(
             engine,
             model if engine == "torch" else model_path,
+            vllm=vllm,
             eos_id=self.tokenizer.eos_token_id,
             pad_id=self.tokenizer.pad_token_id,
             stop_token_ids=stop_token_ids(self.tokenizer, model_path),
@@ -96,32 +101,26 @@ class Generate:
             inference_dtype=inference_dtype,
             seed=seed,
             version=-1,
-            **(engine_kwargs or {}),
         )
         # Training numerics of the resident version, for scoring prefixes at a switch (interrupt).
         self.numerics = numerics
-        self.scoring_model = numerics.prepare(model) if score_on_switch else None
+        self.scoring_model = numerics.prepare(model) if scores_at_switch else None
         self.semantics = SamplingSemantics(sampling.temperature, sampling.top_p, sampling.top_k)
 
-    def _load(self, version: int, ref: ray.ObjectRef) -> None:
-        state_dict = ray.get(ref)
-        self.engine.load_weights(state_dict, version)
-        if self.scoring_model is not None:
-            self.scoring_model.load_state_dict(state_dict)
-
     def _take_newest(self, pins: set[int]) -> None:
-        version, (ref,) = ray.get(self.store.get.remote(None, True))
+        version, weights = self.store.weights(None, pin=True)
         if version in pins:
-            self.store.release.remote(version)  # this call already holds a pin on it
+            self.store.release(version)  # this call already holds a pin on it
         pins.add(version)
         if version != self.engine.version:
-            self._load(version, ref)
+            self.engine.load_weights(weights, version)
+            if self.scoring_model is not None:
+                self.scoring_model.load_state_dict(weights)
 
     def _switch_if_newer(self, pins: set[int], views, old_logprobs) -> None:
         """Take the newest weights if a newer version exists; for `interrupt`, first score every
         token sampled under the resident version (`views()` gives the responses so far)."""
-        newest = ray.get(self.store.latest_version.remote())
-        if newest > self.engine.version:
+        if self.store.latest_version() > self.engine.version:
             if old_logprobs is not None:
                 self._score_resident(views(), old_logprobs)
             self._take_newest(pins)
@@ -129,7 +128,7 @@ class Generate:
     def __call__(self, batch: pa.Table) -> pa.Table:
         step = rollout_step_of(batch)
         started = time.perf_counter()
-        ray.get(self.store.admit.remote(step))
+        self.store.admit(step)
         waited = time.perf_counter() - started
         pins: set[int] = set()
         self._take_newest(pins)
@@ -137,11 +136,11 @@ class Generate:
         prompt_tokens = batch["prompt_tokens"].to_pylist()
         self.engine.generator.manual_seed(self.seed * 1_000_003 + step)
         old_logprobs: list[list[float]] | None = None
-        if self.mid_generation_updates and self.score_on_switch:
+        if self.partial_rollout and self.scores_at_switch:
             old_logprobs = [[] for _ in range(len(prompt_tokens) * self.group_size)]
 
         if self.environment is not None:
-            if self.score_on_switch and old_logprobs is None:  # switches happen between turns too
+            if self.scores_at_switch and old_logprobs is None:  # switches happen between turns too
                 old_logprobs = [[] for _ in range(len(prompt_tokens) * self.group_size)]
 
             def before_turn(engine: TorchEngine, episodes: EpisodeBatch) -> None:
@@ -150,7 +149,7 @@ class Generate:
             def episode_hook(engine: TorchEngine, episodes: EpisodeBatch) -> None:
                 if self.simulate_decode_seconds:
                     time.sleep(self.simulate_decode_seconds)
-                if self.mid_generation_updates:
+                if self.partial_rollout:
                     self._switch_if_newer(pins, episodes.current, old_logprobs)
 
             prompts = [prompt_of(row) for row in batch.to_pylist()]
@@ -169,7 +168,7 @@ class Generate:
                 gens_seen[:] = gens
                 if self.simulate_decode_seconds:
                     time.sleep(self.simulate_decode_seconds)
-                if self.mid_generation_updates:
+                if self.partial_rollout:
                     self._switch_if_newer(pins, views, old_logprobs)
 
             episodes = self.engine.generate(prompt_tokens, n=self.group_size, between_steps=hook)
@@ -181,8 +180,8 @@ class Generate:
         # Release pins of versions that no generated token carries (all sequences had finished).
         used = {v for r in rows for v in r.versions}
         for version in pins - used:
-            self.store.release.remote(version)
-        self.store.add_counters.remote(
+            self.store.release(version)
+        self.store.add_counters(
             {"generate_seconds": time.perf_counter() - started - waited, "admission_wait_seconds": waited}
         )
         return self._to_table(step, batch, prompt_tokens, episodes, old_logprobs)
@@ -212,7 +211,7 @@ class Generate:
             for t in range(len(old_logprobs[i]), len(row.response_tokens)):
                 assert row.versions[t] == version, "a token of an older version was left unscored"
                 old_logprobs[i].append(float(lp[t]) if row.loss_mask[t] else 0.0)
-        self.store.add_counters.remote({"interrupt_scoring_seconds": time.perf_counter() - t0})
+        self.store.add_counters({"interrupt_scoring_seconds": time.perf_counter() - t0})
 
     def _to_table(self, step, rows: pa.Table, prompt_tokens, gens, old_logprobs) -> pa.Table:
         n = self.group_size

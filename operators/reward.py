@@ -27,7 +27,7 @@ REWARD_ERROR = "reward_error"
 
 
 class Reward:
-    def __init__(self, model_path: str | Path, workload: Workload, stop: Sequence[str] = ()) -> None:
+    def __init__(self, model_path: str | Path, workload: Workload, stop: Sequence[str]) -> None:
         self.model_path = str(model_path)
         self.runner = workload.reward_runner()  # None: the environment scored the episodes
         self.columns = workload.columns()

@@ -39,21 +39,19 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import ray
 import torch
 from torch import Tensor
 
-from trajflow.algorithms import CorrectionConfig, LossOutput
+from trajflow.algorithms.config import CorrectionConfig, OptimizerConfig
+from trajflow.algorithms.objective import LossOutput
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.after_step import AfterStep
-from trajflow.operators.columns import apply_staleness_bound, replace_column, step_metrics
+from trajflow.operators.columns import PROXIMAL_COLUMN, apply_staleness_bound, replace_column, step_metrics
 from trajflow.operators.correction import (
     PolicyHolder,
     StepBatch,
@@ -72,8 +70,34 @@ from trajflow.operators.data_parallel import (
     node_address,
     plan_shards,
 )
+from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies.base import Strategy
 from trajflow.schemas import conform
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What every data-parallel worker of a train step is built from: the run's typed settings
+    (pipelines/config.py holds their defaults; each worker binds its own copy of the strategy)."""
+
+    model_path: str
+    strategy: Strategy
+    correction: CorrectionConfig
+    optimizer: OptimizerConfig
+    sampling: SamplingParams
+    numerics: TrainingNumerics
+    data_parallel: DataParallel
+    torch_threads: int
+
+
+@dataclass
+class StepHooks:
+    """The job's hooks, run in the train step's process (jobs/recorder.py): `on_start(trainstep)`
+    once before the first step (a resumed job restores optimizer and strategy state there) and
+    `on_step(trainstep, batch, metrics)` after each step's services (logs, checkpoints)."""
+
+    on_start: Callable[["TrainStep"], None] | None = None
+    on_step: Callable[["TrainStep", pa.Table, dict], None] | None = None
 
 
 @dataclass
@@ -93,40 +117,27 @@ class ShardResult:
 class TrainerReplica(PolicyHolder):
     """One data-parallel worker: the policy, its optimizer and strategy, and the update of its rows."""
 
-    def __init__(
-        self,
-        store: ray.actor.ActorHandle,
-        model_path: str | Path,
-        strategy: Strategy,
-        correction: CorrectionConfig,
-        sampling: SamplingParams,
-        numerics: TrainingNumerics = TrainingNumerics(),
-        lr: float = 1.5e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.99),
-        grad_clip: float | None = 1.0,
-        minibatches_per_step: int = 1,
-        torch_threads: int = 1,
-        gradient_checkpointing: bool = False,
-        version: int | None = None,
-    ) -> None:
-        torch.set_num_threads(torch_threads)
+    def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, version: int | None = None) -> None:
+        torch.set_num_threads(spec.torch_threads)
         self.store = store
-        self.strategy = strategy
-        self.correction = correction
-        self.sampling = sampling
-        self.numerics = numerics
-        self.grad_clip = grad_clip
-        self.updates_per_version = minibatches_per_step
+        self.spec = spec
+        self.strategy = copy.deepcopy(spec.strategy)  # this worker's own, bound below
+        self.correction = spec.correction
+        self.sampling = spec.sampling
+        self.numerics = spec.numerics
+        self.grad_clip = spec.optimizer.grad_clip
+        self.minibatches_per_step = spec.optimizer.minibatches_per_step
         self.collective = Collective()  # world size 1 until a group is joined
         # The store's newest weights (version 0 on a fresh run, the resumed one later), or the
         # version worker 0 started from.
-        self.version, (ref,) = ray.get(store.get.remote(version))
-        self.model = numerics.prepare(load_model(model_path))
-        self.model.load_state_dict(ray.get(ref))
-        if gradient_checkpointing:
+        self.version, weights = store.weights(version)
+        self.model = spec.numerics.prepare(load_model(spec.model_path))
+        self.model.load_state_dict(weights)
+        if spec.data_parallel.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        o = spec.optimizer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
         self.optimizer_steps = 0
         self.strategy.bind(self)
 
@@ -249,8 +260,9 @@ class TrainerRank(TrainerReplica):
     """Worker `rank` (1..N-1) of a data-parallel train step: a Ray actor started by worker 0,
     holding the same state as worker 0 (its checkpoint state is passed in)."""
 
-    def __init__(self, rank: int, world_size: int, state: dict, **replica_kwargs) -> None:
-        super().__init__(**replica_kwargs)
+    def __init__(self, rank: int, world_size: int, state: dict, store: PolicyStoreClient, spec: TrainerSpec,
+                 version: int) -> None:
+        super().__init__(store, spec, version)
         self.rank, self.world_size = rank, world_size
         self.load_checkpoint_state(state["optimizer"], state["strategy"])
 
@@ -267,46 +279,41 @@ class TrainerRank(TrainerReplica):
 
 
 class TrainStep(TrainerReplica):
-    """Worker 0: the Ray Data operator. `replica`: TrainerReplica's arguments (model_path,
-    strategy, correction, sampling, numerics, lr, ...), which workers 1..N-1 get too."""
+    """Worker 0: the Ray Data operator. Workers 1..N-1 are built from the same `spec`."""
 
-    def __init__(
-        self,
-        store: ray.actor.ActorHandle,
-        max_staleness: int,
-        after_step: Sequence[AfterStep] = (),
-        data_parallel: DataParallel = DataParallel(),
-        on_start: Callable[["TrainStep"], None] | None = None,
-        on_step: Callable[["TrainStep", pa.Table, dict], None] | None = None,
-        **replica: Any,
-    ) -> None:
-        replica.update(store=store, gradient_checkpointing=data_parallel.gradient_checkpointing)
+    def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, max_staleness: int,
+                 after_step: Sequence[AfterStep], hooks: StepHooks) -> None:
+        data_parallel = spec.data_parallel
         # One train step per store: a second one means this process replaced a trainer that died
         # (Ray Data restarts actors and retries the step), and that trainer's optimizer and
         # strategy state died with it (its published weights too). Refuse to train on.
         self.node = node_address()[0]
         self.group: TrainerGroup | None = None
         self.lost: TrainerStateLost | None = None
-        if ray.get(store.claim_trainer.remote()) > 0:
+        if store.claim_trainer() > 0:
             self.lost = TrainerStateLost(
                 f"trainer worker 0 of {data_parallel.num_workers} (node {self.node[:12]}) was restarted after its "
                 f"process died; the trainer's optimizer and strategy state is lost: {RESUME_HINT}")
             return
-        unbound = copy.deepcopy(replica["strategy"])  # what the other workers bind their own copy of
-        super().__init__(version=None, **replica)
+        super().__init__(store, spec)
         self.max_staleness = max_staleness
         self.data_parallel = data_parallel
         self.after_step = list(after_step)
-        self.on_step = on_step  # the job's hook (trajectory log, metrics file, checkpoints), after the services
+        self.on_step = hooks.on_step  # the job's hook (trajectory log, metrics file, checkpoints), after the services
         self.busy_seconds = 0.0
         self.started = time.perf_counter()
-        if on_start is not None:
-            on_start(self)  # e.g. a resumed job restores optimizer and strategy state here
+        if hooks.on_start is not None:
+            hooks.on_start(self)  # e.g. a resumed job restores optimizer and strategy state here
         if data_parallel.num_workers > 1:
             self.group = TrainerGroup(
-                TrainerRank, dict(replica, state=self.checkpoint_state(), strategy=unbound, version=self.version),
+                TrainerRank, dict(state=self.checkpoint_state(), store=store, spec=spec, version=self.version),
                 data_parallel, device=self.numerics.torch_device())
             self.collective = self.group.collective
+
+    def publish(self) -> None:
+        """Make the trainer's current weights version `self.version` in the policy store (the
+        after-step service `PublishWeights` calls it)."""
+        self.store.publish(self.policy_state_dict(), self.version)
 
     @property
     def nodes(self) -> list[str]:
@@ -338,9 +345,11 @@ class TrainStep(TrainerReplica):
             diagnostics, old_used, parallel = self._update(batch.take(pa.array(trained)), trainer_version)
             metrics.update(diagnostics)
             metrics.update(parallel)
+            # pi_old as the loss used it, under its own name: `old_logprobs` stays what arrived
+            # (the exact strategies' upstream scores, or null), so each column has one meaning
             old = np.full(batch.num_rows, None, dtype=object)
             old[trained] = old_used
-            batch = replace_column(batch, "old_logprobs", pa.array(old.tolist(), pa.list_(pa.float32())))
+            batch = replace_column(batch, PROXIMAL_COLUMN, pa.array(old.tolist(), pa.list_(pa.float32())))
         metrics.update(self._finish_step(diagnostics))
         metrics["version"] = self.version
         metrics["optimizer_steps"] = self.optimizer_steps
@@ -372,7 +381,7 @@ class TrainStep(TrainerReplica):
         batch = StepBatch.from_table(table, trainer_version)
         lengths = np.array([len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)])
         dp = self.data_parallel
-        plan = plan_shards(lengths, self.updates_per_version, dp.num_workers, dp.max_tokens_per_microbatch)
+        plan = plan_shards(lengths, self.minibatches_per_step, dp.num_workers, dp.max_tokens_per_microbatch)
         refs = []
         if self.group is not None:
             shards = [plan.rows(rank) for rank in range(1, dp.num_workers)]

@@ -8,14 +8,21 @@ key.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import types
 import typing
+import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
+from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, OptimizerConfig
+from trajflow.engines.factory import VllmOptions
+from trajflow.engines.sampling import SamplingParams
+from trajflow.settings import check_setting, field_types
 from trajflow.tasks.dataset import DataConfig
 from trajflow.tasks.workload import Workload
 
@@ -85,50 +92,56 @@ def check_task(name: str) -> str:
     return name
 
 
-class SamplingConfig(_Strict):
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(6, ge=1)
-    stop: list[str] = Field(default_factory=list, description="strings that end a response (besides eos)")
+class _Section(_Strict):
+    """A YAML section built from a settings dataclass (trajflow/settings.py): the same fields,
+    defaults, documentation and checks; `spec()` is the dataclass the operators receive."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True,
+                              validate_by_alias=True, serialize_by_alias=True)
+
+    settings: ClassVar[type]
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _checked(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str) and _accepts_float(field_types(cls.settings)[info.field_name]):
+            try:  # YAML 1.1 reads `1e-3` (no dot) as a string; any other string stays one
+                value = float(value)
+            except ValueError:
+                pass
+        return check_setting(cls.settings, info.field_name, value)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "_Section":
+        self.spec()  # the dataclass's own cross-field checks (SettingError names the field)
+        return self
+
+    def spec(self) -> Any:
+        return self.settings(**{name: getattr(self, name) for name in type(self).model_fields})
 
 
-class CorrectionSettings(_Strict):
-    """The decoupled objective's knobs (see algorithms/objective.py)."""
-
-    mask_level: Literal["token", "sequence", "none"] = "sequence"
-    mask_c_token: float = Field(2.0, gt=1.0)
-    mask_c_seq: float = Field(1.05, gt=1.0)
-    tis_cap: float | None = Field(None, gt=0.0)
-    clip_level: Literal["token", "sequence", "none"] = "token"
-    eps_low: float = Field(0.2, gt=0.0, lt=1.0)
-    eps_high: float = Field(0.28, gt=0.0)
-    dual_clip_c: float | None = Field(None, gt=1.0)
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "token-sum-norm"] = "token-mean"
+def _accepts_float(annotation: Any) -> bool:
+    return annotation is float or float in typing.get_args(annotation)
 
 
-class OptimizerConfig(_Strict):
-    lr: float = Field(1.5e-4, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.99)
-    grad_clip: float | None = Field(1.0, gt=0.0)
-    minibatches_per_step: int = Field(1, ge=1)
-    mixed_precision: Literal["no", "bf16"] = "no"
+def settings_section(settings: type, name: str) -> type[_Section]:
+    """The pydantic model of a YAML section whose keys are the fields of `settings`."""
+    hints = field_types(settings)
+    fields = {}
+    for f in dataclasses.fields(settings):
+        key = f.metadata.get("key")  # a field named like a Python keyword (`in_`) is `in` in YAML
+        fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata.get("doc") or None,
+                                              **({"alias": key} if key else {})))
+    model = create_model(name, __base__=_Section, __doc__=settings.__doc__, **fields)
+    model.settings = settings
+    return model
 
 
-class AdvantageSettings(_Strict):
-    """Group-relative advantages (algorithms/advantages.py). `std` applies to grpo: "sample"
-    (ddof 1; veRL and TRL divide by it, so it is the default) or "population" (ddof 0); at group
-    size G they differ by sqrt(G / (G - 1)). The YAML may also give just the estimator's name."""
-
-    estimator: Literal["grpo", "dr_grpo", "leave_one_out"] = "grpo"
-    std: Literal["sample", "population"] = "sample"
-
-
-class EwmaConfig(_Strict):
-    window: int | None = Field(None, ge=1, description="staleness window W in versions (counted in optimizer "
-                               "updates: W x minibatches_per_step); default max(1, max_staleness)")
-    reset_threshold: float = Field(0.9, ge=0.0, le=1.0, description="tau: reset when active fraction < tau")
+SamplingSection = settings_section(SamplingParams, "SamplingSection")
+CorrectionSection = settings_section(CorrectionConfig, "CorrectionSection")
+AdvantageSection = settings_section(AdvantageConfig, "AdvantageSection")
+OptimizerSection = settings_section(OptimizerConfig, "OptimizerSection")
+VllmSection = settings_section(VllmOptions, "VllmSection")
 
 
 class ResourceConfig(_Strict):
@@ -159,26 +172,15 @@ class TrainerConfig(ResourceConfig):
         300.0, gt=0.0, description="a worker that does not join a gradient all-reduce within this fails the step")
 
 
-    def data_parallel(self):
-        """The train step's view of this section (operators/data_parallel.py)."""
+    def data_parallel(self, group_name: str):
+        """The train step's view of this section (operators/data_parallel.py); `group_name`: the
+        placement group of workers 1..N-1, which the pipeline removes when the run ends."""
         from trajflow.operators.data_parallel import DataParallel
 
         return DataParallel(num_workers=self.num_workers, max_tokens_per_microbatch=self.max_tokens_per_microbatch,
                             gradient_checkpointing=self.gradient_checkpointing, placement=self.placement,
-                            timeout_seconds=self.collective_timeout_seconds, num_cpus=self.num_cpus,
-                            num_gpus=self.num_gpus, resources=dict(self.resources))
-
-
-class VllmSettings(_Strict):
-    """Knobs of the vLLM engine (`engine: vllm`); see engines/vllm_engine.py. None = vLLM's default
-    (on CPU, a 512 MiB KV cache)."""
-
-    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
-    kv_cache_memory_bytes: int | None = Field(None, gt=0)
-    max_model_len: int | None = Field(None, ge=1)
-    enforce_eager: bool = True
-    tensor_parallel_size: int = Field(1, ge=1)
-    enable_prefix_caching: bool = True
+                            collective_timeout_seconds=self.collective_timeout_seconds, num_cpus=self.num_cpus,
+                            num_gpus=self.num_gpus, resources=dict(self.resources), group_name=group_name)
 
 
 class PipelineConfig(_Strict):
@@ -203,22 +205,18 @@ class PipelineConfig(_Strict):
     max_staleness: int = Field(0, ge=0)
     inference_dtype: Literal["float32", "bfloat16", "fp8"] = "float32"
     engine: Literal["torch", "vllm"] = Field("torch", description="generation engine (vllm: optional extra)")
-    vllm: VllmSettings = Field(default_factory=VllmSettings)
+    vllm: VllmSection = Field(default_factory=VllmSection)
     partial_rollout: bool = Field(
         False, description="take new weights between decode steps (always on for `interrupt`)"
     )
     simulate_decode_seconds: float = Field(
         0.0, ge=0.0, description="sleep per decode step: emulate a slower inference engine (staleness studies)"
     )
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    correction: CorrectionSettings = Field(default_factory=CorrectionSettings)
-    advantage: AdvantageSettings = Field(default_factory=AdvantageSettings)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    correction: CorrectionSection = Field(default_factory=CorrectionSection)
+    advantage: AdvantageSection = Field(default_factory=AdvantageSection)
     drop_zero_variance_groups: bool = True
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    ewma: EwmaConfig = Field(default_factory=EwmaConfig)
-    loglinear_alpha: float | None = Field(
-        None, ge=0.0, le=1.0, description="fixed alpha; default: from versions (A-3PO)"
-    )
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     eval_every: int = Field(0, ge=0, description="held-out greedy accuracy every k steps (0: off)")
     eval_prompts: int = Field(200, ge=1)
     seed: int = 0
@@ -231,6 +229,12 @@ class PipelineConfig(_Strict):
         "auto", description="auto: consecutive stages share an actor process where that does not serialise "
         "work that overlaps (sync: one process; async: rollout side and train step); off: one process per "
         "operator stage (see pipelines/colocation.py)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """Keys renamed in 0.2 still work for one release, with a one-line notice (TRL's path)."""
+        return migrate_deprecated_keys(data) if isinstance(data, dict) else data
 
     @field_validator("strategy")
     @classmethod
@@ -277,7 +281,7 @@ class PipelineConfig(_Strict):
                 f"use group_size >= {min_group}"
             )
         self._check_workload()
-        if self.engine != "vllm" and self.vllm != VllmSettings():
+        if self.engine != "vllm" and self.vllm != VllmSection():
             raise ValueError("vllm: settings given but engine is not vllm")
         try:
             strategy = self.build_strategy()
@@ -351,10 +355,6 @@ class PipelineConfig(_Strict):
     def rows_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
 
-    @property
-    def ewma_window(self) -> int:
-        return self.ewma.window or max(1, self.max_staleness)
-
     def build_strategy(self):
         """A fresh instance of the configured strategy, with its settings from this config."""
         from trajflow.operators.strategies.registry import resolve_strategy
@@ -367,8 +367,62 @@ class PipelineConfig(_Strict):
 
         return TrainingNumerics(mixed_precision=self.optimizer.mixed_precision)
 
-    def correction_config(self):
-        """The objective's settings (algorithms/objective.py); token-sum-norm normalises by max_new_tokens."""
-        from trajflow.algorithms.objective import CorrectionConfig
+    def correction_config(self) -> CorrectionConfig:
+        """The objective's settings; token-sum-norm normalises by max_new_tokens unless
+        `correction.loss_norm_tokens` is given."""
+        spec = self.correction.spec()
+        if spec.loss_norm_tokens is None:
+            spec = dataclasses.replace(spec, loss_norm_tokens=self.sampling.max_new_tokens)
+        return spec
 
-        return CorrectionConfig(**self.correction.model_dump(), loss_norm_tokens=self.sampling.max_new_tokens)
+
+class TrajflowDeprecation(FutureWarning):
+    """A config key renamed in this release; the old name goes in the next (one-line notice)."""
+
+
+# old key (dotted) -> (new key (dotted), what to do with its value)
+RENAMED_KEYS = {
+    "ewma.window": "strategy_options.window",
+    "ewma.reset_threshold": "strategy_options.reset_threshold",
+    "loglinear_alpha": "strategy_options.alpha",
+}
+
+
+def migrate_deprecated_keys(data: dict) -> dict:
+    """Move renamed keys to their new place (an explicitly given new key wins), saying so once
+    per key. A strategy setting goes under `strategy_options` only if the configured strategy
+    takes it (it used to be ignored by the others); else it is dropped, and the notice says so."""
+    data = dict(data)
+    options = dict(data.get("strategy_options") or {})
+    accepted = _strategy_parameters(data.get("strategy", PipelineConfig.model_fields["strategy"].default))
+    for old, new in RENAMED_KEYS.items():
+        section, _, key = old.rpartition(".")
+        holder = data.get(section) if section else data
+        if not isinstance(holder, dict) or key not in holder:
+            continue
+        value = holder.pop(key) if section else data.pop(key)
+        if section and not holder:
+            data.pop(section)
+        option = new.rpartition(".")[2]
+        if accepted is not None and option not in accepted:
+            notice = f"{old}: ignored (strategy {data.get('strategy')} has no option {option})"
+        else:
+            notice = f"{old}: use {new}"
+            if value is not None:
+                options.setdefault(option, value)
+        warnings.warn(f"{notice}; the old key goes in the next release", TrajflowDeprecation, stacklevel=2)
+    if options:
+        data["strategy_options"] = options
+    return data
+
+
+def _strategy_parameters(spec: Any) -> set[str] | None:
+    """The keyword parameters of a strategy's constructor (None: it does not resolve yet, the
+    strategy field's own validator reports that)."""
+    from trajflow.operators.strategies.registry import resolve_strategy
+
+    try:
+        cls = resolve_strategy(str(spec))
+    except ValueError:
+        return None
+    return set(inspect.signature(cls.__init__).parameters) - {"self"}

@@ -4,11 +4,11 @@ with the process that started it.
 
     start_local_ray()                   # idempotent; `trajflow run`, RLPipeline and the tests use it
 
-- Loopback only. Ray 2.60 binds the GCS, the raylet, every worker's gRPC server and the agents
-  to the node IP, and resolves a node IP of 127.0.0.1 to the machine's public address unless
-  multi-node clusters are disabled (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: the default on macOS
-  and Windows). An embedded Ray is single-node by definition, so it is started with that setting
-  (restored afterwards, so a later connection to a real cluster is unaffected).
+- Loopback only. Ray 2.60 binds every listener to the node IP, and resolves a node IP of
+  127.0.0.1 to the machine's public address unless multi-node clusters are disabled
+  (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: the default on macOS and Windows). An embedded Ray is
+  single-node by definition, so it is started with that setting (restored afterwards, so a later
+  connection to a real cluster is unaffected; pipelines/ray_patches.py, patch 1).
 - Worker environment. The variables in WORKER_ENV are set in the driver's environment before
   `ray.init`, which every Ray process inherits; a job-level `runtime_env` would instead make Ray
   start each worker through the runtime-env agent and never reuse its prestarted workers.
@@ -16,18 +16,10 @@ with the process that started it.
   minutes; a tiny watchdog (ray_watchdog.py) ends every process of this Ray when the driver dies.
 - Quiet. The token-authentication notice and Ray Data's "progress bars disabled" warning are
   logged below the shown level unless `verbose`.
-- Lean. A single-node Ray has nothing to autoscale, so the autoscaler monitor is not started;
-  with `log_to_driver=False` nobody reads the workers' output streams, so neither is the log
-  monitor (worker output still goes to the session's log files); without the dashboard, Ray
-  still starts its API server process with only the usage-stats module loaded, and `ray.init`
-  waits for it: it is not started (the node then runs as when that server fails to start, a
-  case Ray handles; the state API and job submission live in modules it would not load
-  anyway). The first two are `ray start --no-monitor` / `--include-log-monitor=False`, which
-  `ray.init` does not expose: set on the head node's parameters for the start only. Each is a
-  Python process of its own (measured: 50-90 MB PSS and 0.5-1.3 CPU seconds each; the API
-  server also 1.3 s of `ray.init`'s wall time; benchmarks/results/startup.md).
-  Ray Data's cluster-wide helper actors (locations, stats, autoscaling) are answered locally on
-  this Ray (pipelines/ray_data_services.py).
+- Lean. No autoscaler monitor, no log monitor when nobody reads worker output
+  (`log_to_driver=False`), no usage-stats-only API server without the dashboard, and Ray Data's
+  cluster-wide helper actors answered in the driver (pipelines/ray_patches.py, patches 2 and 3,
+  with what each buys). Without the dashboard the state API (`ray.util.state`) is unavailable.
 """
 
 from __future__ import annotations
@@ -84,53 +76,19 @@ def _env(**values: str):
 
 
 @contextmanager
-def _lean_head(log_monitor: bool):
-    """No autoscaler monitor (and no log monitor unless `log_monitor`) for the Ray started inside
-    this block: `ray.init` builds the head node's RayParams itself, so they are adjusted as the
-    node is constructed."""
-    from ray._private import node
-
-    original_init, original_api_server = node.Node.__init__, node.Node.start_api_server
-
-    def init(self, ray_params, *args, head: bool = False, **kwargs):
-        if head:
-            ray_params.no_monitor = True
-            if not log_monitor:
-                ray_params.include_log_monitor = False
-        original_init(self, ray_params, *args, head=head, **kwargs)
-
-    def api_server(self, *, include_dashboard, raise_on_failure):
-        if include_dashboard:
-            original_api_server(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
-        # else: what Ray starts is an API server with only its usage-stats module, and ray.init
-        # polls until it is up; without it the node runs as when that server fails to start
-
-    node.Node.__init__, node.Node.start_api_server = init, api_server
-    try:
-        yield
-    finally:
-        node.Node.__init__, node.Node.start_api_server = original_init, original_api_server
-
-
-@contextmanager
 def _single_node():
     """Node IP = loopback for the Ray started inside this block."""
     import ray
+
+    from trajflow.pipelines import ray_patches
 
     with _env(**{SINGLE_NODE_ENV: "0"}):
         if ray.util.get_node_ip_address() in LOOPBACK:
             yield
             return
-        # ray was imported before the variable was set, and reads it once at import: set the
-        # constant it was read into, for the duration of the start only.
-        from ray._private import ray_constants
-
-        before = ray_constants.ENABLE_RAY_CLUSTER
-        ray_constants.ENABLE_RAY_CLUSTER = False
-        try:
+        # ray was imported before the variable was set, and reads it once at import
+        with ray_patches.loopback_node():
             yield
-        finally:
-            ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 def _start_watchdog(marker: str) -> None:
@@ -180,24 +138,26 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: 
 
     `dashboard` starts the dashboard (on 127.0.0.1); `imports` are modules the caller needs
     next, imported while Ray starts; `init_kwargs` go to `ray.init` (num_cpus,
-    object_store_memory, log_to_driver, ...)."""
+    object_store_memory, log_to_driver, ...). Raises RayVersionError (before Ray starts) on a
+    Ray outside the pinned series whose embedded instance would listen beyond 127.0.0.1."""
     import ray
+
+    from trajflow.pipelines import ray_patches
 
     quiet_ray(verbose)
     if ray.is_initialized():
         return
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)
-    marker = uuid.uuid4().hex
-    _start_watchdog(marker)
     init_kwargs.setdefault("configure_logging", False)
     log_to_driver = init_kwargs.get("log_to_driver", True)
-    loader = _import_in_background(imports)
-    with _env(**{MARKER_ENV: marker}), _single_node(), _lean_head(log_monitor=log_to_driver):
-        # address="local": a new Ray even if `ray start` left a cluster address file in /tmp/ray
-        ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1", **init_kwargs)
-    from trajflow.pipelines import ray_data_services
-
-    ray_data_services.apply(dashboard=dashboard)  # no cluster-wide Ray Data helper actors on one node
+    with _single_node():  # first: it refuses a Ray that would listen beyond 127.0.0.1
+        marker = uuid.uuid4().hex
+        _start_watchdog(marker)
+        loader = _import_in_background(imports)
+        with _env(**{MARKER_ENV: marker}), ray_patches.lean_head(log_monitor=log_to_driver):
+            # address="local": a new Ray even if `ray start` left a cluster address file in /tmp/ray
+            ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1", **init_kwargs)
+    ray_patches.data_services.apply(dashboard=dashboard)  # no cluster-wide Ray Data helper actors on one node
     if loader is not None:
         loader.join()

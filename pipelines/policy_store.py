@@ -1,4 +1,4 @@
-"""The policy store: one Ray actor that owns weight versions.
+"""The policy store: the one owner of weight versions, in this process or as a Ray actor.
 
 Version v means "the weights after v optimizer updates" (v = 0 is the initial model). The
 trainer publishes each new version; generators take the newest one. The store also
@@ -6,62 +6,62 @@ trainer publishes each new version; generators take the newest one. The store al
 - keeps *snapshots*: the weights of an older version stay while some in-flight token that may
   still be trained carries it (a pin), and are freed as soon as the last pin is released or the
   version falls out of the staleness window (then no token carrying it can be trained anyway);
+  only a strategy that scores old log-probs after generation needs them (`keep_history`);
 - enforces the staleness bound at admission: the rollout for train step b may start only once
   the trainer has published version b - max_staleness, so it runs at most max_staleness versions
   ahead. `max_staleness: 0` is the synchronous on-policy mode;
 - collects timing counters from the actors (seconds generating, scoring, waiting) so that each
   train step can report them.
 
-Weights travel as object refs (zero-copy on one node, see schemas/weights.py); the store
-only holds the refs. A ref is always wrapped in a list when passed around so that Ray does not
-resolve it on the way.
+Three pieces (operators see only the `operators.store.PolicyStoreClient` protocol):
 
-Ownership: an object lives as long as the process that put it. The trainer's versions are owned
-by the trainer actor, which is alive whenever a generator or scorer reads them; only the run's
-*final* version is read after the stream has ended and Ray Data has torn the trainer down (e.g.
-replay's final weights), so only that one is copied into the store's ownership on publish
-(`final_version`; without it, every version is, the safe choice for a caller that does not
-know where the run ends).
+    PolicyStore     the bookkeeping above, for any payload (thread-safe; blocking waits)
+    InProcessStore  a client in this process: payloads are cloned tensors (operator unit tests,
+                    a notebook without Ray)
+    RayStore        a client of a PolicyStore in a Ray actor (`RayStore.start(...)`): weights
+                    travel as object refs, zero-copy on one node (schemas/weights.py); the actor
+                    only holds the refs and never imports torch
+
+Ownership under Ray: an object lives as long as the process that put it. The trainer's versions
+are owned by the trainer actor, which is alive whenever a generator or scorer reads them; only the
+run's *final* version is read after the stream has ended and Ray Data has torn the trainer down
+(e.g. replay's final weights), so only that one is copied into the store actor's ownership on
+publish (`final_version`; without it, every version is: the safe choice for a caller that does
+not know where the run ends).
 """
 
 from __future__ import annotations
 
-import asyncio
+import threading
+import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import ray
+from trajflow.operators.store import StoreStats, VersionNotHeld
 
-STORE_NAME = "trajflow_policy_store"
+if TYPE_CHECKING:
+    import ray
+    from torch import Tensor
+
+# Blocking calls (admission, waits) each hold one of the store actor's threads while they wait:
+# one per generator and per waiting test; the rest answer publishes, reads and counters.
+ACTOR_THREADS = 64
 
 
 @dataclass
 class _Version:
-    ref: ray.ObjectRef
+    payload: Any
     nbytes: int
     pins: int = 0
 
 
-@dataclass
-class StoreStats:
-    """What the store reports to the train step (and tests)."""
-
-    version: int
-    versions_held: list[int]
-    snapshot_bytes: int
-    max_versions_held: int
-    max_snapshot_bytes: int
-    evicted_pinned: int
-    counters: dict[str, float] = field(default_factory=dict)
-
-
-@ray.remote(num_cpus=0)
 class PolicyStore:
-    """Owner of versions, snapshots, the admission bound and the step counters."""
+    """Owner of versions, snapshots, the admission bound and the step counters (any payload)."""
 
-    def __init__(self, max_staleness: int, keep_history: bool, final_version: int | None = None) -> None:
+    def __init__(self, max_staleness: int, keep_history: bool) -> None:
         self.max_staleness = max_staleness
-        self.final_version = final_version
         # Strategies that recompute old logits after generation (snapshot, dedicated) need the
         # weights of a version until its tokens are scored; the others only need the newest.
         self.keep_history = keep_history
@@ -71,24 +71,16 @@ class PolicyStore:
         self.max_snapshot_bytes = 0
         self.evicted_pinned = 0
         self.counters: dict[str, float] = defaultdict(float)
-        self.changed = asyncio.Condition()
+        self.changed = threading.Condition()
         self.trainers_started = 0
 
-    async def publish(self, wrapped_ref: list[ray.ObjectRef], nbytes: int, version: int | None = None) -> int:
-        """Register new weights; returns their version (latest + 1 unless given, e.g. on resume).
-
-        Versions from `final_version` on are copied into an object the store owns (one copy,
-        once per run): they are read after the stream ends, when the trainer actor that put them
-        is gone. Every other version stays the publisher's object: no copy.
-        """
-        ref = wrapped_ref[0]
-        if self.final_version is None or (self.latest + 1 if version is None else version) >= self.final_version:
-            ref = ray.put(await ref)  # before the version check: nothing awaits after it
-        version = self.latest + 1 if version is None else version
-        if version <= self.latest:
-            raise ValueError(f"version {version} is not newer than the latest published {self.latest}")
-        async with self.changed:
-            self.versions[version] = _Version(ref, nbytes)
+    def put(self, payload: Any, nbytes: int, version: int | None = None) -> int:
+        """Register a payload as `version` (default latest + 1); returns the version."""
+        with self.changed:
+            version = self.latest + 1 if version is None else version
+            if version <= self.latest:
+                raise ValueError(f"version {version} is not newer than the latest published {self.latest}")
+            self.versions[version] = _Version(payload, nbytes)
             self.latest = version
             self._evict()
             self.changed.notify_all()
@@ -110,63 +102,152 @@ class PolicyStore:
     def _bytes(self) -> int:
         return sum(entry.nbytes for entry in self.versions.values())
 
-    async def wait_for_version(self, min_version: int) -> int:
-        """Block until version >= min_version is published; returns the newest version."""
-        async with self.changed:
-            await self.changed.wait_for(lambda: self.latest >= min_version)
+    def wait_for_version(self, version: int) -> int:
+        with self.changed:
+            self.changed.wait_for(lambda: self.latest >= version)
             return self.latest
 
-    async def admit(self, train_step: int) -> int:
-        """Admission for the rollout of train step `train_step`: waits for the staleness bound."""
-        return await self.wait_for_version(train_step - self.max_staleness)
+    def admit(self, step: int) -> int:
+        return self.wait_for_version(step - self.max_staleness)
 
     def claim_trainer(self) -> int:
-        """Called by each train step as it starts; returns how many started before it. A run has
-        one: a second is a replacement Ray started after the first one's process died, and the
-        first one's optimizer and strategy state is gone (operators/train_step.py refuses to go on)."""
-        self.trainers_started += 1
-        return self.trainers_started - 1
+        with self.changed:
+            self.trainers_started += 1
+            return self.trainers_started - 1
 
     def latest_version(self) -> int:
         return self.latest
 
-    def get(self, version: int | None = None, pin: bool = False) -> tuple[int, list[ray.ObjectRef]]:
-        """The (version, [ref]) of `version` (default: newest). `pin` keeps it until released."""
-        version = self.latest if version is None else version
-        if version not in self.versions:
-            held = sorted(self.versions)
-            raise KeyError(f"weights of version {version} are not held by the policy store (held: {held})")
-        if pin and self.keep_history:
-            self.versions[version].pins += 1
-        return version, [self.versions[version].ref]
+    def get(self, version: int | None = None, pin: bool = False) -> tuple[int, Any]:
+        """(version, payload) of `version` (default: newest). `pin` keeps it until released."""
+        with self.changed:
+            version = self.latest if version is None else version
+            if version not in self.versions:
+                raise VersionNotHeld(f"weights of version {version} are not held by the policy store "
+                                     f"(held: {sorted(self.versions)})")
+            if pin and self.keep_history:
+                self.versions[version].pins += 1
+            return version, self.versions[version].payload
 
     def release(self, version: int, count: int = 1) -> None:
-        """Drop `count` pins of a version; frees its snapshot when no pin is left."""
-        entry = self.versions.get(version)
-        if entry is None:
-            return
-        entry.pins = max(0, entry.pins - count)
-        self._evict()
+        with self.changed:
+            entry = self.versions.get(version)
+            if entry is None:
+                return
+            entry.pins = max(0, entry.pins - count)
+            self._evict()
 
-    def add_counters(self, values: dict[str, float]) -> None:
-        for key, value in values.items():
-            self.counters[key] += value
+    def add_counters(self, values: Mapping[str, float]) -> None:
+        with self.changed:
+            for key, value in values.items():
+                self.counters[key] += value
 
     def stats(self, reset_counters: bool = False) -> StoreStats:
-        stats = StoreStats(
-            version=self.latest,
-            versions_held=sorted(self.versions),
-            snapshot_bytes=self._bytes(),
-            max_versions_held=self.max_versions_held,
-            max_snapshot_bytes=self.max_snapshot_bytes,
-            evicted_pinned=self.evicted_pinned,
-            counters=dict(self.counters),
-        )
-        if reset_counters:
-            self.counters.clear()
-        return stats
+        with self.changed:
+            stats = StoreStats(version=self.latest, versions_held=sorted(self.versions), snapshot_bytes=self._bytes(),
+                               max_versions_held=self.max_versions_held, max_snapshot_bytes=self.max_snapshot_bytes,
+                               evicted_pinned=self.evicted_pinned, keeps_history=self.keep_history,
+                               counters=dict(self.counters))
+            if reset_counters:
+                self.counters.clear()
+            return stats
 
 
+class InProcessStore(PolicyStore):
+    """A PolicyStoreClient in this process: each version is a clone of the published tensors."""
 
-def get_store() -> ray.actor.ActorHandle:
-    return ray.get_actor(STORE_NAME)
+    def publish(self, weights: Mapping[str, Tensor], version: int | None = None) -> int:
+        state = {name: t.detach().clone() for name, t in weights.items()}
+        return self.put(state, sum(t.numel() * t.element_size() for t in state.values()), version)
+
+    def weights(self, version: int | None = None, *, pin: bool = False) -> tuple[int, Mapping[str, Tensor]]:
+        return self.get(version, pin)
+
+
+class PolicyStoreActor(PolicyStore):
+    """The store inside its Ray actor: payloads are object refs (each wrapped in a list, so Ray
+    does not resolve it on the way); versions from `final_version` on are copied into an object
+    this actor owns (see the module docstring)."""
+
+    def __init__(self, max_staleness: int, keep_history: bool, final_version: int | None = None) -> None:
+        super().__init__(max_staleness, keep_history)
+        self.final_version = final_version
+
+    def put(self, wrapped_ref: list, nbytes: int, version: int | None = None) -> int:
+        import ray
+
+        ref = wrapped_ref[0]
+        if self.final_version is None or (self.latest + 1 if version is None else version) >= self.final_version:
+            ref = ray.put(ray.get(ref))  # raw buffers: this process never imports torch
+        return super().put(ref, nbytes, version)
+
+    def get(self, version: int | None = None, pin: bool = False) -> tuple[int, list]:
+        version, ref = super().get(version, pin)
+        return version, [ref]
+
+
+class RayStore:
+    """A PolicyStoreClient of a PolicyStoreActor: what the pipeline hands its operators (it
+    travels into their actors with them). Weights cross the object store as SharedStateDict."""
+
+    def __init__(self, actor: "ray.actor.ActorHandle") -> None:
+        self.actor = actor
+
+    @classmethod
+    def start(cls, max_staleness: int, keep_history: bool, final_version: int | None = None,
+              name: str | None = None) -> "RayStore":
+        """A new store actor (named uniquely unless `name` is given) and its client."""
+        import ray
+
+        actor = ray.remote(PolicyStoreActor).options(
+            name=name or f"trajflow_store_{uuid.uuid4().hex[:8]}", num_cpus=0, max_concurrency=ACTOR_THREADS,
+        ).remote(max_staleness, keep_history, final_version)
+        return cls(actor)
+
+    def publish(self, weights: Mapping[str, Tensor], version: int | None = None) -> int:
+        import ray
+
+        from trajflow.schemas.weights import SharedStateDict
+
+        state = weights if isinstance(weights, SharedStateDict) else SharedStateDict.of(weights)
+        return ray.get(self.actor.put.remote([ray.put(state)], state.nbytes, version))
+
+    def weights(self, version: int | None = None, *, pin: bool = False) -> tuple[int, Mapping[str, Tensor]]:
+        import ray
+
+        try:
+            version, (ref,) = ray.get(self.actor.get.remote(version, pin))
+        except VersionNotHeld as e:  # Ray raises the actor's exception as a subclass of it
+            raise VersionNotHeld(str(getattr(e, "cause", None) or e)) from None
+        return version, ray.get(ref)
+
+    def latest_version(self) -> int:
+        return self._call("latest_version")
+
+    def wait_for_version(self, version: int) -> int:
+        return self._call("wait_for_version", version)
+
+    def admit(self, step: int) -> int:
+        return self._call("admit", step)
+
+    def release(self, version: int, count: int = 1) -> None:
+        self.actor.release.remote(version, count)
+
+    def add_counters(self, values: Mapping[str, float]) -> None:
+        self.actor.add_counters.remote(dict(values))
+
+    def stats(self, reset_counters: bool = False) -> StoreStats:
+        return self._call("stats", reset_counters)
+
+    def claim_trainer(self) -> int:
+        return self._call("claim_trainer")
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.actor, method).remote(*args))

@@ -141,11 +141,10 @@ def load_trajectories(path: str | Path, allow_nonfinite: bool = False) -> dict[i
 
 
 def _prepare(table: pa.Table) -> pa.Table:
-    """Drop what the replay recomputes: filter reasons, old log-probs, advantages."""
-    from trajflow.operators.columns import FILTER_REASON, replace_column
+    """Drop what the replay recomputes: filter reasons, old and proximal log-probs, advantages."""
+    from trajflow.operators.columns import FILTER_REASON, PROXIMAL_COLUMN, replace_column
 
-    if FILTER_REASON in table.column_names:
-        table = table.drop_columns([FILTER_REASON])
+    table = table.drop_columns([c for c in (FILTER_REASON, PROXIMAL_COLUMN) if c in table.column_names])
     table = replace_column(table, "old_logprobs", pa.nulls(table.num_rows, pa.list_(pa.float32())))
     return replace_column(table, "advantage", pa.nulls(table.num_rows, pa.float32()))
 
@@ -329,27 +328,24 @@ class Replay:
             return chain + [Stage("diagnose", Diagnose, diagnose, c.trainer)]
         train = live.train_stage(self.strategies[0])
         train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones
-        self._trainer_group_name = train.kwargs["data_parallel"].group_name  # removed when the replay ends
+        self._trainer_group_name = train.kwargs["spec"].data_parallel.group_name  # removed when the replay ends
         return chain + [train]
 
     # -- execution --------------------------------------------------------------------------------
     def _publish_logged_versions(self):
         """A policy store holding every needed logged version (pinned for the whole replay)."""
-        import ray
-
-        from trajflow.pipelines.policy_store import PolicyStore
-        from trajflow.schemas.weights import SharedStateDict
+        from trajflow.pipelines.policy_store import RayStore
 
         # The driver put these versions and outlives the replay: the store never copies them.
-        store = PolicyStore.remote(10**9, True, final_version=max(self.weights) + 1)
+        store = RayStore.start(10**9, True, final_version=max(self.weights) + 1)
         uses: dict[int, int] = {}
         for table in self.steps.values():  # the old-logit operator releases each version once per batch
             for v in pc.unique(pc.list_flatten(table["versions"])).to_pylist():
                 uses[v] = uses.get(v, 0) + 1
         for version in sorted(self.weights):
-            state = SharedStateDict.of(ckpt.load_weights(self.weights[version]))
-            ray.get(store.publish.remote([ray.put(state)], state.nbytes, version))
-            ray.get([store.get.remote(version, True) for _ in range(uses.get(version, 0) + 1)])
+            store.publish(ckpt.load_weights(self.weights[version]), version)
+            for _ in range(uses.get(version, 0) + 1):
+                store.weights(version, pin=True)
         return store
 
     def dataset(self, stores: dict):
@@ -371,33 +367,27 @@ class Replay:
     def iter_rows(self):
         """Run on the current Ray (started by the caller); yields metrics rows as they complete.
         In train mode the final weights are in `self.final_weights` afterwards."""
-        import ray
-
-        from trajflow.pipelines.policy_store import PolicyStore
-        from trajflow.schemas.weights import SharedStateDict
+        from trajflow.pipelines.policy_store import RayStore
 
         stores = {"logged": self._publish_logged_versions()}
         if self.mode == "train":
             first = min(self.steps)
-            state = SharedStateDict.of(ckpt.load_weights(self.weights[first]))
             # The trainer's last version is read after Ray Data has torn the trainer down: the
             # store copies that one (and only that one) into its own ownership.
-            stores["trainer"] = PolicyStore.remote(self.config.max_staleness, False,
-                                                   final_version=first + len(self.steps))
-            ray.get(stores["trainer"].publish.remote([ray.put(state)], state.nbytes, first))
+            stores["trainer"] = RayStore.start(self.config.max_staleness, False, final_version=first + len(self.steps))
+            stores["trainer"].publish(ckpt.load_weights(self.weights[first]), first)
         try:
             for batch in self.dataset(stores).iter_batches(batch_size=None, batch_format="pyarrow",
                                                            prefetch_batches=0):
                 yield from batch.to_pylist()
             if self.mode == "train":
-                _, (ref,) = ray.get(stores["trainer"].get.remote(None))
-                self.final_weights = ray.get(ref)
+                _, self.final_weights = stores["trainer"].weights()
         finally:
             from trajflow.operators.data_parallel import remove_placement_group_named
 
             remove_placement_group_named(getattr(self, "_trainer_group_name", ""))
             for store in stores.values():
-                ray.kill(store)
+                store.kill()
 
     def run(self) -> pl.DataFrame:
         rows = list(self.iter_rows())

@@ -24,41 +24,40 @@ so step b reaches the trainer as its b-th batch; every stage after generate sees
 
 Processes: which consecutive stages share one actor process is decided apart from the stage list
 (pipelines/colocation.py; `pipe.layout()` shows it), and Ray Data's executor is patched to hand a
-batch on as soon as it is ready (pipelines/executor_patch.py).
+batch on as soon as it is ready (pipelines/ray_patches.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import polars as pl
 import ray
 from ray.data import ActorPoolStrategy, DataContext
 
 from trajflow.engines.models import WARM_START_DIR
-from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import checkpoint_dropout
 from trajflow.operators.advantage import Advantage
-from trajflow.operators.after_step import HeldoutEvaluation, PublishWeights, StoreStatistics, publish_weights
+from trajflow.operators.after_step import HeldoutEvaluation, PublishWeights, StoreStatistics
 from trajflow.operators.data_parallel import remove_placement_group_named
 from trajflow.operators.filter import Filter
 from trajflow.operators.generate import Generate
 from trajflow.operators.reward import Reward
 from trajflow.operators.stage import Placement, Stage, place, stage_index
+from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
-from trajflow.operators.train_step import TrainStep
-from trajflow.pipelines import executor_patch
+from trajflow.operators.train_step import StepHooks, TrainerSpec, TrainStep
+from trajflow.pipelines import ray_patches
 from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.local_ray import start_local_ray
-from trajflow.pipelines.policy_store import PolicyStore
+from trajflow.pipelines.policy_store import RayStore
 from trajflow.tasks.workload import PromptSource
 
-__all__ = ["Fused", "Placement", "RLPipeline", "Stage", "build_pipeline", "ensure_ray", "in_order_pool", "map_stages"]
+__all__ = ["Fused", "Placement", "RLPipeline", "Stage", "in_order_pool", "map_stages"]
 
 log = logging.getLogger("trajflow")
 
@@ -82,21 +81,14 @@ def in_order_pool(size: int) -> ActorPoolStrategy:
     return ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1)
 
 
-def ensure_ray(**init_kwargs) -> None:
-    """Start an embedded Ray unless one is running (pipelines/local_ray.py: dashboard off, every
-    service on 127.0.0.1, its processes ended with this one)."""
-    start_local_ray(**init_kwargs)
-
-
-def map_stages(ds: ray.data.Dataset, groups: list[list[Stage]], *, store: ray.actor.ActorHandle, rows: int,
-               first_rows: int, light_stage_cpus: float,
-               extra_kwargs: Callable[[Stage], dict] = lambda stage: {}) -> ray.data.Dataset:
+def map_stages(ds: ray.data.Dataset, groups: list[list[Stage]], *, store: PolicyStoreClient, rows: int,
+               first_rows: int, light_stage_cpus: float) -> ray.data.Dataset:
     """Apply the stages of `groups` to `ds`, one actor pool per group (pipelines/colocation.py).
 
-    Each group's actor constructs its class stages with `store=`, their kwargs and
-    `extra_kwargs(stage)`, and passes each batch through its stages in order. Batches are whole
-    steps: `first_rows` rows into the first group (the prompt rows of a step), `rows` after it.
-    The last group adds the stages' timings to the metrics rows."""
+    Each group's actor constructs its class stages with `store=` and their kwargs, and passes
+    each batch through its stages in order. Batches are whole steps: `first_rows` rows into the
+    first group (the prompt rows of a step), `rows` after it. The last group adds the stages'
+    timings to the metrics rows."""
     for i, group in enumerate(groups):
         num_cpus, num_gpus, custom = group_resources(group, light_stage_cpus)
         ds = ds.map_batches(
@@ -104,7 +96,6 @@ def map_stages(ds: ray.data.Dataset, groups: list[list[Stage]], *, store: ray.ac
             fn_constructor_kwargs=dict(
                 stages=group,
                 store=store,
-                extra_kwargs={s.name: extra_kwargs(s) for s in group},
                 timings="emit" if i == len(groups) - 1 else "carry",
             ),
             batch_size=first_rows if i == 0 else rows,
@@ -122,7 +113,7 @@ class RLPipeline:
                  strategy: Strategy | None = None) -> None:
         self.config = config
         self.model_path = str(model_path or config.model or WARM_START_DIR)
-        self.sampling = SamplingParams(**config.sampling.model_dump())
+        self.sampling = config.sampling.spec()
         if strategy is None:
             strategy = config.build_strategy()
         else:  # an object from Python (a notebook, a test): checked like a config's, before Ray starts
@@ -131,12 +122,18 @@ class RLPipeline:
         self.strategy = strategy
         self.workload = config.workload()
         self._prompts: PromptSource | None = None
-        self.store: ray.actor.ActorHandle | None = None
-        self.train_step_kwargs: dict[str, Any] = {}  # extra TrainStep kwargs (e.g. the job's on_step)
+        self.store: RayStore | None = None
+        self._hooks = StepHooks()
         self.colocation: list[list[str]] | None = None  # stage names per process; None: the default plan
         # the placement group of the train step's data-parallel workers 1..N-1, removed at shutdown
         self.trainer_group_name = f"trajflow_trainer_{uuid.uuid4().hex[:8]}"
         self.stages = self._default_stages()
+
+    @property
+    def hooks(self) -> StepHooks:
+        """The job's hooks in the train step's process (jobs/recorder.py): set its fields, e.g.
+        `pipe.hooks.on_step = fn`, before running (every train stage holds this one object)."""
+        return self._hooks
 
     # -- editing -----------------------------------------------------------------------------------
     def _index(self, name: str) -> int:
@@ -169,28 +166,17 @@ class RLPipeline:
     def train_stage(self, strategy: Strategy) -> Stage:
         """The train step under `strategy`, with the services that run in its process after each
         step: publish, held-out evaluation (every eval_every versions), store statistics."""
-        c, o = self.config, self.config.optimizer
+        c = self.config
         services: list = [PublishWeights()]
         if c.eval_every:
             services.append(HeldoutEvaluation(self.model_path, self.workload, c.eval_every, c.eval_prompts,
                                               c.sampling.max_new_tokens, c.sampling.stop))
         services.append(StoreStatistics())
-        train = dict(
-            model_path=self.model_path,
-            strategy=strategy,
-            correction=c.correction_config(),
-            sampling=self.sampling,
-            max_staleness=c.max_staleness,
-            numerics=c.training_numerics(),
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=o.betas,
-            grad_clip=o.grad_clip,
-            minibatches_per_step=o.minibatches_per_step,
-            after_step=services,
-            torch_threads=c.trainer.torch_threads,
-            data_parallel=dataclasses.replace(c.trainer.data_parallel(), group_name=self.trainer_group_name),
-        )
+        spec = TrainerSpec(model_path=self.model_path, strategy=strategy, correction=c.correction_config(),
+                           optimizer=c.optimizer.spec(), sampling=self.sampling, numerics=c.training_numerics(),
+                           data_parallel=c.trainer.data_parallel(self.trainer_group_name),
+                           torch_threads=c.trainer.torch_threads)
+        train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks)
         return Stage("train", TrainStep, train, c.trainer)
 
     def _default_stages(self) -> list[Stage]:
@@ -205,12 +191,12 @@ class RLPipeline:
                 sampling=self.sampling,
                 inference_dtype=c.inference_dtype,
                 seed=c.seed,
-                mid_generation_updates=c.partial_rollout or strategy.scores_at_switch,
-                score_on_switch=strategy.scores_at_switch,
+                partial_rollout=c.partial_rollout,
+                scores_at_switch=strategy.scores_at_switch,
                 simulate_decode_seconds=c.simulate_decode_seconds,
                 torch_threads=c.generator.torch_threads,
                 engine=c.engine,
-                engine_kwargs=c.vllm.model_dump(exclude_none=True) if c.engine == "vllm" else {},
+                vllm=c.vllm.spec(),
                 numerics=c.training_numerics(),
             ),
             c.generator,
@@ -219,7 +205,7 @@ class RLPipeline:
         stages = [
             generate,
             Stage("reward", Reward(self.model_path, self.workload, self.sampling.stop)),
-            Stage("advantage", Advantage(**c.advantage.model_dump())),
+            Stage("advantage", Advantage(c.advantage.spec())),
             Stage("filter", Filter(c.drop_zero_variance_groups)),
             self.train_stage(strategy),
         ]
@@ -228,18 +214,17 @@ class RLPipeline:
         return stages
 
     # -- building and running --------------------------------------------------------------------
-    def start_store(self, initial_version: int = 0, initial_weights: dict | None = None) -> ray.actor.ActorHandle:
-        """Create this run's policy store and publish the starting weights as `initial_version`."""
+    def start_store(self, initial_version: int = 0, initial_weights: dict | None = None) -> RayStore:
+        """Create this run's policy store actor and publish the starting weights as `initial_version`."""
         from trajflow.engines.models import load_model
 
-        ensure_ray()
-        self.store = PolicyStore.options(name=f"trajflow_store_{uuid.uuid4().hex[:8]}").remote(
-            self.config.max_staleness, self.strategy.keep_history, final_version=self.config.steps
-        )
+        start_local_ray()
+        self.store = RayStore.start(self.config.max_staleness, self.strategy.keep_history,
+                                    final_version=self.config.steps)
         model = load_model(self.model_path)
         if initial_weights is not None:
             model.load_state_dict(initial_weights)
-        publish_weights(self.store, model, initial_version)
+        self.store.publish(model.state_dict(), initial_version)
         return self.store
 
     def process_groups(self) -> list[list[Stage]]:
@@ -263,7 +248,7 @@ class RLPipeline:
         c = self.config
         if self.store is None:
             self.start_store(first_step)
-        executor_patch.apply()  # Ray Data's executor otherwise hands a batch on at most every 0.1 s
+        ray_patches.executor.apply()  # Ray Data's executor otherwise hands a batch on at most every 0.1 s
         ctx = DataContext.get_current()
         ctx.execution_options.preserve_order = True  # step b must reach the trainer as batch b
         # The source: one block per train step holding that step's prompt rows, built on the driver
@@ -271,10 +256,8 @@ class RLPipeline:
         # `from_blocks`, not `from_arrow`: the latter runs a Ray task per block to read metadata the
         # driver already has (measured: two worker processes busy ~1.6 CPU s each at start-up).
         ds = ray.data.from_blocks([self.prompts.step_rows(step) for step in range(first_step, c.steps)])
-        train_kwargs = lambda stage: self.train_step_kwargs if stage.is_actor and issubclass(stage.fn, TrainStep) else {}  # noqa: E731
         return map_stages(ds, self.process_groups(), store=self.store, rows=c.rows_per_step,
-                          first_rows=c.prompts_per_step, light_stage_cpus=c.light_stage_cpus,
-                          extra_kwargs=train_kwargs)
+                          first_rows=c.prompts_per_step, light_stage_cpus=c.light_stage_cpus)
 
     @property
     def prompts(self) -> PromptSource:
@@ -282,7 +265,8 @@ class RLPipeline:
         if self._prompts is None:
             from trajflow.engines.models import load_tokenizer
 
-            ensure_ray()
+            if self.workload.data is not None:  # a dataset is read with Ray Data
+                start_local_ray()
             self._prompts = self.workload.prompt_source(load_tokenizer(self.model_path), self.config.seed,
                                                         self.config.prompts_per_step)
         return self._prompts
@@ -338,10 +322,5 @@ class RLPipeline:
         if ray.is_initialized():
             remove_placement_group_named(self.trainer_group_name)
         if self.store is not None:
-            ray.kill(self.store)
+            self.store.kill()
             self.store = None
-
-
-def build_pipeline(config: PipelineConfig) -> ray.data.Dataset:
-    """The Ray Dataset of metrics rows for `config` (starts Ray and the policy store if needed)."""
-    return RLPipeline(config).build()

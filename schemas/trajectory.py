@@ -72,11 +72,6 @@ class SamplingSemantics:
         d = json.loads(text)
         return cls(float(d["temperature"]), float(d["top_p"]), int(d["top_k"]), bool(d.get("processed", True)))
 
-    @classmethod
-    def from_params(cls, params: Any, processed: bool = True) -> SamplingSemantics:
-        """From anything with temperature/top_p/top_k attributes (e.g. engines.SamplingParams)."""
-        return cls(float(params.temperature), float(params.top_p), int(params.top_k), processed)
-
 
 class SchemaError(ValueError):
     """A table does not match schema v1; `column`/`row` locate the problem when known."""

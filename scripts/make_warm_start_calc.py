@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-from trajflow.engines.models import REPO_ROOT, build_tiny_model, load_model, load_tokenizer, save_model
+from trajflow.engines.models import REPO_ROOT, load_model, load_tokenizer, save_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import encode_prompt, encode_response
 from trajflow.engines.torch_engine import TorchEngine
-from trajflow.operators.episodes import heldout_success_rate, run_episodes
 from trajflow.tasks import Prompt, get_task
 from trajflow.tasks.environments import CalculatorEnv
+from trajflow.tasks.rollout import heldout_success_rate, run_episodes
 
 from make_warm_start import sft_tensors, sft_until_band, write_record  # noqa: E402 (the sibling script, on sys.path when run)
 

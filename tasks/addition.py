@@ -23,7 +23,6 @@ class AdditionTask(SyntheticTask):
         self.min_digits = min_digits
         self.max_digits = max_digits
         self.test_fraction = test_fraction
-        self.max_answer_chars = max_digits + 1  # longest answer, without eos
 
     def _operand(self, rng: np.random.Generator) -> int:
         digits = int(rng.integers(self.min_digits, self.max_digits + 1))

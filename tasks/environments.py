@@ -7,7 +7,7 @@ run episodes:
     step = episode.step("12*34")            # the policy's turn as text (eos stripped)
     step.observation, step.reward, step.done  # "=408;", 0.0, False
 
-The rollout loop (operators/episodes.py) appends the observation's characters to the trajectory
+The rollout loop (tasks/rollout.py) appends the observation's characters to the trajectory
 as environment tokens (never trained), and ends the episode when the environment says `done`,
 after `max_turns` policy turns, or when the response reaches `max_response_tokens` tokens
 (policy and environment tokens together). The episode's reward is the sum of its step rewards.
@@ -123,7 +123,6 @@ class CalculatorEnv(SyntheticTask):
         self.max_turns = max_turns
         self.max_response_tokens = max_response_tokens
         self.test_fraction = test_fraction
-        self.max_answer_chars = 2 * max_digits + 1
 
     def _operand(self, rng: np.random.Generator) -> int:
         digits = int(rng.integers(1, self.max_digits + 1))

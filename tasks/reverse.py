@@ -26,7 +26,6 @@ class ReverseTask(SyntheticTask):
         self.max_len = max_len
         self.alphabet = alphabet
         self.test_fraction = test_fraction
-        self.max_answer_chars = max_len
 
     def sample(self, rng: np.random.Generator) -> tuple[str, str]:
         length = int(rng.integers(self.min_len, self.max_len + 1))

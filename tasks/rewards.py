@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trajflow.tasks.user_code import UserCodeError, load_object
+from trajflow.user_code import UserCodeError, load_object
 
 BUILTIN_REWARDS = ("exact", "math")
 # How many items of a failed batch are retried at once (each in its own thread or coroutine).

@@ -30,7 +30,7 @@ from trajflow.tasks.dataset import DataConfig, DataError, PromptDataset, expand_
 from trajflow.tasks.environments import Environment, is_environment
 from trajflow.tasks.registry import get_task
 from trajflow.tasks.rewards import RewardRunner, RewardSpecError, exact_match, resolve_reward
-from trajflow.tasks.user_code import load_object
+from trajflow.user_code import load_object
 
 
 class PromptSource(Protocol):

@@ -59,8 +59,6 @@ def publish_inside_rollouts():
     """
     import dataclasses
 
-    import ray
-
     from trajflow.operators.generate import Generate
 
     class GenerateWithPublishInsideRollout(Generate):
@@ -74,7 +72,7 @@ def publish_inside_rollouts():
             sampled = any(len(row.response_tokens) for row in views())
             if ahead and sampled and not self._waited_this_rollout:
                 self._waited_this_rollout = True
-                ray.get(self.store.wait_for_version.remote(self.engine.version + 1))
+                self.store.wait_for_version(self.engine.version + 1)
             super()._switch_if_newer(pins, views, old_logprobs)
 
     def apply(pipe):
@@ -117,18 +115,12 @@ def run_in_process(ray_session):
     but without Ray Data's executor and its per-run actor start-up. Steps are synchronous (a
     rollout never runs ahead of the trainer). Returns the metrics as a polars DataFrame."""
     import polars as pl
-    import pyarrow as pa
 
     def run(pipe):
         store = pipe.start_store()
         try:
-            fns = []
-            for stage in pipe.stages:
-                if not stage.is_actor:
-                    fns.append(stage.fn)
-                    continue
-                extra = pipe.train_step_kwargs if stage.name == "train" else {}
-                fns.append(stage.fn(store=store, **stage.kwargs, **extra))
+            fns = [stage.fn(**{"store": store, **stage.kwargs}) if stage.is_actor else stage.fn
+                   for stage in pipe.stages]
             rows = []
             for step in range(pipe.config.steps):
                 batch = pipe.prompts.step_rows(step)

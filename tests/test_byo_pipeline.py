@@ -96,7 +96,7 @@ def reference_run(workload_dir, bpe_model_dir, ray_session, tmp_path_factory) ->
 
 
 def test_logged_prompt_tokens_and_rewards_are_the_users(reference_run, workload_dir, bpe_model_dir):
-    from trajflow.tasks.user_code import load_object
+    from trajflow.user_code import load_object
 
     rows = [json.loads(line) for line in (workload_dir / "train.jsonl").read_text().splitlines()]
     tokenizer = load_tokenizer(bpe_model_dir)
@@ -203,7 +203,7 @@ def test_an_environment_by_import_path_from_a_file(ray_session, tmp_path):
         assert max(len(r) for r in batch["response_tokens"].to_pylist()) <= 24
 
     pipe = RLPipeline(config)
-    pipe.train_step_kwargs = {"on_step": check_episodes}
+    pipe.hooks.on_step = check_episodes
     metrics = pipe.run(progress=False)
     assert metrics.height == 2 and (metrics["rows"] == 4).all()
     rows = pa.concat_tables([pipe.prompts.step_rows(s) for s in range(2)])

@@ -21,34 +21,34 @@ def layout(**config):
 
 
 def test_sync_runs_every_stage_in_one_process():
-    assert layout(max_staleness=0) == [["generate", "reward", "advantage", "filter", "old_logits", "train"]]
+    assert layout(max_staleness=0) == [["generate", "reward", "advantage", "filter", "old_logprobs", "train"]]
     # dedicated's scorer has its own process by definition; light stages may join it
     assert layout(max_staleness=0, strategy="dedicated") == [
-        ["generate"], ["old_logits", "reward", "advantage", "filter"], ["train"]]
+        ["generate"], ["old_logprobs", "reward", "advantage", "filter"], ["train"]]
 
 
 def test_async_keeps_generator_and_train_step_alone():
     # rewards and scoring off the generator's critical path, the trainer never waits behind them
-    assert layout(max_staleness=2) == [["generate"], ["reward", "advantage", "filter", "old_logits"], ["train"]]
+    assert layout(max_staleness=2) == [["generate"], ["reward", "advantage", "filter", "old_logprobs"], ["train"]]
     assert layout(max_staleness=1, strategy="behavior") == [["generate"], ["reward", "advantage", "filter"], ["train"]]
     assert layout(max_staleness=1, strategy="dedicated") == [
-        ["generate"], ["old_logits", "reward", "advantage", "filter"], ["train"]]
+        ["generate"], ["old_logprobs", "reward", "advantage", "filter"], ["train"]]
 
 
 def test_colocate_off_is_one_process_per_operator_stage():
     assert layout(max_staleness=2, colocate="off") == [
-        ["generate"], ["reward", "advantage", "filter"], ["old_logits"], ["train"]]
+        ["generate"], ["reward", "advantage", "filter"], ["old_logprobs"], ["train"]]
 
 
 def test_pool_sizes_custom_resources_and_gpus_never_share():
     # two generators: the scorer and the trainer (one each) cannot live in the generators' pool
     assert layout(max_staleness=0, num_generators=2) == [
-        ["generate", "reward", "advantage", "filter"], ["old_logits", "train"]]
+        ["generate", "reward", "advantage", "filter"], ["old_logprobs", "train"]]
     # placement asked for by the user (custom resources) is kept
     placed = layout(max_staleness=0, generator={"resources": {"gen_node": 0.1}}, trainer={"resources": {"gpu_box": 0.1}})
-    assert placed == [["generate", "reward", "advantage", "filter"], ["old_logits"], ["train"]]
+    assert placed == [["generate", "reward", "advantage", "filter"], ["old_logprobs"], ["train"]]
     gpu = layout(max_staleness=0, trainer={"num_gpus": 1})
-    assert gpu == [["generate", "reward", "advantage", "filter", "old_logits"], ["train"]]
+    assert gpu == [["generate", "reward", "advantage", "filter", "old_logprobs"], ["train"]]
     assert layout(max_staleness=0, strategy="behavior", generator={"num_gpus": 1}) == [
         ["generate", "reward", "advantage", "filter"], ["train"]]
 

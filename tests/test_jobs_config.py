@@ -25,14 +25,14 @@ from trajflow.jobs.config import (
 @pytest.mark.parametrize(
     "data, overrides, expected",
     [
-        ({}, ["optimizer.lr=-1"], "config error: optimizer.lr: Input should be greater than 0"),
-        ({"optimizer": {"lr": 0}}, [], "config error: optimizer.lr: Input should be greater than 0"),
+        ({}, ["optimizer.lr=-1"], "config error: optimizer.lr: must be > 0, got -1"),
+        ({"optimizer": {"lr": 0}}, [], "config error: optimizer.lr: must be > 0, got 0"),
         ({"optimiser": {"lr": 1e-3}}, [], "config error: optimiser: unknown key"),
         ({"sampling": {"temprature": 1.0}}, [], "config error: sampling.temprature: unknown key"),
         ({"strategy": "exactish"}, [], "config error: strategy: unknown strategy 'exactish': built-in snapshot, "),
         ({"strategy": "no_such_module:Thing"}, [], "config error: strategy: cannot import no_such_module "),
         ({"strategy": "interrupt", "num_generators": 2}, [], "config error: num_generators: the interrupt strategy"),
-        ({"advantage": {"std": "unbiased"}}, [], "config error: advantage.std: Input should be 'sample' or"),
+        ({"advantage": {"std": "unbiased"}}, [], "config error: advantage.std: expected one of 'sample', 'population'"),
         ({"strategy": "m2po", "strategy_options": {"m2_treshold": 0.1}}, [],
          "config error: strategy_options: m2po: unknown option 'm2_treshold' (accepted: m2_threshold)"),
         ({"strategy": "m2po", "strategy_options": {"m2_threshold": -1}}, [],
@@ -165,7 +165,7 @@ def test_cli_config_error_is_one_line_before_anything_starts(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", "run", str(bad), "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "trajflow: config error: optimizer.lr: Input should be greater than 0 (got -1)"
+    assert proc.stderr.strip() == "trajflow: config error: optimizer.lr: must be > 0, got -1"
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not run_dir.exists()
 

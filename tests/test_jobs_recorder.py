@@ -5,7 +5,6 @@ checkpoint-state methods."""
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +30,7 @@ class SmallTrainer(PolicyHolder):
     def __init__(self, version: int = 0, seed: int = 0) -> None:
         torch.manual_seed(seed)
         self.model = torch.nn.Linear(3, 2)
-        self.numerics, self.sampling, self.updates_per_version = TrainingNumerics(), None, 1
+        self.numerics, self.sampling, self.minibatches_per_step = TrainingNumerics(), None, 1
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.optimizer_steps = 0
         self.version = version
@@ -141,8 +140,26 @@ def test_resume_restores_optimizer_and_ewma_and_truncates_later_steps(tmp_path):
 
 
 def test_recorder_is_picklable_for_the_trainer_actor(tmp_path):
-    import pickle
+    """Ray ships the recorder to the trainer actor with its cloudpickle: the copy is equal and
+    writes the run dir the original names; a metric the train step reports as a numpy scalar is
+    logged as a plain number."""
+    import ray.cloudpickle
 
-    recorder = _recorder(tmp_path)
-    assert pickle.loads(pickle.dumps(recorder)) == recorder
-    assert math.isfinite(float(np.float32(1)))
+    data_state = {"prompts_per_step": 4, "epoch_size": 6, "prompts_dropped_too_long": 1}
+    recorder = _recorder(tmp_path, data_state=data_state)
+    copy = ray.cloudpickle.loads(ray.cloudpickle.dumps(recorder))
+    assert copy == recorder and copy is not recorder
+    trainer = SmallTrainer()
+    copy.on_start(trainer)
+    for _ in range(3):
+        trainer.train()
+        copy.on_step(trainer, _batch(trainer.version - 1), {"step": trainer.version - 1, "version": trainer.version,
+                                                            "loss": np.float32(0.25)})
+    paths = RunPaths(tmp_path)
+    assert logged_steps(paths) == [0, 1, 2]
+    metrics = read_metrics(paths)
+    assert metrics["loss"].to_list() == [0.25] * 3
+    assert metrics["data/epoch"].to_list() == [0, 0, 1]  # step * 4 prompts // 6 per epoch
+    assert metrics["data/prompts_too_long"].to_list() == [1, 1, 1]
+    meta = json.loads((ckpt.latest_checkpoint(paths.checkpoints).path / "meta.json").read_text())
+    assert meta["data"] == {**data_state, "next_step": 2, "epoch": 1, "index_in_epoch": 2}

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from trajflow.engines.models import WARM_START_DIR, load_model, load_tokenizer
-from trajflow.operators.evaluate import heldout_accuracy
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.rl_loop import RLPipeline
 from trajflow.tasks import get_task
+from trajflow.tasks.rollout import heldout_accuracy
 
 EVAL_PROMPTS = 400
 STEPS = 40

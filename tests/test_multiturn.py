@@ -20,15 +20,14 @@ import pytest
 import torch
 
 from trajflow.algorithms import CorrectionConfig, decoupled_loss
-from trajflow.engines.models import REPO_ROOT, build_tiny_model, load_model, load_tokenizer
+from trajflow.engines.models import REPO_ROOT, load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.scoring import response_logprobs, score
 from trajflow.engines.tokenizer import CHARACTERS, decode_response
 from trajflow.engines.torch_engine import TorchEngine
-from trajflow.operators.episodes import heldout_success_rate, run_episodes
-from trajflow.operators.evaluate import heldout_accuracy
 from trajflow.tasks import Environment, Task, get_task, is_environment
 from trajflow.tasks.environments import CalculatorEnv, calculator
+from trajflow.tasks.rollout import heldout_accuracy, heldout_success_rate, run_episodes
 
 CALC_WARM_START = REPO_ROOT / "artifacts" / "warm_start" / "calc"
 TURN_TOKENS = 8
@@ -214,7 +213,7 @@ def test_exact_strategies_on_episodes_spanning_versions(ray_session, publish_ins
     # A publish lands between the turns (snapshot) or inside a turn (interrupt) of every rollout
     # that runs ahead of the trainer.
     pipe = publish_inside_rollouts(RLPipeline(config))
-    pipe.train_step_kwargs = {"on_step": _log_batches(str(tmp_path))}
+    pipe.hooks.on_step = _log_batches(str(tmp_path))
     m = pipe.run(progress=False)
     print(f"\ncalc {strategy} S={max_staleness}: max|log r_d|={m['mismatch/max_abs_log_rd'].max():.2e} "
           f"max lag={m['staleness/max'].max()} spanning rows={m['rows_spanning_versions'].sum()} "

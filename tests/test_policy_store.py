@@ -72,8 +72,7 @@ def test_ray_get_returns_views_into_shared_memory(ray_session):
 @pytest.mark.timeout(300)
 def test_only_the_final_version_is_copied_and_it_outlives_the_publisher(ray_session):
     ray = ray_session
-    from trajflow.operators.after_step import publish_weights
-    from trajflow.pipelines.policy_store import PolicyStore
+    from trajflow.pipelines.policy_store import RayStore
 
     @ray.remote(num_cpus=0)
     class Trainer:
@@ -83,27 +82,78 @@ def test_only_the_final_version_is_copied_and_it_outlives_the_publisher(ray_sess
         def step(self) -> int:
             with torch.no_grad():
                 self.model.weight.add_(1.0)
-            return publish_weights(self.store, self.model)
+            return self.store.publish(self.model.state_dict())
 
         def weight(self):
             return self.model.weight.detach().clone()
 
-    store = PolicyStore.remote(max_staleness=0, keep_history=False, final_version=2)
+    store = RayStore.start(max_staleness=0, keep_history=False, final_version=2)
     trainer = Trainer.remote(store)
     published = [ray.get(trainer.step.remote()) for _ in range(3)]
     assert published == [0, 1, 2]
     final_weight = ray.get(trainer.weight.remote())
     ray.kill(trainer)
-    version, (ref,) = ray.get(store.get.remote(None))
+    version, weights = store.weights()
     assert version == 2
-    assert torch.equal(ray.get(ref)["weight"], final_weight)  # the store's own copy: the trainer is gone
+    assert torch.equal(weights["weight"], final_weight)  # the store's own copy: the trainer is gone
 
     # without a final version every version is the store's own (the safe default)
-    store_all = PolicyStore.remote(max_staleness=0, keep_history=False)
+    store_all = RayStore.start(max_staleness=0, keep_history=False)
     trainer = Trainer.remote(store_all)
     ray.get(trainer.step.remote())
     ray.kill(trainer)
-    _, (ref,) = ray.get(store_all.get.remote(None))
-    assert ray.get(ref)["weight"].shape == (4, 4)
-    for actor in (store, store_all):
-        ray.kill(actor)
+    assert store_all.weights()[1]["weight"].shape == (4, 4)
+    for s in (store, store_all):
+        s.kill()
+
+
+def test_in_process_store_keeps_pinned_versions_within_the_window_and_bounds_admission():
+    """The store's bookkeeping, in one process: snapshots live while pinned and inside the
+    staleness window; admission of step b waits for version b - max_staleness."""
+    import threading
+
+    from trajflow.operators.store import VersionNotHeld
+    from trajflow.pipelines.policy_store import InProcessStore
+
+    store = InProcessStore(max_staleness=1, keep_history=True)
+    weights = {"w": torch.zeros(2)}
+    assert store.publish(weights) == 0
+    weights["w"] += 1.0  # the store holds its own copy
+    assert torch.equal(store.weights(0)[1]["w"], torch.zeros(2))
+    store.weights(0, pin=True)
+    store.publish({"w": torch.ones(2)})
+    assert store.stats().versions_held == [0, 1]  # pinned, inside the window
+    store.publish({"w": torch.ones(2)})
+    assert store.stats().versions_held == [2]  # out of the window (2 - 1 > 0): freed though pinned
+    assert store.stats().evicted_pinned == 1
+    with pytest.raises(VersionNotHeld, match="version 0 are not held"):
+        store.weights(0)
+
+    admitted = []
+    waiter = threading.Thread(target=lambda: admitted.append(store.admit(4)))  # needs version 3
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not admitted
+    store.publish({"w": torch.ones(2)})
+    waiter.join(timeout=10)
+    assert admitted == [3]
+
+
+@pytest.mark.timeout(120)
+def test_ray_store_reports_a_missing_version_as_the_same_error(ray_session):
+    from trajflow.operators.store import VersionNotHeld
+    from trajflow.pipelines.policy_store import RayStore
+
+    store = RayStore.start(max_staleness=0, keep_history=False)
+    try:
+        store.publish({"w": torch.zeros(3)})
+        store.publish({"w": torch.ones(3)})
+        with pytest.raises(VersionNotHeld) as caught:
+            store.weights(0)
+        assert str(caught.value) == "weights of version 0 are not held by the policy store (held: [1])"
+        store.add_counters({"generate_seconds": 1.5})
+        store.add_counters({"generate_seconds": 0.5})
+        assert store.stats(reset_counters=True).counters == {"generate_seconds": 2.0}
+        assert store.stats().counters == {}
+    finally:
+        store.kill()

@@ -148,20 +148,20 @@ def test_replay_stages_come_from_the_live_stage_list(tmp_path):
         ckpt.save_weights({"w": torch.zeros(1)}, ckpt.version_file(run / "versions", v))
     live = RLPipeline(PipelineConfig(prompts_per_step=2, group_size=2, max_staleness=1, strategy="dedicated"))
     live.insert_after("reward", Stage("mine", EditsReward()))
-    assert [s.name for s in live.stages] == ["generate", "old_logits", "reward", "mine", "advantage", "filter", "train"]
+    assert [s.name for s in live.stages] == ["generate", "old_logprobs", "reward", "mine", "advantage", "filter", "train"]
 
     def names(strategies, mode="diagnose"):
         replay = Replay(live.config, root, run, strategies, mode, pipeline=live)
         return replay, [s.name for s in replay.stages({"logged": None, "trainer": "trainer-store"})]
 
     assert names(["behavior"])[1] == ["mine", "advantage", "filter", "diagnose"]
-    assert names(["snapshot", "ewma"])[1] == ["mine", "advantage", "filter", "old_logits", "diagnose"]
-    assert names(["dedicated"])[1] == ["old_logits", "mine", "advantage", "filter", "diagnose"]
-    assert names(["interrupt"])[1] == ["mine", "advantage", "filter", "old_logits", "diagnose"]  # scored in replay
+    assert names(["snapshot", "ewma"])[1] == ["mine", "advantage", "filter", "old_logprobs", "diagnose"]
+    assert names(["dedicated"])[1] == ["old_logprobs", "mine", "advantage", "filter", "diagnose"]
+    assert names(["interrupt"])[1] == ["mine", "advantage", "filter", "old_logprobs", "diagnose"]  # scored in replay
     replay, stages = names(["m2po"], "train")
     assert stages == ["mine", "advantage", "filter", "train"]
     train = replay.stages({"logged": None, "trainer": "trainer-store"})[-1]
-    assert train.kwargs["strategy"].name == "m2po" and train.kwargs["store"] == "trainer-store"
+    assert train.kwargs["spec"].strategy.name == "m2po" and train.kwargs["store"] == "trainer-store"
     # the replayed user stage: its row filter takes effect again, its reward edit is already logged
     mine = replay.stages({"logged": None, "trainer": None})[0]
     logged = load_trajectories(root)[1]

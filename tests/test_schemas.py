@@ -88,9 +88,16 @@ def test_empty_table_is_valid():
     assert token_view(empty_table()).height == 0
 
 
-def test_nullable_columns_accept_nulls(table):
+def test_nullable_columns_accept_nulls(table, tmp_path):
+    """Exactly the columns later operators fill (old_logprobs, reward, advantage) may be null, and
+    their nulls survive a Parquet round trip."""
+    assert NULLABLE_COLUMNS == {"old_logprobs", "reward", "advantage"}
     for name in NULLABLE_COLUMNS:
-        validate(replace(table, name, [None] * table.num_rows))
+        nulls = replace(table, name, [None] * table.num_rows)
+        validate(nulls)
+        back = read_parquet(write_parquet(nulls, tmp_path / f"{name}.parquet"))
+        assert back.column(name).null_count == table.num_rows
+        assert back.drop_columns([name]).equals(table.drop_columns([name]))
 
 
 def test_extra_columns_pass_through():
@@ -99,8 +106,15 @@ def test_extra_columns_pass_through():
     assert t.column_names == COLUMNS + ["answer"]
 
 
-def test_missing_metadata_is_allowed(table):
-    validate(table.replace_schema_metadata(None))
+def test_missing_metadata_is_allowed(table, tmp_path):
+    """A table without trajflow metadata (e.g. built by hand or by polars) is valid; it claims no
+    sampling semantics, and writing it attaches the v1 metadata."""
+    bare = table.replace_schema_metadata(None)
+    validate(bare)
+    assert bare.schema.metadata is None and sampling_semantics(bare) is None
+    back = read_parquet(write_parquet(bare, tmp_path / "bare.parquet"))
+    assert back.schema.metadata[b"trajflow.schema_version"] == b"1" and sampling_semantics(back) is None
+    assert sampling_semantics(conform(bare, SAMPLING)) == SAMPLING
 
 
 # ---------------------------------------------------------------- bad tables
@@ -137,8 +151,14 @@ def test_wrong_type(table, name, type_):
 
 
 def test_list_field_name_is_not_a_type_difference(table):
-    elem = pa.list_(pa.field("element", pa.int32()))
-    validate(replace(table, "versions", table.column("versions").to_pylist(), elem))
+    """list<element: int32> (Parquet's naming) is list<item: int32>; the element type still counts."""
+    values = table.column("versions").to_pylist()
+    renamed = replace(table, "versions", values, pa.list_(pa.field("element", pa.int32())))
+    assert renamed.schema.field("versions").type.value_field.name == "element"
+    validate(renamed)
+    assert conform(renamed).column("versions").to_pylist() == values
+    with pytest.raises(SchemaError, match="column 'versions': type"):
+        validate(replace(table, "versions", values, pa.list_(pa.field("element", pa.int64()))))
 
 
 @pytest.mark.parametrize("name", sorted(set(COLUMNS) - NULLABLE_COLUMNS))

@@ -37,10 +37,10 @@ PACKAGE_DIRS = ("trajflow", "schemas", "operators", "algorithms", "engines", "ta
 class TinyTrainer(PolicyHolder):
     """The Trainer a strategy sees, on the built-in tiny model (random weights)."""
 
-    def __init__(self, model, sampling: SamplingParams, updates_per_version: int = 1, version: int = 5) -> None:
+    def __init__(self, model, sampling: SamplingParams, minibatches_per_step: int = 1, version: int = 5) -> None:
         self.numerics = TrainingNumerics()
         self.model = self.numerics.prepare(model)
-        self.sampling, self.version, self.updates_per_version = sampling, version, updates_per_version
+        self.sampling, self.version, self.minibatches_per_step = sampling, version, minibatches_per_step
 
 
 def make_batch(n: int = 6, width: int = 5, seed: int = 0, versions=(3, 4, 5), old: bool = False,
@@ -103,13 +103,13 @@ def test_pipeline_stages_come_from_the_strategy_object():
     def names(strategy: str) -> list[str]:
         return [s.name for s in RLPipeline(PipelineConfig(strategy=strategy)).stages]
 
-    assert names("snapshot") == ["generate", "reward", "advantage", "filter", "old_logits", "train"]
-    assert names("dedicated") == ["generate", "old_logits", "reward", "advantage", "filter", "train"]
+    assert names("snapshot") == ["generate", "reward", "advantage", "filter", "old_logprobs", "train"]
+    assert names("dedicated") == ["generate", "old_logprobs", "reward", "advantage", "filter", "train"]
     for strategy in ("interrupt", "ewma", "recompute", "behavior", "loglinear", "m2po"):
         assert names(strategy) == ["generate", "reward", "advantage", "filter", "train"], strategy
     pipe = RLPipeline(PipelineConfig(strategy="interrupt"))
-    assert pipe.stage("generate").kwargs["score_on_switch"] and pipe.stage("generate").kwargs["mid_generation_updates"]
-    assert pipe.stage("train").kwargs["strategy"].name == "interrupt"
+    assert pipe.stage("generate").kwargs["scores_at_switch"]  # and so takes weights mid-generation
+    assert pipe.stage("train").kwargs["spec"].strategy.name == "interrupt"
     assert "strategy interrupt (exact)" in pipe.describe() and "dropout off" in pipe.describe()
     assert Stage is __import__("trajflow.operators.stage", fromlist=["Stage"]).Stage  # still importable there
 
@@ -144,7 +144,7 @@ def test_each_proximal(trainer):
 
 
 def test_recompute_scores_once_before_the_first_of_several_updates(tiny, one_torch_thread):
-    trainer = TinyTrainer(tiny[0], SamplingParams(), updates_per_version=2)
+    trainer = TinyTrainer(tiny[0], SamplingParams(), minibatches_per_step=2)
     batch = make_batch()
     before = trainer.current(batch, grad=False)
     strategy = resolve_strategy("recompute")()
@@ -288,4 +288,4 @@ def test_a_strategy_object_is_checked_like_a_config_name():
         RLPipeline(PipelineConfig(), strategy=object())
     pipe = RLPipeline(PipelineConfig(strategy="snapshot"), strategy=resolve_strategy("m2po")(m2_threshold=0.1))
     assert [s.name for s in pipe.stages] == ["generate", "reward", "advantage", "filter", "train"]
-    assert not pipe.strategy.keep_history and pipe.stage("train").kwargs["strategy"].m2_threshold == 0.1
+    assert not pipe.strategy.keep_history and pipe.stage("train").kwargs["spec"].strategy.m2_threshold == 0.1

@@ -29,12 +29,12 @@ SMALL = dict(prompts_per_step=8, group_size=4, drop_zero_variance_groups=False, 
 
 
 def record_weights_and_old(trainstep, batch, metrics) -> None:
-    """A job-style hook: are the new weights finite, and how many trained loss tokens carry an old
-    log-prob of -inf (outside the support under training numerics) in the step's output."""
+    """A job-style hook: are the new weights finite, and how many trained loss tokens had a pi_old
+    of -inf (outside the support under training numerics) in the loss (`proximal_logprobs`)."""
     metrics["test/weights_finite"] = all(bool(torch.isfinite(v).all()) for v in trainstep.policy_state_dict().values())
     trained = pc.is_null(batch["filter_reason"])
     old = batch.filter(trained)
-    flat_old = pc.list_flatten(old["old_logprobs"]).to_numpy(zero_copy_only=False)
+    flat_old = pc.list_flatten(old["proximal_logprobs"]).to_numpy(zero_copy_only=False)
     flat_mask = pc.list_flatten(old["loss_mask"]).to_numpy(zero_copy_only=False)
     metrics["test/old_neg_inf"] = int((np.isneginf(flat_old) & flat_mask).sum())
 
@@ -53,7 +53,7 @@ def test_every_strategy_trains_under_top_k_and_top_p(run_in_process, sampling, c
         config = PipelineConfig(**{**SMALL, "seed": 10 + i}, strategy=strategy, steps=6, inference_dtype="bfloat16",
                                 sampling={"max_new_tokens": 6, **sampling}, correction=correction)
         pipe = RLPipeline(config)
-        pipe.train_step_kwargs["on_step"] = record_weights_and_old
+        pipe.hooks.on_step = record_weights_and_old
         m = run_in_process(pipe)
         assert m.height == 6, strategy
         trained = m.filter(pl.col("rows_trained") > 0)
@@ -113,7 +113,7 @@ def test_a_user_strategy_runs_live_and_in_replay_diagnose(ray_session, user_stra
     pipe = RLPipeline(config, strategy=HalfwayOld())  # live, from a Python object
     recorder = RunRecorder(run_dir=str(run_dir), steps=3, checkpoint_every=0, keep_checkpoints=1,
                            save_all_versions=True, trajectory_log=True)
-    pipe.train_step_kwargs.update(on_start=recorder.on_start, on_step=recorder.on_step)
+    pipe.hooks.on_start, pipe.hooks.on_step = recorder.on_start, recorder.on_step
     live = pipe.run(progress=False)
     assert live.height == 3 and set(live["strategy"]) == {"halfway"}
     # the run's config names the strategy by import path, as a job config would

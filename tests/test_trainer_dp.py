@@ -157,15 +157,16 @@ def _replicas_update(store, table, world_size: int, strategy_name: str, aggregat
     from trajflow.engines.sampling import SamplingParams
     from trajflow.operators.data_parallel import Collective, listening_socket
     from trajflow.operators.strategies.registry import resolve_strategy
-    from trajflow.operators.train_step import TrainerReplica
+    from trajflow.operators.train_step import TrainerReplica, TrainerSpec
 
     options = {"m2_threshold": 0.5} if strategy_name == "m2po" else {}
-    replicas = [TrainerReplica(
-        store=store, model_path=WARM_START_DIR, strategy=resolve_strategy(strategy_name)(**options),
+    config = PipelineConfig(optimizer={"minibatches_per_step": 2}, prompts_per_step=2, group_size=2)
+    spec = TrainerSpec(
+        model_path=str(WARM_START_DIR), strategy=resolve_strategy(strategy_name)(**options),
         correction=CorrectionConfig(aggregation=aggregation, loss_norm_tokens=6, mask_level="none"),
-        sampling=SamplingParams(), numerics=TrainingNumerics(), lr=1.5e-4, weight_decay=0.0, betas=(0.9, 0.99),
-        grad_clip=1.0, minibatches_per_step=2, torch_threads=1, gradient_checkpointing=False, version=0)
-        for _ in range(world_size)]
+        optimizer=config.optimizer.spec(), sampling=SamplingParams(), numerics=TrainingNumerics(),
+        data_parallel=config.trainer.data_parallel(""), torch_threads=1)
+    replicas = [TrainerReplica(store, spec, version=0) for _ in range(world_size)]
     lengths = np.array([len(p) + len(r) for p, r in zip(table["prompt_tokens"].to_pylist(),
                                                          table["response_tokens"].to_pylist())])
     plan = plan_shards(lengths, 2, world_size, budget)
@@ -202,17 +203,17 @@ def _replicas_update(store, table, world_size: int, strategy_name: str, aggregat
     ("behavior", "seq-mean-token-mean", 12),   # PPO clip; the global sequence count
     ("behavior", "token-sum-norm", None),      # the global row count
 ])
-def test_one_update_on_two_workers_equals_one_worker(ray_session, one_torch_thread, strategy, aggregation, budget):
+def test_one_update_on_two_workers_equals_one_worker(one_torch_thread, strategy, aggregation, budget):
+    """In one process, no Ray: the replicas read version 0 from an in-process store and join a
+    real gloo group on threads."""
     from trajflow.engines.models import WARM_START_DIR, load_model
-    from trajflow.operators.after_step import publish_weights
-    from trajflow.pipelines.policy_store import PolicyStore
+    from trajflow.pipelines.policy_store import InProcessStore
 
-    store = PolicyStore.remote(0, False)
-    publish_weights(store, load_model(WARM_START_DIR), 0)
+    store = InProcessStore(max_staleness=0, keep_history=False)
+    store.publish(load_model(WARM_START_DIR).state_dict(), 0)
     table = _step_rows()
     (one,), one_weights, one_metrics = _replicas_update(store, table, 1, strategy, aggregation, None)
     two, two_weights, two_metrics = _replicas_update(store, table, 2, strategy, aggregation, budget)
-    ray.kill(store)
     assert sum(r.microbatches for r in two) > 2 if budget else sum(r.microbatches for r in two) == 4
     assert two[0].losses == pytest.approx(one.losses, abs=1e-6) and two[1].losses == two[0].losses
     print(f"\n{strategy} {aggregation} budget {budget}: weights differ by "
@@ -268,8 +269,8 @@ def run_with_final_weights(config: PipelineConfig) -> tuple[pl.DataFrame, dict[s
             for fn in stages:
                 batch = fn(batch)
             rows += batch.to_pylist()
-        _, (ref,) = ray.get(store.get.remote(config.steps))
-        weights = {k: v.clone() for k, v in ray.get(ref).items()}
+        _, weights = store.weights(config.steps)
+        weights = {k: v.clone() for k, v in weights.items()}
     finally:
         for fn in stages:
             if hasattr(fn, "close"):

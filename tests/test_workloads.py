@@ -24,8 +24,8 @@ from trajflow.engines.tokenizer import (
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.tasks.dataset import DataConfig, DataError, PromptDataset, epoch_order
 from trajflow.tasks.rewards import MathVerify, RewardRunner, RewardSpecError, exact_match
-from trajflow.tasks.user_code import UserCodeError, load_object
 from trajflow.tasks.workload import TaskPrompts, Workload
+from trajflow.user_code import UserCodeError, load_object
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -115,18 +115,18 @@ def check_setting(cls: type, name: str, value: Any) -> Any:
     if it has the wrong type or breaks a bound."""
     field = {f.name: f for f in dataclasses.fields(cls)}[name]
     annotation = field_types(cls)[name]
-    ok, value = _converted(annotation, value)
+    ok, converted = _converted(annotation, value)
     if not ok:
         got = f"the boolean {str(value).lower()}" if isinstance(value, bool) else repr(value)
         raise SettingError(name, f"expected {_kind(annotation)}, got {got}")
-    numbers = value if isinstance(value, tuple) else (value,)
+    originals = value if isinstance(value, (tuple, list)) else (value,)
     for key, (symbol, holds) in BOUNDS.items():
         if key in field.metadata:
-            for number in numbers:
+            for number in originals:
                 if isinstance(number, (int, float)) and not isinstance(number, bool) \
                         and not holds(number, field.metadata[key]):
-                    raise SettingError(name, f"must be {symbol} {field.metadata[key]}, got {number!r}")
-    return value
+                    raise SettingError(name, f"must be {symbol} {field.metadata[key]:g}, got {number!r}")
+    return converted
 
 
 def check_settings(obj: Any) -> None:

@@ -12,7 +12,7 @@ from trajflow.operators.strategies.base import (
     Strategy,
     StrategyKind,
     Trainer,
-    old_logit_stage,
+    old_logprob_stage,
 )
 from trajflow.operators.strategies.registry import (
     BUILTIN,
@@ -24,5 +24,5 @@ from trajflow.operators.strategies.registry import (
 
 __all__ = [
     "BUILTIN", "KINDS", "OldLogprobsColumn", "StageContext", "Strategy", "StrategyKind", "Trainer",
-    "format_strategies", "old_logit_stage", "resolve_strategy", "strategy_class", "strategy_names",
+    "format_strategies", "old_logprob_stage", "resolve_strategy", "strategy_class", "strategy_names",
 ]

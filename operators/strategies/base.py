@@ -71,7 +71,7 @@ class Trainer(Protocol):
     """What a strategy may use of the process that trains (TrainStep) or diagnoses (Diagnose)."""
 
     version: int              # the trainer's version k: it trains step k and then holds k + 1
-    updates_per_version: int  # optimizer updates per version (minibatches_per_step; 1 in diagnose)
+    minibatches_per_step: int  # optimizer updates per version (1 in diagnose: one set of weights per version)
     numerics: TrainingNumerics
     sampling: SamplingParams
 
@@ -93,10 +93,11 @@ class Strategy:
     needs_update_pass: ClassVar[bool] = False
 
     @classmethod
-    def from_config(cls, config: Any) -> "Strategy":
+    def from_config(cls, config: Any, options: dict[str, Any] | None = None) -> "Strategy":
         """An instance with its settings from the PipelineConfig: `strategy_options` are the
-        constructor's keyword arguments."""
-        options = dict(config.strategy_options)
+        constructor's keyword arguments (a subclass may pass `options` with defaults that depend
+        on the config filled in, e.g. EWMA's window from max_staleness)."""
+        options = dict(config.strategy_options if options is None else options)
         # object.__init__'s (*args, **kwargs) would accept anything, then refuse it less clearly
         parameters = inspect.signature(cls.__init__).parameters if cls.__init__ is not object.__init__ else {}
         accepted = [name for name, p in parameters.items() if name != "self"
@@ -119,7 +120,7 @@ class Strategy:
         own = self.stages(ctx)
         if own or not self.old_from_column:
             return own
-        return [Placement(old_logit_stage(ctx, skip_filtered=True), before="train")]
+        return [Placement(old_logprob_stage(ctx, skip_filtered=True), before="train")]
 
     def replay_versions(self, step: int, token_versions: set[int], mode: str) -> set[int]:
         """Weights a replay of train step `step` needs beyond the trainer's own (diagnose: version
@@ -176,10 +177,10 @@ class OldLogprobsColumn(Strategy):
         return batch.old
 
 
-def old_logit_stage(ctx: StageContext, skip_filtered: bool) -> Stage:
-    """The operator that scores every token under its own version's weights (operators/old_logits.py)."""
-    from trajflow.operators.old_logits import OldLogitsAtBehaviourVersion
+def old_logprob_stage(ctx: StageContext, skip_filtered: bool) -> Stage:
+    """The operator that scores every token under its own version's weights (operators/old_logprobs.py)."""
+    from trajflow.operators.old_logprobs import OldLogprobsAtBehaviourVersion
 
     kwargs = dict(model_path=ctx.model_path, sampling=ctx.sampling, numerics=ctx.numerics,
                   skip_filtered=skip_filtered, torch_threads=ctx.scorer.torch_threads)
-    return Stage("old_logits", OldLogitsAtBehaviourVersion, kwargs, ctx.scorer)
+    return Stage("old_logprobs", OldLogprobsAtBehaviourVersion, kwargs, ctx.scorer)

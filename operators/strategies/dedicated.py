@@ -8,7 +8,7 @@ only until its batch is scored, so it switches at most as often as the generator
 from __future__ import annotations
 
 from trajflow.operators.stage import Placement
-from trajflow.operators.strategies.base import OldLogprobsColumn, StageContext, old_logit_stage
+from trajflow.operators.strategies.base import OldLogprobsColumn, StageContext, old_logprob_stage
 
 
 class Dedicated(OldLogprobsColumn):
@@ -18,6 +18,6 @@ class Dedicated(OldLogprobsColumn):
     keep_history = True  # until the batch carrying a version is scored
 
     def stages(self, ctx: StageContext) -> list[Placement]:
-        stage = old_logit_stage(ctx, skip_filtered=False)
+        stage = old_logprob_stage(ctx, skip_filtered=False)
         stage.own_process = True  # its own actor and CPU/GPU share, overlapping generation and training
         return [Placement(stage, after="generate")]

@@ -2,8 +2,12 @@
 
 The EWMA folds in the weights after every optimizer update, with beta set for a window of W
 versions counted in updates (W x minibatches_per_step, algorithms/ewma.py), and resets to the
-current weights when the step's active-token fraction falls below tau. It scores in the
-trainer's numerics with its own model copy. `ewma/age` is reported in versions.
+current weights when the step's active-token fraction falls below `reset_threshold` (the
+paper's tau). It scores in the trainer's numerics with its own model copy. `ewma/age` is
+reported in versions.
+
+Settings (`strategy_options`): `window` (W in versions; default max(1, max_staleness): the
+reference sits mid-window), `reset_threshold` (tau, default 0.9).
 """
 
 from __future__ import annotations
@@ -25,24 +29,30 @@ class Ewma(Strategy):
     meaning = "score with an EWMA of the trainer's weights (window W versions), reset when active fraction < tau"
     follows_updates = True
 
-    def __init__(self, window: int = 1, reset_threshold: float = 0.9) -> None:
+    def __init__(self, window: int, reset_threshold: float = 0.9) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1 (versions), got {window!r}")
+        if isinstance(reset_threshold, bool) or not isinstance(reset_threshold, (int, float)) \
+                or not 0.0 <= reset_threshold <= 1.0:
+            raise ValueError(f"reset_threshold must be a number in [0, 1], got {reset_threshold!r}")
         self.window = window
-        self.reset_threshold = reset_threshold
+        self.reset_threshold = float(reset_threshold)
         self.ewma: EwmaProximal | None = None
-        self.updates_per_version = 1
+        self.minibatches_per_step = 1
         self._model = None
         self._stale_model = True
 
     @classmethod
     def from_config(cls, config: Any) -> "Ewma":
-        return cls(window=config.ewma_window, reset_threshold=config.ewma.reset_threshold, **config.strategy_options)
+        options = {"window": max(1, config.max_staleness), **config.strategy_options}
+        return super().from_config(config, options)
 
     def bind(self, trainer: Trainer) -> None:
-        self.updates_per_version = trainer.updates_per_version
+        self.minibatches_per_step = trainer.minibatches_per_step
         from trajflow.algorithms.ewma import EwmaProximal, ewma_beta
 
-        beta = ewma_beta(self.window, self.updates_per_version)
-        self.ewma = EwmaProximal(trainer.policy_state_dict(), beta, tau=self.reset_threshold)
+        beta = ewma_beta(self.window, self.minibatches_per_step)
+        self.ewma = EwmaProximal(trainer.policy_state_dict(), beta, reset_threshold=self.reset_threshold)
         self._model = trainer.numerics.prepare(copy.deepcopy(trainer.policy())).requires_grad_(False)
         self._stale_model = True
 
@@ -60,7 +70,7 @@ class Ewma(Strategy):
         fired = self.ewma.maybe_reset(diagnostics["active_frac"], trainer.policy_state_dict())
         self._stale_model = True
         return {"ewma/reset": float(fired), "ewma/reset_count": float(self.ewma.reset_count),
-                "ewma/age": self.ewma.age / self.updates_per_version}
+                "ewma/age": self.ewma.age / self.minibatches_per_step}
 
     def state_dict(self) -> dict:
         return self.ewma.state_dict()

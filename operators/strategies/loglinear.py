@@ -1,13 +1,13 @@
 """`loglinear` (baseline, A-3PO): log pi_prox = log mu + alpha (log pi_theta - log mu).
 
-alpha per token from versions (v_prox = v_theta - 1) unless fixed by `loglinear_alpha`. The
+alpha per token from versions (v_prox = v_theta - 1) unless fixed (`strategy_options: {alpha: A}`). The
 paper's Proposition 1: any such interpolation only re-parameterises bounds on the single total
 ratio pi_theta / mu; it recovers nothing about pi_old.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trajflow.operators.strategies.base import Strategy, Trainer
 
@@ -22,11 +22,10 @@ class Loglinear(Strategy):
                "Prop. 1: only rescales a bound on pi_theta/mu")
 
     def __init__(self, alpha: float | None = None) -> None:
-        self.alpha = alpha
-
-    @classmethod
-    def from_config(cls, config: Any) -> "Loglinear":
-        return cls(alpha=config.loglinear_alpha, **config.strategy_options)
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                                  or not 0.0 <= alpha <= 1.0):
+            raise ValueError(f"alpha must be null (from versions) or a number in [0, 1], got {alpha!r}")
+        self.alpha = None if alpha is None else float(alpha)
 
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
         from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs

@@ -25,7 +25,7 @@ class Recompute(Strategy):
         self._before_update: Tensor | None = None
 
     def before_step(self, batch, trainer: Trainer) -> None:
-        many_updates = trainer.updates_per_version > 1
+        many_updates = trainer.minibatches_per_step > 1
         self._before_update = trainer.score(trainer.policy(), batch) if many_updates else None
 
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:

@@ -8,7 +8,7 @@ filter, so rows that will not be trained are never scored.
 from __future__ import annotations
 
 from trajflow.operators.stage import Placement
-from trajflow.operators.strategies.base import OldLogprobsColumn, StageContext, old_logit_stage
+from trajflow.operators.strategies.base import OldLogprobsColumn, StageContext, old_logprob_stage
 
 
 class Snapshot(OldLogprobsColumn):
@@ -18,4 +18,4 @@ class Snapshot(OldLogprobsColumn):
     keep_history = True
 
     def stages(self, ctx: StageContext) -> list[Placement]:
-        return [Placement(old_logit_stage(ctx, skip_filtered=True), before="train")]
+        return [Placement(old_logprob_stage(ctx, skip_filtered=True), before="train")]

@@ -1,4 +1,4 @@
-"""Old logits at the behaviour version: pi_v^train for every token, exactly (Ray Data actor).
+"""Old log-probs at the behaviour version: pi_v^train for every token, exactly (Ray Data actor).
 
 For each version v carried by the batch's tokens, the operator loads the weights of v from the
 policy store into a model scored under the training numerics (engines/training_numerics.py: the
@@ -27,24 +27,26 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import ray
 import torch
 
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.columns import filter_reasons, mark_filtered, replace_column
+from trajflow.operators.store import PolicyStoreClient, VersionNotHeld
 
 
-class OldLogitsAtBehaviourVersion:
+class OldLogprobsAtBehaviourVersion:
+    """pi_v^train of every token at its own version v (see the module docstring)."""
+
     def __init__(
         self,
-        store: ray.actor.ActorHandle,
+        store: PolicyStoreClient,
         model_path: str | Path,
         sampling: SamplingParams,
         skip_filtered: bool,
-        numerics: TrainingNumerics = TrainingNumerics(),
-        torch_threads: int = 1,
+        numerics: TrainingNumerics,
+        torch_threads: int,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
@@ -53,14 +55,12 @@ class OldLogitsAtBehaviourVersion:
         self.sampling = sampling
         self.skip_filtered = skip_filtered
         self.resident_version: int | None = None
-        self.version_switches = 0
 
     def _ensure(self, version: int) -> None:
         if version != self.resident_version:
-            _, (ref,) = ray.get(self.store.get.remote(version))
-            self.model.load_state_dict(ray.get(ref))
+            _, weights = self.store.weights(version)
+            self.model.load_state_dict(weights)
             self.resident_version = version
-            self.version_switches += 1
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         started = time.perf_counter()
@@ -79,7 +79,7 @@ class OldLogitsAtBehaviourVersion:
         for version in needed:
             try:
                 self._ensure(version)
-            except ray.exceptions.RayTaskError:
+            except VersionNotHeld:
                 evicted.add(version)  # out of the staleness window: its tokens cannot be trained
                 continue
             todo = [i for i in rows if version in versions[i]]
@@ -95,9 +95,9 @@ class OldLogitsAtBehaviourVersion:
         for i in np.flatnonzero(over_stale):
             old[i] = None
         for version in {v for vs in versions for v in vs}:
-            self.store.release.remote(version)
-        self.store.add_counters.remote(
-            {"old_logit_seconds": time.perf_counter() - started, "old_logit_version_switches": float(len(needed))}
+            self.store.release(version)
+        self.store.add_counters(
+            {"old_logprob_seconds": time.perf_counter() - started, "old_logprob_version_switches": float(len(needed))}
         )
         batch = replace_column(batch, "old_logprobs", pa.array(old, pa.list_(pa.float32())))
         return mark_filtered(batch, over_stale, "over_stale") if over_stale.any() else batch

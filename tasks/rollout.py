@@ -1,4 +1,4 @@
-"""Multi-turn episodes: the rollout loop of an environment on a generation engine, and its evaluation.
+"""Rollouts outside the pipeline: the multi-turn episode loop, and held-out evaluation.
 
 `run_episodes` plays `n` episodes per prompt in lockstep turns. Each turn, the live episodes'
 contexts (prompt + everything so far) go to `engine.generate` as prompts; a turn ends at eos or at
@@ -17,6 +17,11 @@ budget, "abort" if the engine aborted. The reward is the sum of the environment'
 Two hooks let the caller move weights (operators/generate.py): `before_turn(engine, batch)` runs
 before every turn, `between_steps(engine, batch)` after every decode step; both see the episodes
 with the in-flight turn included (`EpisodeBatch.current`).
+
+`heldout_accuracy`: greedy decoding on the workload's held-out prompts, float32, no Ray (the
+trainer's evaluation hook and `trajflow eval`). The held-out prompts are a task's test split, or a
+dataset's `data.test_files`; responses are scored by the workload's reward (an item whose reward
+fails counts as 0); an environment's held-out score is its greedy episodes' mean reward.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from trajflow.engines.tokenizer import decode_response, encode_prompt
+from trajflow.engines.tokenizer import decode_response, decode_responses, encode_prompt, stop_token_ids
 from trajflow.engines.torch_engine import Generation, TorchEngine, greedy_engine
-from trajflow.tasks.base import Prompt
-from trajflow.tasks.environments import EnvEpisode, Environment
+from trajflow.tasks.base import Prompt, Task
+from trajflow.tasks.environments import EnvEpisode, Environment, is_environment
+from trajflow.tasks.workload import Workload, rows_of_prompts, task_reward_runner
 
 
 @dataclass
@@ -186,4 +193,39 @@ def heldout_success_rate(
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
             rewards += [e.reward for e in run_episodes(engine, env, tokenizer, prompts[start:start + batch_size])]
+    return float(np.mean(rewards)) if rewards else 0.0
+
+
+def heldout_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task | Workload,
+    n: int,
+    max_new_tokens: int,
+    batch_size: int = 256,
+    stop: Sequence[str] = (),
+) -> float:
+    """Mean reward of greedy responses on the first n held-out prompts (= accuracy for 0/1 rewards).
+
+    For an environment: the mean reward of greedy multi-turn episodes (max_new_tokens per turn).
+    """
+    workload = task if isinstance(task, Workload) else None
+    env = workload.environment() if workload is not None else (task if is_environment(task) else None)
+    if env is not None and (workload is None or workload.data is None):
+        return heldout_success_rate(model, tokenizer, env, n, max_new_tokens, batch_size)
+    if workload is None:  # a Task object
+        rows, runner, columns = rows_of_prompts(0, task.heldout(n), tokenizer), task_reward_runner(task), ["answer"]
+    else:
+        rows, runner, columns = workload.heldout_rows(tokenizer, n), workload.reward_runner(), workload.columns()
+    stop_ids = stop_token_ids(tokenizer, getattr(model, "name_or_path", None) or None)
+    engine = greedy_engine(model, tokenizer, max_new_tokens, stop_token_ids=stop_ids)
+    prompts = rows["prompt"].to_pylist()
+    tokens = rows["prompt_tokens"].to_pylist()
+    rewards: list[float] = []
+    for start in range(0, rows.num_rows, batch_size):
+        gens = engine.generate(tokens[start:start + batch_size])
+        completions = decode_responses(tokenizer, [g.response_tokens for g in gens], stop_ids, stop)
+        chunk = {c: rows[c].slice(start, len(gens)).to_pylist() for c in columns}
+        scores = runner(prompts[start:start + len(gens)], completions, chunk)
+        rewards += [0.0 if s is None else s for s in scores]
     return float(np.mean(rewards)) if rewards else 0.0

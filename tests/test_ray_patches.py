@@ -1,0 +1,110 @@
+"""Ray is pinned to the series trajflow's patches were written for (pipelines/ray_patches.py).
+
+- CI fails, never skips, when the installed Ray is outside the pin, or when the pin in
+  pyproject.toml and `RAY_SERIES` (the series the patches were read against) disagree;
+- on another Ray (simulated: `ray.__version__` set for the test, since only one Ray can be
+  installed) no patch is applied, one line says so, and an embedded Ray that would listen beyond
+  127.0.0.1 is refused;
+- the patches of the embedded Ray's start hold for the start only.
+(tests/test_executor_patch.py and tests/test_ray_data_services.py assert patches 3 and 4 are
+active; the embedded Ray's processes and sockets are checked there and in test_jobs_local_ray.py.)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own TOML reader
+    import tomli as tomllib
+
+from trajflow.pipelines import ray_patches
+from trajflow.pipelines.ray_patches import RAY_SERIES, RayVersionError, data_services, executor
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def _ray_requirements() -> dict[str, Requirement]:
+    """Every requirement on `ray` in pyproject.toml, by where it is declared."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    declared = {"dependencies": project["dependencies"]}
+    declared.update({f"[{extra}]": reqs for extra, reqs in project["optional-dependencies"].items()})
+    return {where: req for where, reqs in declared.items() for req in map(Requirement, reqs) if req.name == "ray"}
+
+
+def test_the_installed_ray_is_the_pinned_series():
+    import ray
+
+    found = _ray_requirements()
+    assert {"dependencies", "[dev]", "[cluster]"} <= set(found), found
+    pin = SpecifierSet(f"=={RAY_SERIES}.*")
+    assert {where: req.specifier for where, req in found.items()} == dict.fromkeys(found, pin), (
+        f"pyproject.toml pins Ray other than pipelines/ray_patches.py's RAY_SERIES {RAY_SERIES}: read every "
+        "patch there against the new Ray, then move RAY_SERIES and the pins together")
+    assert ray.__version__ in pin and ray_patches.ray_in_series(), (
+        f"Ray {ray.__version__} is installed, trajflow is pinned to {RAY_SERIES}.x and runs unpatched on "
+        f"it: pip install -e '.[dev]' (or 'ray[data]=={RAY_SERIES}.*')")
+
+
+@pytest.mark.parametrize("version, inside", [
+    ("2.60.0", True), ("2.60.3", True), ("2.60.0rc1", True), ("2.60.1.dev0", True),
+    ("2.6.0", False), ("2.600.0", False), ("2.61.0", False), ("2.59.9", False), ("3.60.0", False), ("", False),
+])
+def test_the_series_is_major_and_minor(version, inside):
+    assert RAY_SERIES == "2.60"  # the cases above are written for it
+    assert ray_patches.ray_in_series(version) is inside
+
+
+def test_on_another_ray_simulated_nothing_is_patched_and_one_line_says_so(ray_session, monkeypatch, caplog):
+    ray = ray_session
+    from ray._private import node, ray_constants
+    from ray.data._internal.execution import streaming_executor_state
+    from ray.data._internal.execution.operators import actor_pool_map_operator as pool
+
+    executor_was_active = executor.active()
+    executor.revert()
+    data_services.revert()
+    shipped_wait, shipped_tracker = streaming_executor_state.ray, pool.get_or_create_actor_location_tracker
+    shipped_node, cluster = (node.Node.__init__, node.Node.start_api_server), ray_constants.ENABLE_RAY_CLUSTER
+    try:
+        monkeypatch.setattr(ray, "__version__", "2.61.0")
+        with caplog.at_level(logging.WARNING, logger="trajflow"):
+            assert executor.apply() is False and not executor.active()
+            assert data_services.apply() is False and not data_services.active()
+            with ray_patches.lean_head(log_monitor=False):
+                assert (node.Node.__init__, node.Node.start_api_server) == shipped_node
+            refused = (r"^Ray 2\.61\.0 would listen beyond "
+                       r"127\.0\.0\.1: pip install the pinned 'ray\[data\]==2\.60\.\*'$")
+            with pytest.raises(RayVersionError, match=refused):
+                with ray_patches.loopback_node():
+                    pass
+        assert streaming_executor_state.ray is shipped_wait
+        assert pool.get_or_create_actor_location_tracker is shipped_tracker
+        assert ray_constants.ENABLE_RAY_CLUSTER is cluster
+        lines = [r.getMessage() for r in caplog.records if r.name == "trajflow"]
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("trajflow: Ray 2.61.0 is not the pinned 2.60.x") and "ray[data]==2.60.*" in lines[0]
+        assert len(lines[0]) <= 100 and "\n" not in lines[0]
+    finally:
+        monkeypatch.undo()
+        assert data_services.apply(dashboard=False)  # the session's Ray as conftest started it
+        if executor_was_active:
+            executor.apply()
+
+
+def test_the_patches_of_the_embedded_start_hold_for_the_start_only():
+    from ray._private import node, ray_constants
+
+    before = (node.Node.__init__, node.Node.start_api_server, ray_constants.ENABLE_RAY_CLUSTER)
+    with pytest.raises(KeyError):  # as when ray.init fails
+        with ray_patches.loopback_node(), ray_patches.lean_head(log_monitor=False):
+            assert node.Node.__init__ is not before[0] and node.Node.start_api_server is not before[1]
+            assert ray_constants.ENABLE_RAY_CLUSTER is False
+            raise KeyError("ray.init failed")
+    assert (node.Node.__init__, node.Node.start_api_server, ray_constants.ENABLE_RAY_CLUSTER) == before
