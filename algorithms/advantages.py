@@ -132,7 +132,8 @@ def _whitened(x: np.ndarray, weights: np.ndarray | None, eps: float = 1e-8) -> n
     return (x - mean) / np.sqrt(var + eps)
 
 
-def reinforce_plus_plus(rewards: ArrayLike, group_ids: ArrayLike, *, token_counts: ArrayLike | None = None) -> ArrayLike:
+def reinforce_plus_plus(rewards: ArrayLike, group_ids: ArrayLike, *,
+                        token_counts: ArrayLike | None = None) -> ArrayLike:
     """REINFORCE++: rewards whitened over the batch (module docstring); `group_ids` only for the
     shared signature. `token_counts` [N]: loss tokens per trajectory (veRL's token weighting)."""
     r, _, _, _ = _group_stats(rewards, group_ids)

@@ -37,7 +37,8 @@ def lr_multiplier(update: int, total_updates: int | None, config: OptimizerConfi
     if config.schedule == "constant":
         return 1.0
     if total_updates is None or total_updates < 1:
-        raise ValueError(f"lr_multiplier: the {config.schedule} schedule needs total_updates >= 1, got {total_updates!r}")
+        raise ValueError(f"lr_multiplier: the {config.schedule} schedule needs total_updates >= 1, "
+                         f"got {total_updates!r}")
     progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
     floor = config.min_lr_ratio
     if config.schedule == "linear":

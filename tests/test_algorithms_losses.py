@@ -465,7 +465,8 @@ ordinary = st.floats(-3.0, 0.0, allow_nan=False, allow_subnormal=False)
 @st.composite
 def ordinary_batches(draw):
     b, width = draw(st.integers(1, 5)), draw(st.integers(1, 6))
-    grid = lambda: np.array(draw(st.lists(ordinary, min_size=b * width, max_size=b * width)), np.float32).reshape(b, width)
+    cells = b * width
+    grid = lambda: np.array(draw(st.lists(ordinary, min_size=cells, max_size=cells)), np.float32).reshape(b, width)
     cur, old, inf, ref = grid(), grid(), grid(), grid()
     adv = np.array(draw(st.lists(st.floats(-3, 3, allow_subnormal=False), min_size=b, max_size=b)), np.float32)
     mask = np.array(draw(st.lists(st.booleans(), min_size=b * width, max_size=b * width))).reshape(b, width)
