@@ -92,7 +92,8 @@ class CorrectionConfig:
     dppo_ratio_cap: float | None = setting(
         None, "dppo: truncate the (detached) ratio weight at this; null = untruncated", gt=1.0)
     cov_fraction: float = setting(
-        0.0002, "clip_cov / kl_cov: fraction of the counted tokens selected by covariance", gt=0.0, le=1.0)
+        0.0002, "clip_cov / kl_cov: fraction of the tokens with a policy term (kept, inside the policy-side "
+        "masks) selected by covariance", gt=0.0, le=1.0)
     clip_cov_low: float = setting(1.0, "clip_cov: candidates have covariance > this")
     clip_cov_high: float = setting(5.0, "clip_cov: candidates have covariance < this")
     kl_cov_coef: float = setting(1.0, "kl_cov: coefficient of |log r_s| on the selected tokens", ge=0.0)

@@ -240,6 +240,7 @@ def test_clip_cov_detaches_the_selected_tokens():
     assert close(out.loss, -(3.0 - 1.0) / 4)  # r_s = 1: J = A on the two others, still / 4
     assert close(grad, [[0.0, 0.0], [-0.75, 0.25]])
     assert not out.active[0].any() and out.active[1].all()
+    assert correction_diagnostics(out)["cov/selected_frac"] == pytest.approx(2 / 4)
     # k = 1: one of the two candidates, the same one for the same batch (seeded)
     first, _ = run(COV_CUR, COV_CUR, COV_CUR, COV_ADV, loss="clip_cov", mask_level="token", cov_fraction=0.25)
     again, _ = run(COV_CUR, COV_CUR, COV_CUR, COV_ADV, loss="clip_cov", mask_level="token", cov_fraction=0.25)
