@@ -172,9 +172,8 @@ def prompt_token_counts(counted: Tensor, groups: Tensor) -> Tensor:
     """float [B]: the number of counted tokens of each row's prompt (rows with equal `groups`
     codes, [B] integers). On the whole update, this is prompt-mean's `group_counts`."""
     per_row = counted.sum(dim=-1).double()
-    _, codes = torch.unique(groups, return_inverse=True)
-    totals = torch.zeros(int(codes.max()) + 1 if codes.numel() else 0, dtype=torch.float64)
-    totals.index_add_(0, codes, per_row)
+    prompts, codes = torch.unique(groups, return_inverse=True)
+    totals = torch.zeros(len(prompts), dtype=torch.float64, device=per_row.device).index_add_(0, codes, per_row)
     return totals[codes]
 
 
