@@ -1,4 +1,4 @@
-"""Group-relative advantages: one scalar per trajectory, relative to its group (same prompt).
+"""Advantages: one scalar per trajectory, relative to its group (same prompt) or to the batch.
 
 rewards [N], group_ids [N] (any labels: int codes or the `group_id` strings). numpy arrays or
 torch tensors in, the same kind out (float32). Vectorised with np.unique + np.bincount.
@@ -6,6 +6,19 @@ torch tensors in, the same kind out (float32). Vectorised with np.unique + np.bi
     grpo           A_i = (r_i - mean_g) / (std_g + eps)     (std optional, see below)
     dr_grpo        A_i =  r_i - mean_g                      (Dr.GRPO: no std division)
     leave_one_out  A_i =  r_i - mean_{j in g, j != i} r_j   (RLOO) = n/(n-1) (r_i - mean_g)
+    reinforce_plus_plus           A_i = (r_i - mu_B) / sqrt(var_B + 1e-8)   (REINFORCE++, arXiv 2501.03262)
+    reinforce_plus_plus_baseline  the same on r_i - mean_g  (the group mean is the baseline; a
+                                  group of one keeps its reward, as veRL)
+  with mu_B, var_B the batch's mean and (ddof 1) variance, each trajectory weighted by its loss
+  tokens when `token_counts` is given: veRL whitens the outcome return repeated over every
+  response token (`masked_whiten`, gamma 1), so a long response weighs more. Without weights
+  every trajectory counts once. These two are not group-relative: a group with equal rewards
+  gets -mu_B / sigma_B, not 0. veRL `algorithm.adv_estimator` reinforce_plus_plus(_baseline).
+
+Reward shaping before the estimator (`overlong_penalty`): DAPO's soft overlong punishment (Yu et
+al. 2025, arXiv 2503.14476, eq. 13) for a response of L tokens, budget L_max, buffer L_cache:
+    R_len = 0 for L <= L_max - L_cache,  -p (L - (L_max - L_cache)) / L_cache up to L_max,  -p beyond
+(veRL's `reward_model.overlong_buffer.{len, penalty_factor}`, p = 1 in the paper).
 
 GRPO's std (`std=`, config key `advantage.std`):
     "sample"      sqrt(sum (r - mean)^2 / (G - 1)), ddof 1 — the default. veRL (`torch.std` in
@@ -14,8 +27,8 @@ GRPO's std (`std=`, config key `advantage.std`):
     "population"  sqrt(sum (r - mean)^2 / G), ddof 0 (the GRPO paper's formula read literally).
 At G = 4 the two differ by sqrt(G / (G - 1)) = 1.155 (population advantages are larger). A group
 of one has std 0 either way and gets advantage 0. Groups of one get leave-one-out advantage 0
-(there is no other sample to compare with). Every estimator gives exactly 0 to a group whose
-rewards are all equal.
+(there is no other sample to compare with). Every group-relative estimator (grpo, dr_grpo,
+leave_one_out) gives exactly 0 to a group whose rewards are all equal.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .config import GROUP_STDS, GroupStd
+from .config import GROUP_STDS, AdvantageConfig, GroupStd
 
 ArrayLike = Any  # np.ndarray | torch.Tensor | sequence
 
@@ -105,15 +118,75 @@ def zero_variance_groups(rewards: ArrayLike, group_ids: ArrayLike) -> ArrayLike:
     return _like(_constant_rows(r, codes, size.size), rewards)
 
 
+def _whitened(x: np.ndarray, weights: np.ndarray | None, eps: float = 1e-8) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps), weighted mean and ddof-1 variance over total weight W (0 when
+    W <= 1: nothing to compare with)."""
+    w = np.ones_like(x) if weights is None else np.asarray(weights, dtype=np.float64).reshape(-1)
+    if w.shape != x.shape:
+        raise ValueError(f"token_counts has {w.shape[0]} rows, rewards have {x.shape[0]}")
+    total = w.sum()
+    if total <= 1.0:
+        return np.zeros_like(x)
+    mean = (w * x).sum() / total
+    var = (w * (x - mean) ** 2).sum() / (total - 1.0)
+    return (x - mean) / np.sqrt(var + eps)
+
+
+def reinforce_plus_plus(rewards: ArrayLike, group_ids: ArrayLike, *,
+                        token_counts: ArrayLike | None = None) -> ArrayLike:
+    """REINFORCE++: rewards whitened over the batch (module docstring); `group_ids` only for the
+    shared signature. `token_counts` [N]: loss tokens per trajectory (veRL's token weighting)."""
+    r, _, _, _ = _group_stats(rewards, group_ids)
+    weights = None if token_counts is None else _to_numpy(token_counts)
+    return _like(_whitened(r, weights).astype(np.float32), rewards)
+
+
+def reinforce_plus_plus_baseline(rewards: ArrayLike, group_ids: ArrayLike, *,
+                                 token_counts: ArrayLike | None = None) -> ArrayLike:
+    """REINFORCE++-baseline: r - group mean (a group of one: 0 subtracted), whitened over the batch."""
+    r, codes, size, total = _group_stats(rewards, group_ids)
+    baseline = np.where(size > 1, total / size, 0.0)[codes]
+    weights = None if token_counts is None else _to_numpy(token_counts)
+    return _like(_whitened(r - baseline, weights).astype(np.float32), rewards)
+
+
+def overlong_penalty(lengths: ArrayLike, max_tokens: int, buffer: int, penalty: float = 1.0) -> np.ndarray:
+    """DAPO's soft overlong punishment R_len [N] (float64, <= 0) for response lengths [N]."""
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"overlong_penalty: need 0 < buffer <= max_tokens, got {buffer} and {max_tokens}")
+    excess = _to_numpy(lengths).astype(np.float64).reshape(-1) - (max_tokens - buffer)
+    return -penalty * np.clip(excess / buffer, 0.0, 1.0)
+
+
 ESTIMATORS: dict[str, Callable[..., ArrayLike]] = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,
     "leave_one_out": leave_one_out,
+    "reinforce_plus_plus": reinforce_plus_plus,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
 }
 
 
 def group_advantages(estimator: str, rewards: ArrayLike, group_ids: ArrayLike, **kwargs) -> ArrayLike:
-    """Dispatch by name: "grpo" | "dr_grpo" | "leave_one_out" (kwargs go to the estimator)."""
+    """Dispatch by name (ESTIMATORS; kwargs go to the estimator)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {list(ESTIMATORS)}")
     return ESTIMATORS[estimator](rewards, group_ids, **kwargs)
+
+
+def compute_advantages(config: AdvantageConfig, rewards: ArrayLike, group_ids: ArrayLike, *,
+                       lengths: ArrayLike | None = None, token_counts: ArrayLike | None = None) -> ArrayLike:
+    """The advantages `config` asks for: the overlong shaping on the rewards (needs `lengths`,
+    response tokens per row), then the estimator (grpo gets `std`, REINFORCE++ `token_counts`)."""
+    if config.overlong_buffer is not None:
+        if lengths is None:
+            raise ValueError("advantage.overlong_buffer needs the response lengths")
+        shaped = _to_numpy(rewards).astype(np.float64).reshape(-1) + overlong_penalty(
+            lengths, config.overlong_max_tokens, config.overlong_buffer, config.overlong_penalty)
+        rewards = _like(shaped, rewards)
+    kwargs: dict[str, Any] = {}
+    if config.estimator == "grpo":
+        kwargs["std"] = config.std
+    elif config.estimator.startswith("reinforce_plus_plus"):
+        kwargs["token_counts"] = token_counts
+    return group_advantages(config.estimator, rewards, group_ids, **kwargs)

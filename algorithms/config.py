@@ -1,5 +1,6 @@
 """The settings of the math, declared once (trajflow/settings.py): the objective (`correction:`),
-the advantage estimator (`advantage:`) and the optimizer (`optimizer:`).
+the advantage estimator (`advantage:`), the KL to a reference model (`kl:`) and the optimizer
+(`optimizer:`).
 
 These dataclasses hold THE defaults: a job config's YAML sections are built from them
 (pipelines/config.py), so `decoupled_loss(..., CorrectionConfig())` in a notebook is exactly the
@@ -10,49 +11,117 @@ config imports no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import typing
 from typing import Literal
 
-from trajflow.settings import check_settings, setting
+from trajflow.settings import check_settings, fail, setting
 
-MaskLevel = Literal["token", "sequence", "none"]
+Loss = Literal["ppo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"]
+MaskLevel = Literal["token", "sequence", "sequence-product", "sequence-any", "none"]
+TisLevel = Literal["token", "sequence"]
 ClipLevel = Literal["token", "sequence", "none"]
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "token-sum-norm"]
-Estimator = Literal["grpo", "dr_grpo", "leave_one_out"]
+Denominator = Literal["kept", "all"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "token-sum-norm", "prompt-mean"]
+Estimator = Literal["grpo", "dr_grpo", "leave_one_out", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 GroupStd = Literal["sample", "population"]
+KLEstimator = Literal["k1", "k2", "k3", "low_var", "abs"]
+Schedule = Literal["constant", "linear", "cosine"]
 
-MASK_LEVELS: tuple[str, ...] = ("token", "sequence", "none")
-CLIP_LEVELS: tuple[str, ...] = ("token", "sequence", "none")
-AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "token-sum-norm")
-ESTIMATOR_NAMES: tuple[str, ...] = ("grpo", "dr_grpo", "leave_one_out")
-GROUP_STDS: tuple[str, ...] = ("sample", "population")
+LOSSES: tuple[str, ...] = typing.get_args(Loss)
+MASK_LEVELS: tuple[str, ...] = typing.get_args(MaskLevel)
+CLIP_LEVELS: tuple[str, ...] = typing.get_args(ClipLevel)
+AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
+ESTIMATOR_NAMES: tuple[str, ...] = typing.get_args(Estimator)
+GROUP_STDS: tuple[str, ...] = typing.get_args(GroupStd)
+KL_ESTIMATORS: tuple[str, ...] = typing.get_args(KLEstimator)
+SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
+
+# Losses whose policy term has a PPO clip (dual clip applies), and those defined per token only.
+_PPO_CLIPPED = ("ppo", "clip_cov")
+_TOKEN_ONLY = ("dppo_tv", "dppo_kl", "kl_cov")
 
 
 @dataclass(frozen=True)
 class CorrectionConfig:
-    """Thresholds of the decoupled objective (algorithms/objective.py has the formula)."""
+    """The decoupled objective (algorithms/objective.py has the formula, algorithms/losses.py the
+    policy term of each `loss`). Settings of one loss are ignored by the others."""
 
+    loss: Loss = setting(
+        "ppo", "the policy term on r_s = pi_theta / pi_old: ppo (clipped surrogate), cispo (MiniMax-M1), "
+        "sapo (soft gate), dppo_tv / dppo_kl (DPPO trust region on probabilities), clip_cov / kl_cov "
+        "(covariance-selected tokens detached / KL-penalised); algorithms/losses.py")
     mask_level: MaskLevel = setting(
-        "sequence", "where the symmetric r_d mask acts: token, sequence (geometric mean of r_d over "
-        "the sequence's loss tokens) or none")
-    mask_c_token: float = setting(2.0, "token mask keeps 1/c <= r_d <= c", ge=1.0)
-    mask_c_seq: float = setting(1.05, "sequence mask keeps 1/c <= exp(mean_t log r_d) <= c", ge=1.0)
+        "sequence", "where the r_d mask acts: token; sequence (geometric mean of r_d over the sequence's "
+        "loss tokens); sequence-product (product of its token ratios); sequence-any (the sequence goes "
+        "when any token is outside the token bounds); none")
+    mask_c_token: float | None = setting(
+        2.0, "token bounds keep r_d <= c and r_d >= 1/c (or >= mask_low_token); null = no upper bound", ge=1.0)
+    mask_low_token: float | None = setting(
+        None, "lower token bound on r_d when it is not 1/mask_c_token (asymmetric, e.g. IcePop's 0.5 "
+        "with c = 5; lower-only with mask_c_token: null); null = 1/mask_c_token", gt=0.0, le=1.0)
+    mask_c_seq: float | None = setting(
+        1.05, "sequence bounds keep the sequence value (geometric mean or product of r_d) <= c and >= 1/c "
+        "(or >= mask_low_seq); null = no upper bound", ge=1.0)
+    mask_low_seq: float | None = setting(
+        None, "lower sequence bound when it is not 1/mask_c_seq; null = 1/mask_c_seq", gt=0.0, le=1.0)
     tis_cap: float | None = setting(
         None, "truncated IS weight min(r_d, C) on kept tokens (TIS); null = off", gt=0.0)
+    tis_level: TisLevel = setting(
+        "token", "the TIS weight per token, or per sequence: min(prod_t r_d, C) on all its tokens")
+    denominator: Denominator = setting(
+        "kept", "what the aggregation counts: kept (tokens kept by the r_d mask) or all (every loss "
+        "token; a masked token adds 0 but is counted, as veRL, TRL, SkyRL and AReaL do)")
+    off_policy_mask: float | None = setting(
+        None, "drop the A < 0 tokens of a sequence whose mean_t log(mu / pi_theta) exceeds this "
+        "(DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); null = off", ge=0.0)
     clip_level: ClipLevel = setting(
-        "token", "the PPO clip on r_s: token, sequence (GSPO-style geometric mean) or none")
-    eps_low: float = setting(0.2, "lower clip bound 1 - eps_low on r_s", ge=0.0, lt=1.0)
-    eps_high: float = setting(0.28, "upper clip bound 1 + eps_high on r_s (DAPO's clip-higher)", ge=0.0)
+        "token", "where r_s is bounded: token, sequence (GSPO-style geometric mean) or none (no bound: "
+        "no clip, no CISPO truncation, no SAPO gate, no DPPO trust region)")
+    eps_low: float = setting(
+        0.2, "lower bound 1 - eps_low on r_s (PPO clip, CISPO truncation); 1 = no lower bound", ge=0.0, le=1.0)
+    eps_high: float = setting(0.28, "upper bound 1 + eps_high on r_s (DAPO's clip-higher)", ge=0.0)
     dual_clip_c: float | None = setting(
-        None, "for A < 0, bound the per-token loss by c |A| (dual clip); null = off", gt=1.0)
+        None, "ppo / clip_cov: for A < 0, bound the per-token loss by c |A| (dual clip); null = off", gt=1.0)
+    sapo_tau_pos: float = setting(1.0, "sapo: gate temperature for A > 0", gt=0.0)
+    sapo_tau_neg: float = setting(1.05, "sapo: gate temperature for A <= 0", gt=0.0)
+    dppo_delta_low: float = setting(
+        0.2, "dppo: for A < 0 a token carries no gradient once its probability fell by more than this "
+        "(dppo_tv) / its binary KL exceeds this while falling (dppo_kl)", gt=0.0)
+    dppo_delta_high: float = setting(
+        0.2, "dppo: the same for A > 0 and a rising probability", gt=0.0)
+    dppo_ratio_cap: float | None = setting(
+        None, "dppo: truncate the (detached) ratio weight at this; null = untruncated", gt=1.0)
+    cov_fraction: float = setting(
+        0.0002, "clip_cov / kl_cov: fraction of the tokens with a policy term (kept, inside the policy-side "
+        "masks) selected by covariance", gt=0.0, le=1.0)
+    clip_cov_low: float = setting(1.0, "clip_cov: candidates have covariance > this")
+    clip_cov_high: float = setting(5.0, "clip_cov: candidates have covariance < this")
+    kl_cov_coef: float = setting(1.0, "kl_cov: coefficient of |log r_s| on the selected tokens", ge=0.0)
+    entropy_coef: float = setting(
+        0.0, "subtract coef x the aggregated per-token entropy (needs the entropy tensor)", ge=0.0)
     aggregation: Aggregation = setting(
-        "token-mean", "token-mean: over kept tokens; seq-mean-token-mean: mean over sequences of "
-        "their token mean; token-sum-norm: sum / (loss_norm_tokens x rows), Dr.GRPO-style")
+        "token-mean", "token-mean: over counted tokens; seq-mean-token-mean: mean over sequences of "
+        "their token mean; token-sum-norm: sum / (loss_norm_tokens x rows), Dr.GRPO-style; "
+        "prompt-mean: mean over prompts of their token mean (SkyRL)")
     loss_norm_tokens: int | None = setting(
         None, "token budget per sequence of token-sum-norm (a job sets max_new_tokens); null = the "
         "batch's padded width", gt=0)
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.mask_c_token is None and self.mask_low_token is None:
+            fail(self, "mask_c_token", "a token mask needs a bound (mask_level: none turns masking off)")
+        if self.mask_c_seq is None and self.mask_low_seq is None:
+            fail(self, "mask_c_seq", "a sequence mask needs a bound (mask_level: none turns masking off)")
+        if self.tis_level == "sequence" and self.tis_cap is None:
+            fail(self, "tis_level", "a sequence-level TIS weight needs tis_cap")
+        if self.dual_clip_c is not None and self.loss not in _PPO_CLIPPED:
+            fail(self, "dual_clip_c", f"the dual clip bounds a PPO clip ({', '.join(_PPO_CLIPPED)}), "
+                                      f"loss is {self.loss}")
+        if self.loss in _TOKEN_ONLY and self.clip_level == "sequence":
+            fail(self, "clip_level", f"loss {self.loss} is defined per token (token or none)")
+        if not self.clip_cov_low < self.clip_cov_high:
+            fail(self, "clip_cov_low", f"must be < clip_cov_high ({self.clip_cov_high})")
 
     @classmethod
     def paper(cls, c_ti: float = 1.003, c_stale: float = 1.004, **overrides) -> "CorrectionConfig":
@@ -74,9 +143,39 @@ class AdvantageConfig:
     """The advantage estimator (algorithms/advantages.py). A job config may give just its name."""
 
     estimator: Estimator = setting(
-        "grpo", "grpo: (r - group mean) / group std; dr_grpo: r - group mean; leave_one_out: RLOO")
+        "grpo", "grpo: (r - group mean) / group std; dr_grpo: r - group mean; leave_one_out: RLOO; "
+        "reinforce_plus_plus: r whitened over the batch; reinforce_plus_plus_baseline: r - group mean, "
+        "then whitened over the batch")
     std: GroupStd = setting(
         "sample", "grpo's std: sample (ddof 1, as veRL and TRL) or population (ddof 0)")
+    overlong_buffer: int | None = setting(
+        None, "DAPO's overlong reward shaping: a response longer than overlong_max_tokens - this loses "
+        "overlong_penalty x (excess / this) of reward before the estimator; null = off", gt=0)
+    overlong_penalty: float = setting(
+        1.0, "the shaping's penalty at the budget (veRL's overlong_buffer.penalty_factor)", gt=0.0)
+    overlong_max_tokens: int | None = setting(
+        None, "L_max of the shaping: the response token budget (a job sets max_new_tokens)", gt=0)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if self.overlong_buffer is not None:
+            if self.overlong_max_tokens is None:
+                fail(self, "overlong_max_tokens", "overlong_buffer needs the response budget")
+            elif self.overlong_buffer > self.overlong_max_tokens:
+                fail(self, "overlong_buffer", f"must be <= overlong_max_tokens ({self.overlong_max_tokens})")
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    """A KL penalty to a frozen reference model (algorithms/kl.py). beta 0 builds no reference."""
+
+    beta: float = setting(0.0, "coefficient of the KL to the reference model; 0 = off", ge=0.0)
+    estimator: KLEstimator = setting(
+        "k3", "per-token estimator of KL(pi_theta || pi_ref): k1 (log ratio), k2 (half its square), k3 "
+        "(exp(-x) - 1 + x), low_var (k3 clamped to [-10, 10], veRL's low_var_kl), abs (|log ratio|)")
+    in_: Literal["loss", "reward"] = setting(
+        "loss", "loss: beta x KL is added to the loss (TRL beta, veRL use_kl_loss); reward: subtracted "
+        "from each trajectory's reward, summed over its tokens (veRL use_kl_in_reward)", key="in")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -95,6 +194,13 @@ class OptimizerConfig:
         1, "optimizer updates per train step (per weight version); must divide the step's rows", ge=1)
     mixed_precision: Literal["no", "bf16"] = setting(
         "no", "bf16: autocast the forward passes of pi_theta and every pi_old (training numerics)")
+    schedule: Schedule = setting(
+        "constant", "learning-rate schedule after the warm-up: constant, linear or cosine decay to "
+        "lr x min_lr_ratio at the last optimizer update (algorithms/schedules.py)")
+    warmup_steps: int = setting(
+        0, "linear warm-up over this many optimizer updates (not train steps: a step makes "
+        "minibatches_per_step updates); 0 = none", ge=0)
+    min_lr_ratio: float = setting(0.0, "linear / cosine: the last update's lr as a fraction of lr", ge=0.0, le=1.0)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -12,9 +12,14 @@ All fractions are over loss tokens (loss_mask true) unless the key says seq.
     clip/low_frac          A < 0 and r_s < 1 - eps_low
     clip/high_frac         A > 0 and r_s > 1 + eps_high
     clip/dual_frac         A < 0 and r_s > dual_clip_c
-    clip/frac              any of the three
-    active_frac            kept, inside the strategy's trust mask and unclipped: the tokens carrying
-                           gradient (the EWMA reset signal)
+    clip/frac              any of the three (their meaning under losses other than ppo:
+                           algorithms/losses.py; cispo: weights truncated, tokens still trained)
+    mask/off_policy_frac   kept tokens dropped by the off-policy sequence mask
+    cov/selected_frac      tokens Clip-Cov detached / KL-Cov penalised
+    active_frac            kept, inside every policy-side mask and carrying the policy term's
+                           gradient (ppo: unclipped): the EWMA reset signal
+    kl/mean                mean per-token KL to the reference model (algorithms/kl.py), when the
+                           loss was given reference log-probs (`reference=True`)
     mismatch/k1            mean(log mu - log pi_old)            } estimators of KL(mu || pi_old) on
     mismatch/k3            mean(rho - 1 - log rho), rho = pi_old/mu }  samples from mu; k3 >= 0
     mismatch/max_abs_log_rd  max |log pi_old - log mu| (0 when old logits are exact and numerics match)
@@ -35,6 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .kl import kl_metrics
 from .objective import LossOutput
 
 
@@ -84,8 +90,10 @@ def correction_diagnostics(
     ewma_age: float | None = None,
     ewma_reset_count: int | None = None,
     advantages: Tensor | None = None,
+    reference: bool = False,
 ) -> dict[str, float]:
-    """Diagnostics of one batch from the loss bookkeeping (see the module docstring for keys)."""
+    """Diagnostics of one batch from the loss bookkeeping (see the module docstring for keys).
+    `reference`: the loss had reference log-probs (report kl/mean from LossOutput.kl)."""
     m = out.loss_mask
     seqs = m.any(dim=-1)
     clipped = out.clipped_low | out.clipped_high | out.dual_clipped
@@ -97,6 +105,8 @@ def correction_diagnostics(
         "clip/high_frac": _frac(out.clipped_high, m),
         "clip/dual_frac": _frac(out.dual_clipped, m),
         "clip/frac": _frac(clipped, m),
+        "mask/off_policy_frac": _frac(out.off_policy_masked, m),
+        "cov/selected_frac": _frac(out.cov_selected, m),
         "active_frac": _frac(out.active, m),
         "mismatch/k1": k1,
         "mismatch/k3": k3,
@@ -105,6 +115,8 @@ def correction_diagnostics(
         "is/ess": effective_sample_size(out.log_rd.exp(), m),
         "loss_tokens": float(m.sum()),
     }
+    if reference:
+        d.update(kl_metrics(out.kl, m))
     if advantages is not None:
         sign = advantages.reshape(-1, *([1] * (m.dim() - 1))).expand_as(m)
         d["mask/kept_frac_pos_adv"] = _frac(out.discrepancy_mask, m & (sign > 0))

@@ -1,4 +1,5 @@
-"""Masked reductions over right-padded [B, T] tensors.
+"""Masked reductions over right-padded [B, T] tensors, and the clamped log-ratio every ratio in
+the objective starts from.
 
 Every reduction selects with `torch.where` instead of multiplying by the mask, so a NaN/inf
 sitting on a padded position can never leak into the value or the gradient (0 * inf = NaN).
@@ -9,6 +10,14 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0  # exp(20) ≈ 4.9e8: finite in float32, squares still finite
+
+
+def log_ratio(numer: Tensor, denom: Tensor) -> Tensor:
+    """numer - denom clamped to ±LOG_RATIO_CLAMP: extreme log-probs give finite ratios and
+    gradients (a clamped token gets no gradient through its ratio)."""
+    return (numer - denom).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

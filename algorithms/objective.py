@@ -1,4 +1,4 @@
-r"""The decoupled off-policy objective: a discrepancy mask on r_d, a PPO clip on r_s.
+r"""The decoupled off-policy objective: a discrepancy mask on r_d, a policy term on r_s.
 
 Per loss token t of sequence i (log-probs of the sampled token; `old` is whatever the chosen
 strategy supplies as pi_old, see proximal.py):
@@ -6,28 +6,53 @@ strategy supplies as pi_old, see proximal.py):
     r_d = exp(old - inference)          training-inference discrepancy  (pi_old^train / mu)
     r_s = exp(current - old)            policy staleness                (pi_theta / pi_old^train)
 
-    L = - agg_t [ M_d · w_d · min( r_s A,  clip(r_s, 1 - eps_low, 1 + eps_high) A ) ]
+    L = - agg_t [ M_d · M_p · w_d · J(r_s, A) ]  +  beta · agg_t KL_t  -  c_H · agg_t H_t
 
-  M_d  keep-mask, symmetric:  token     1/c_tok <= r_d <= c_tok
-                              sequence  1/c_seq <= exp(mean_t log r_d) <= c_seq   (all of seq i)
-                              none      1
-  w_d  min(r_d, C) if tis_cap = C is set, else 1 (truncated IS, detached: a weight, not a path)
-  r_s  token level as above, or sequence level (GSPO-token): value exp(mean_t log r_s) shared by
-       all tokens of the sequence, gradient per token:  s_i · exp(log pi_t - sg(log pi_t));
-       clip level "none": no clip at all (a strategy that bounds the update otherwise, e.g. M2PO)
-  dual clip (optional, A < 0):  max(·, c_dual · A), i.e. the per-token loss is at most c_dual |A|
-  agg  token-mean | seq-mean-token-mean | token-sum-norm over tokens with loss_mask & M_d
-  M_t  optional trust mask from the strategy (M2PO): a kept token outside it contributes 0 and
-       no gradient but stays in the aggregation's denominator, like a clipped token
+  M_d  r_d keep-mask (`mask_level`), bounds [lo, c]: lo = 1/c unless mask_low_* is set (asymmetric;
+       c null = lower-only):
+         token             lo_tok <= r_d <= c_tok per token (IcePop with lo 0.5, c 5)
+         sequence          lo_seq <= exp(mean_t log r_d) <= c_seq            (all of seq i)
+         sequence-product  lo_seq <= exp(sum_t log r_d)  <= c_seq            (all of seq i)
+         sequence-any      seq i goes when any of its tokens breaks the token bounds (veRL's veto
+                           with a lower-only bound, its seq_max_k* with a band)
+         none              1
+  w_d  1, or the truncated IS weight (`tis_cap` C, detached: a weight, not a path):
+         tis_level token     min(r_d, C) per token
+         tis_level sequence  min(prod_t r_d, C) on all tokens of seq i (product of token ratios)
+  M_p  policy-side masks, which keep a token in the denominator with zero contribution and no
+       gradient: the strategy's trust mask (M2PO), the off-policy sequence mask (`off_policy_mask`
+       delta: a token with A < 0 in a sequence with mean_t log(mu / pi_theta) > delta; DeepSeek-V3.2,
+       TRL), and Clip-Cov's covariance selection
+  J    the loss's policy term on r_s (algorithms/losses.py: ppo, cispo, sapo, dppo_tv, dppo_kl,
+       clip_cov, kl_cov). r_s is per token, or at clip_level "sequence" (GSPO-token) the value
+       exp(mean_t log r_s) shared by the sequence's tokens with a per-token gradient:
+       s_i · exp(log pi_t - sg(log pi_t)); clip_level "none" removes the loss's bound on r_s
+  KL   optional, given reference log-probs: per-token estimator of KL(pi_theta || pi_ref)
+       (algorithms/kl.py), `kl.beta` x its aggregate added (KLConfig.in_ = "loss")
+  H    optional, given per-token entropies: `entropy_coef` x their aggregate subtracted
+  agg  over the counted tokens with the aggregation's weights (one set of weights for all terms):
+         counted     `denominator` kept: tokens kept by M_d;  all: every loss token (an M_d-dropped
+                     token adds 0 and is counted, as veRL/TRL/SkyRL/AReaL average IcePop/TIS masks)
+         token-mean  / number of counted tokens
+         seq-mean-token-mean   per sequence / its counted tokens, then / sequences with one
+         token-sum-norm        / (loss_norm_tokens x rows)  (Dr.GRPO)
+         prompt-mean           per prompt / its counted tokens, then / prompts with one (SkyRL)
 
 The paper's runs bound both factors at sequence level with [1/c, c]:
 `CorrectionConfig.paper(c_ti=1.003, c_stale=1.004)` gives M_d on the geometric mean with
 c_seq = c_ti, and the sequence-level clip with eps_low = 1 - 1/c_stale, eps_high = c_stale - 1.
 
-Gradient flows only through `current_logprobs`. Masked tokens (loss_mask false, or dropped by
-M_d) contribute exactly zero gradient. Log-ratios are clamped to ±LOG_RATIO_CLAMP before exp, so
-extreme log-probs (-1e4 vs 0) give finite values and gradients; a clamped token gets no gradient
-through its ratio (it would be clipped or masked at any sane threshold anyway).
+Data parallel: every aggregation's count is a sum over rows (loss_denominator), so shards of a
+batch given the global count (`denominator=`) add up to the whole batch's loss and gradient. Two
+statistics are not per row: prompt-mean's per-prompt counts (`group_counts`, prompt_token_counts)
+and Clip-Cov / KL-Cov's selection (`cov_selected`, losses.covariance_selection); compute them on
+the whole update (e.g. decoupled_loss on it without gradient) and hand each shard its rows.
+
+Gradient flows only through `current_logprobs` (and `entropy`, when given). Masked tokens
+(loss_mask false, dropped by M_d, outside a policy-side mask) contribute exactly zero gradient to
+the policy term. Log-ratios are clamped to ±LOG_RATIO_CLAMP before exp, so extreme log-probs
+(-1e4 vs 0) give finite values and gradients; a clamped token gets no gradient through its ratio
+(it would be clipped or masked at any sane threshold anyway).
 """
 
 from __future__ import annotations
@@ -38,99 +63,194 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .config import AGGREGATIONS, CLIP_LEVELS, MASK_LEVELS, CorrectionConfig
-from .masked import broadcast_to_tokens, masked_mean
+from .config import AGGREGATIONS, CLIP_LEVELS, LOSSES, MASK_LEVELS, CorrectionConfig, KLConfig
+from .kl import kl_estimate
+from .losses import (PolicyTerm, cispo_term, covariance_selection, dppo_term, dppo_trust_region, kl_cov_term,
+                     ppo_term, sapo_term)
+from .masked import LOG_RATIO_CLAMP, broadcast_to_tokens, log_ratio, masked_mean, masked_sum
 
-__all__ = ["AGGREGATIONS", "CLIP_LEVELS", "LOG_RATIO_CLAMP", "MASK_LEVELS", "CorrectionConfig", "LossOutput",
-           "aggregation_weights", "decoupled_loss", "discrepancy_mask", "loss_denominator"]
-
-LOG_RATIO_CLAMP = 20.0  # exp(20) ≈ 4.9e8: finite in float32, squares still finite
+__all__ = ["AGGREGATIONS", "CLIP_LEVELS", "LOG_RATIO_CLAMP", "LOSSES", "MASK_LEVELS", "CorrectionConfig",
+           "LossOutput", "aggregation_weights", "decoupled_loss", "discrepancy_mask", "discrepancy_weights",
+           "loss_denominator", "off_policy_sequence_mask", "prompt_token_counts"]
 
 
 @dataclass
 class LossOutput:
     """The loss and the per-token bookkeeping diagnostics need. All [B, T] tensors are detached.
+    What `clipped_*`, `dual_clipped` and `active` mean under each loss: algorithms/losses.py.
 
-    loss              scalar; gradient flows to current_logprobs only
+    loss              scalar; gradient flows to current_logprobs (and entropy) only
     loss_mask         [B, T] bool, as given
     discrepancy_mask  [B, T] bool, loss tokens kept by the r_d mask (M_d & loss_mask)
-    clipped_low       [B, T] bool, loss tokens with A < 0 and r_s < 1 - eps_low (no gradient)
-    clipped_high      [B, T] bool, loss tokens with A > 0 and r_s > 1 + eps_high (no gradient)
-    dual_clipped      [B, T] bool, loss tokens with A < 0 and r_s > dual_clip_c (no gradient)
+    counted           [B, T] bool, the tokens the aggregation counts: discrepancy_mask
+                      (denominator "kept") or loss_mask ("all"); loss_denominator(counted, ...)
+    clipped_low       [B, T] bool, ppo: loss tokens with A < 0 and r_s < 1 - eps_low (no gradient)
+    clipped_high      [B, T] bool, ppo: loss tokens with A > 0 and r_s > 1 + eps_high (no gradient)
+    dual_clipped      [B, T] bool, ppo: loss tokens with A < 0 and r_s > dual_clip_c (no gradient)
     trust_masked      [B, T] bool, loss tokens kept by the r_d mask but outside the strategy's
                       trust mask (no gradient, zero contribution, still in the denominator)
-    active            [B, T] bool, kept by the mask, inside the trust mask and not clipped: the
-                      tokens that carry gradient
+    off_policy_masked [B, T] bool, kept tokens the off-policy sequence mask drops (the same)
+    cov_selected      [B, T] bool, clip_cov: tokens detached (the same); kl_cov: tokens penalised
+    active            [B, T] bool, kept, inside every policy-side mask and carrying the policy
+                      term's gradient (ppo: not clipped)
     log_rd            [B, T] clamped log r_d (0 off loss tokens)
-    log_rs            [B, T] clamped log r_s as the clip saw it (the sequence value if
+    log_rs            [B, T] clamped log r_s as the policy term saw it (the sequence value if
                       clip_level="sequence"; 0 off loss tokens)
     log_rs_token      [B, T] clamped per-token log r_s = current - old (0 off loss tokens)
     is_weights        [B, T] w_d (1 without TIS)
-    token_weights     [B, T] aggregation weight of each token (0 off kept tokens), so that
-                      loss = -sum(token_weights · w_d · min(...))
+    token_weights     [B, T] aggregation weight of each token (0 off counted tokens), so that
+                      loss = -sum(token_weights · w_d · J) (+ the KL and entropy terms)
+    kl                [B, T] per-token KL estimate to the reference (0 without reference
+                      log-probs, and off loss tokens)
     """
 
     loss: Tensor
     loss_mask: Tensor
     discrepancy_mask: Tensor
+    counted: Tensor
     clipped_low: Tensor
     clipped_high: Tensor
     dual_clipped: Tensor
     trust_masked: Tensor
+    off_policy_masked: Tensor
+    cov_selected: Tensor
     active: Tensor
     log_rd: Tensor
     log_rs: Tensor
     log_rs_token: Tensor
     is_weights: Tensor
     token_weights: Tensor
+    kl: Tensor
 
 
-def _log_ratio(numer: Tensor, denom: Tensor) -> Tensor:
-    return (numer - denom).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+def _log_bounds(c: float | None, low: float | None) -> tuple[float, float]:
+    """[lo, c] as log bounds: lo = 1/c unless `low` is given; c None = no upper bound."""
+    hi = math.inf if c is None else math.log(c)
+    return (math.log(low) if low is not None else -hi), hi
 
 
 def discrepancy_mask(log_rd: Tensor, loss_mask: Tensor, config: CorrectionConfig) -> Tensor:
-    """M_d & loss_mask, [B, T] bool. 1/c <= r_d <= c is tested as |log r_d| <= log c."""
+    """M_d & loss_mask, [B, T] bool (module docstring). lo <= r_d <= c is tested on log r_d."""
     if config.mask_level == "none":
         return loss_mask.clone()
-    if config.mask_level == "token":
-        keep = log_rd.abs() <= math.log(config.mask_c_token)
-    else:  # sequence: geometric mean of r_d over the sequence's loss tokens
-        seq_log_rd = masked_mean(log_rd, loss_mask, dim=-1)
-        keep = (seq_log_rd.abs() <= math.log(config.mask_c_seq))[:, None].expand_as(loss_mask)
+    if config.mask_level in ("token", "sequence-any"):
+        lo, hi = _log_bounds(config.mask_c_token, config.mask_low_token)
+        keep = (log_rd >= lo) & (log_rd <= hi)
+        if config.mask_level == "sequence-any":
+            keep = (keep | ~loss_mask).all(dim=-1, keepdim=True).expand_as(loss_mask)
+    else:  # the sequence's value: geometric mean or product of r_d over its loss tokens
+        lo, hi = _log_bounds(config.mask_c_seq, config.mask_low_seq)
+        reduce = masked_mean if config.mask_level == "sequence" else masked_sum
+        seq = reduce(log_rd, loss_mask, dim=-1)
+        keep = ((seq >= lo) & (seq <= hi))[:, None].expand_as(loss_mask)
     return keep & loss_mask
 
 
-def loss_denominator(keep: Tensor, config: CorrectionConfig) -> Tensor:
+def discrepancy_weights(log_rd: Tensor, loss_mask: Tensor, config: CorrectionConfig) -> Tensor:
+    """w_d [B, T], detached: 1, min(r_d, C) per token or min(prod_t r_d, C) per sequence."""
+    if config.tis_cap is None:
+        return torch.ones_like(log_rd)
+    if config.tis_level == "token":
+        return log_rd.exp().clamp(max=config.tis_cap)
+    seq = masked_sum(log_rd, loss_mask, dim=-1).clamp(-LOG_RATIO_CLAMP, math.log(config.tis_cap))
+    return seq.exp()[:, None].expand_as(log_rd).clone()
+
+
+def off_policy_sequence_mask(log_rd: Tensor, log_rs: Tensor, advantages: Tensor, loss_mask: Tensor,
+                             delta: float) -> Tensor:
+    """bool [B, T]: loss tokens the off-policy sequence mask drops: A < 0 and
+    mean_t log(mu / pi_theta) = -mean_t (log r_d + log r_s) > delta over the sequence's loss tokens.
+
+    DeepSeek-V3.2 (arXiv 2512.02556, eq. 9); TRL `off_policy_mask_threshold`, which measures
+    against the sampling (inference) log-probs as here: the whole drift from mu, numerics and
+    staleness. `log_rs` per token."""
+    drift = -masked_mean(log_rd + log_rs.detach(), loss_mask, dim=-1)
+    return loss_mask & (advantages < 0) & (drift > delta)[:, None]
+
+
+def prompt_token_counts(counted: Tensor, groups: Tensor) -> Tensor:
+    """float [B]: the number of counted tokens of each row's prompt (rows with equal `groups`
+    codes, [B] integers). On the whole update, this is prompt-mean's `group_counts`."""
+    per_row = counted.sum(dim=-1).double()
+    prompts, codes = torch.unique(groups, return_inverse=True)
+    totals = torch.zeros(len(prompts), dtype=torch.float64, device=per_row.device).index_add_(0, codes, per_row)
+    return totals[codes]
+
+
+def loss_denominator(counted: Tensor, config: CorrectionConfig, group_counts: Tensor | None = None) -> Tensor:
     """What the aggregation divides by, counted on this batch (a float scalar, not clamped).
 
-    token-mean: kept tokens; seq-mean-token-mean: sequences with a kept token; token-sum-norm:
-    loss_norm_tokens x rows. Every one is a sum over rows, so the count of a batch split into
-    shards (workers, micro-batches) is the sum of the shards' counts: pass that global count as
-    `denominator` and the shards' losses add up to the loss of the whole batch.
+    `counted`: LossOutput.counted. token-mean: counted tokens; seq-mean-token-mean: sequences with
+    a counted token; token-sum-norm: loss_norm_tokens x rows; prompt-mean: sum over rows of
+    (row's counted tokens / its prompt's, `group_counts`), i.e. the prompts with a counted token.
+    Every one is a sum over rows, so the count of a batch split into shards (workers,
+    micro-batches) is the sum of the shards' counts: pass that global count as `denominator` and
+    the shards' losses add up to the loss of the whole batch.
     """
-    keep_f = keep.float()
+    counted_f = counted.float()
     if config.aggregation == "token-mean":
-        return keep_f.sum()
+        return counted_f.sum()
     if config.aggregation == "seq-mean-token-mean":
-        return (keep_f.sum(dim=-1) > 0).float().sum()
-    batch, width = keep.shape
+        return (counted_f.sum(dim=-1) > 0).float().sum()
+    if config.aggregation == "prompt-mean":
+        if group_counts is None:
+            raise ValueError("loss_denominator: aggregation prompt-mean needs group_counts (prompt_token_counts)")
+        per_row = counted.sum(dim=-1).double()
+        return (per_row / group_counts.double().clamp(min=1.0)).sum().float()
+    batch, width = counted.shape
     norm_tokens = config.loss_norm_tokens if config.loss_norm_tokens is not None else width
     return torch.tensor(float(norm_tokens * batch))
 
 
-def aggregation_weights(keep: Tensor, config: CorrectionConfig, denominator: float | Tensor | None = None) -> Tensor:
-    """Constant per-token weights [B, T] (zero off `keep`) that turn per-token losses into one scalar.
+def aggregation_weights(counted: Tensor, config: CorrectionConfig, denominator: float | Tensor | None = None,
+                        group_counts: Tensor | None = None) -> Tensor:
+    """Constant per-token weights [B, T] (zero off `counted`) that turn per-token losses into one scalar.
 
-    `denominator`: the aggregation's count over the whole batch when `keep` is one shard of it
-    (see loss_denominator); None: this batch's own count."""
-    keep_f = keep.float()
+    `denominator`: the aggregation's count over the whole batch when `counted` is one shard of it
+    (see loss_denominator); None: this batch's own count. `group_counts`: prompt-mean's per-row
+    prompt counts (prompt_token_counts, over the whole batch when this is a shard)."""
+    counted_f = counted.float()
     if denominator is None:
-        denominator = loss_denominator(keep, config)
-    denominator = torch.as_tensor(denominator, dtype=keep_f.dtype).clamp(min=1.0)
+        denominator = loss_denominator(counted, config, group_counts)
+    denominator = torch.as_tensor(denominator, dtype=counted_f.dtype).clamp(min=1.0)
     if config.aggregation == "seq-mean-token-mean":
-        return keep_f / keep_f.sum(dim=-1, keepdim=True).clamp(min=1.0) / denominator
-    return keep_f / denominator
+        return counted_f / counted_f.sum(dim=-1, keepdim=True).clamp(min=1.0) / denominator
+    if config.aggregation == "prompt-mean":
+        return counted_f / group_counts.to(counted_f.dtype).clamp(min=1.0)[:, None] / denominator
+    return counted_f / denominator
+
+
+def _policy_term(config: CorrectionConfig, log_rs: Tensor, cur: Tensor, old: Tensor, adv: Tensor, m: Tensor,
+                 policy: Tensor, cov_selected: Tensor | None) -> tuple[PolicyTerm, Tensor]:
+    """(J and its flags, the covariance selection) for config.loss; `policy`: the tokens that
+    carry a policy term before the covariance selection."""
+    none = torch.zeros_like(m)
+    if config.loss in ("ppo", "clip_cov"):
+        term = ppo_term(log_rs, adv, m, config)
+        if config.loss == "clip_cov":
+            if cov_selected is None:
+                cov_selected = covariance_selection(cur, adv, policy, config, eligible=~term.no_grad)
+            return term, cov_selected & policy
+        return term, none
+    if config.loss == "cispo":
+        return cispo_term(log_rs, adv, m, config), none
+    if config.loss == "sapo":
+        return sapo_term(log_rs, adv, m, config), none
+    if config.loss in ("dppo_tv", "dppo_kl"):
+        return dppo_term(log_rs, adv, m, config, dppo_trust_region(cur, old, adv, config)), none
+    if cov_selected is None:  # kl_cov
+        cov_selected = covariance_selection(cur, adv, policy, config)
+    cov_selected = cov_selected & policy
+    return kl_cov_term(log_rs, adv, m, config, cov_selected), cov_selected
+
+
+def _check_mask(name: str, t: Tensor | None, like: Tensor) -> None:
+    if t is None:
+        return
+    if t.dtype != torch.bool:
+        raise TypeError(f"{name} must be bool, got {t.dtype}")
+    if t.shape != like.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, loss_mask has {tuple(like.shape)}")
 
 
 def decoupled_loss(
@@ -142,6 +262,13 @@ def decoupled_loss(
     config: CorrectionConfig = CorrectionConfig(),
     trust_mask: Tensor | None = None,
     denominator: float | Tensor | None = None,
+    *,
+    reference_logprobs: Tensor | None = None,
+    kl: KLConfig = KLConfig(),
+    entropy: Tensor | None = None,
+    groups: Tensor | None = None,
+    group_counts: Tensor | None = None,
+    cov_selected: Tensor | None = None,
 ) -> LossOutput:
     """The decoupled objective of the module docstring.
 
@@ -151,20 +278,33 @@ def decoupled_loss(
     whole batch when these rows are a shard of it (loss_denominator summed over the shards);
     None: this batch's own count. Data-parallel workers and micro-batches pass the global one.
 
+    reference_logprobs [B, T]: pi_ref of the sampled tokens; adds kl.beta x the aggregated
+    estimator `kl.estimator` (kl.in_ must be "loss"). entropy [B, T]: per-token entropy of
+    pi_theta (with grad), required when config.entropy_coef > 0. groups [B] integers: prompt of
+    each row (prompt-mean); group_counts [B]: each row's prompt count over the whole batch
+    (default: prompt_token_counts on these rows). cov_selected [B, T] bool: Clip-Cov / KL-Cov's
+    selection over the whole batch (default: covariance_selection on these rows).
+
     Every loss token must have finite log-probs: a token the sampling filter excludes under
     training numerics (-inf) is taken out of `loss_mask` by the caller and counted there.
     """
     if loss_mask.dtype != torch.bool:
         raise TypeError(f"loss_mask must be bool, got {loss_mask.dtype}")
     named = [("current_logprobs", current_logprobs), ("old_logprobs", old_logprobs),
-             ("inference_logprobs", inference_logprobs)]
-    if trust_mask is not None:
-        if trust_mask.dtype != torch.bool:
-            raise TypeError(f"trust_mask must be bool, got {trust_mask.dtype}")
-        named.append(("trust_mask", trust_mask))
+             ("inference_logprobs", inference_logprobs), ("reference_logprobs", reference_logprobs),
+             ("entropy", entropy)]
     for name, t in named:
-        if t.shape != loss_mask.shape:
+        if t is not None and t.shape != loss_mask.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, loss_mask has {tuple(loss_mask.shape)}")
+    _check_mask("trust_mask", trust_mask, loss_mask)
+    _check_mask("cov_selected", cov_selected, loss_mask)
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError("CorrectionConfig.entropy_coef > 0 needs the per-token `entropy`")
+    if reference_logprobs is not None and kl.in_ != "loss":
+        raise ValueError("reference_logprobs given to the loss, but KLConfig.in_ is 'reward' "
+                         "(the KL is in the reward: kl_penalized_rewards)")
+    if config.aggregation == "prompt-mean" and groups is None and group_counts is None:
+        raise ValueError("CorrectionConfig.aggregation prompt-mean needs `groups` (the prompt of each row)")
     m = loss_mask
     zero = torch.zeros((), dtype=current_logprobs.dtype, device=current_logprobs.device)
 
@@ -175,61 +315,65 @@ def decoupled_loss(
     inf = torch.where(m, inference_logprobs.detach().to(cur.dtype), zero)
     adv = torch.where(m, broadcast_to_tokens(advantages.detach().to(cur.dtype), m), zero)
 
-    # Discrepancy factor r_d: a mask (and optionally a detached truncated IS weight).
-    log_rd = _log_ratio(old, inf)
+    # Discrepancy factor r_d: a mask and a detached weight.
+    log_rd = log_ratio(old, inf)
     keep = discrepancy_mask(log_rd, m, config)
-    if config.tis_cap is not None:
-        w_d = log_rd.exp().clamp(max=config.tis_cap)
-    else:
-        w_d = torch.ones_like(log_rd)
+    w_d = discrepancy_weights(log_rd, m, config)
 
     # Staleness factor r_s. At sequence level the value is the geometric mean over the loss
     # tokens (r_s compares training numerics with training numerics, so a token dropped by the
     # r_d mask still measures drift) and each token keeps its own gradient path: x - sg(x) is
     # exactly 0 in value, 1 in gradient (GSPO-token).
-    log_rs_tok = _log_ratio(cur, old)
+    log_rs_tok = log_ratio(cur, old)
     if config.clip_level in ("token", "none"):
         log_rs = log_rs_tok
     else:
         seq = masked_mean(log_rs_tok.detach(), m, dim=-1)
         log_rs = seq[:, None] + (log_rs_tok - log_rs_tok.detach())
-    r_s = log_rs.exp()
 
-    # min(r A, clip(r) A) picks the clipped constant exactly when A > 0, r > 1 + eps_high or
-    # A < 0, r < 1 - eps_low. Selecting those cases explicitly gives the same value and makes the
-    # gradient-carrying set exactly `active` (no split gradient at a floating-point tie).
-    lo, hi = 1.0 - config.eps_low, 1.0 + config.eps_high
-    r_val = r_s.detach()
-    clipping = config.clip_level != "none"
-    clipped_high = m & (adv > 0) & (r_val > hi) & clipping
-    clipped_low = m & (adv < 0) & (r_val < lo) & clipping
-    pg = torch.where(clipped_low | clipped_high, r_val.clamp(lo, hi) * adv, r_s * adv)
-    if config.dual_clip_c is not None:  # A < 0 and r > c: r A < c A, so max(., c A) = c A
-        dual_clipped = m & (adv < 0) & (r_val > config.dual_clip_c)
-        pg = torch.where(dual_clipped, config.dual_clip_c * adv, pg)
-    else:
-        dual_clipped = torch.zeros_like(m)
-
-    # The trust mask narrows what carries gradient, not the denominator (M2PO's objective divides
-    # by all loss tokens).
-    weights = aggregation_weights(keep, config, denominator)
+    # Policy-side masks narrow what carries the policy term, not the denominator (M2PO's
+    # objective divides by all loss tokens; TRL keeps off-policy-masked tokens in its count).
     trusted = keep if trust_mask is None else keep & trust_mask
-    per_token = torch.where(trusted, -w_d * pg, zero)
-    loss = (per_token * weights).sum()
+    if config.off_policy_mask is not None:
+        dropped = off_policy_sequence_mask(log_rd, log_rs_tok, adv, m, config.off_policy_mask)
+    else:
+        dropped = torch.zeros_like(m)
+    policy = trusted & ~dropped
+    term, selected = _policy_term(config, log_rs, cur, old, adv, m, policy, cov_selected)
+    if config.loss == "clip_cov":
+        policy = policy & ~selected
 
-    active = trusted & ~(clipped_low | clipped_high | dual_clipped)
+    counted = keep if config.denominator == "kept" else m.clone()
+    if config.aggregation == "prompt-mean" and group_counts is None:
+        group_counts = prompt_token_counts(counted, groups)
+    weights = aggregation_weights(counted, config, denominator, group_counts)
+    per_token = torch.where(policy, -w_d * term.value, zero)
+    loss = (per_token * weights).sum()
+    if reference_logprobs is not None:
+        ref = torch.where(m, reference_logprobs.detach().to(cur.dtype), zero)
+        kl_tokens = torch.where(m, kl_estimate(cur, ref, kl.estimator), zero)
+        loss = loss + kl.beta * (kl_tokens * weights).sum()
+    else:
+        kl_tokens = torch.zeros_like(cur)
+    if config.entropy_coef > 0:
+        loss = loss - config.entropy_coef * (torch.where(m, entropy, zero) * weights).sum()
+
     return LossOutput(
         loss=loss,
         loss_mask=m,
         discrepancy_mask=keep,
-        clipped_low=clipped_low,
-        clipped_high=clipped_high,
-        dual_clipped=dual_clipped,
+        counted=counted,
+        clipped_low=term.clipped_low,
+        clipped_high=term.clipped_high,
+        dual_clipped=term.dual_clipped,
         trust_masked=keep & ~trusted,
-        active=active,
+        off_policy_masked=trusted & dropped,
+        cov_selected=selected,
+        active=policy & ~term.no_grad,
         log_rd=log_rd,
         log_rs=torch.where(m, log_rs.detach(), zero),
         log_rs_token=torch.where(m, log_rs_tok.detach(), zero),
         is_weights=w_d,
         token_weights=weights,
+        kl=kl_tokens.detach(),
     )

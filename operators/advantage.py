@@ -1,8 +1,11 @@
-"""Advantage: group-relative advantages from rewards (Ray Data task, Arrow in and out).
+"""Advantage: advantages from rewards (Ray Data task, Arrow in and out), as one AdvantageConfig
+says (algorithms/advantages.py: the estimators, DAPO's overlong shaping).
 
 A group's samples travel in one batch (the generator emits a whole step per block and the
-pipeline keeps step-sized batches), so group statistics are complete. `std` applies to GRPO:
-"sample" (veRL's and TRL's convention, the default) or "population" (algorithms/advantages.py).
+pipeline keeps step-sized batches), so group statistics, and REINFORCE++'s batch statistics,
+are complete. The shaping reads each row's response length (`response_tokens`); REINFORCE++
+weighs each row by its loss tokens (`loss_mask`), as veRL whitens per token. The `reward` column
+keeps the task's reward: shaping changes only the advantage.
 """
 
 from __future__ import annotations
@@ -10,25 +13,28 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from trajflow.algorithms.advantages import group_advantages
+from trajflow.algorithms.advantages import compute_advantages
 from trajflow.algorithms.config import AdvantageConfig
-from trajflow.operators.columns import group_codes, replace_column
+from trajflow.operators.columns import group_codes, list_values, replace_column
 
 
 class Advantage:
     def __init__(self, config: AdvantageConfig) -> None:
-        self.estimator = config.estimator
-        self.kwargs = {"std": config.std} if config.estimator == "grpo" else {}
+        if not isinstance(config, AdvantageConfig):
+            raise TypeError(f"Advantage takes an AdvantageConfig, got {type(config).__name__}")
+        self.config = config
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rewards = batch["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
-        scored = np.isfinite(rewards)  # a row whose reward failed (null) has no advantage, and
-        if scored.all():               # its group's statistics come from the other samples
-            adv = group_advantages(self.estimator, rewards, group_codes(batch), **self.kwargs)
-            adv = np.asarray(adv, np.float32)
-            return replace_column(batch, "advantage", pa.array(adv, pa.float32()))
+        groups = group_codes(batch)
+        lengths = np.diff(list_values(batch["response_tokens"])[1])
+        mask, offsets = list_values(batch["loss_mask"])
+        token_counts = np.diff(np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])[offsets])
+        # A row whose reward failed (null) has no advantage, and its group's statistics come from
+        # the other samples.
+        scored = np.isfinite(rewards)
         adv = np.zeros(len(rewards), np.float32)
         if scored.any():
-            adv[scored] = group_advantages(self.estimator, rewards[scored], group_codes(batch)[scored],
-                                           **self.kwargs)
-        return replace_column(batch, "advantage", pa.array(adv, pa.float32(), mask=~scored))
+            adv[scored] = compute_advantages(self.config, rewards[scored], groups[scored], lengths=lengths[scored],
+                                     token_counts=token_counts[scored])
+        return replace_column(batch, "advantage", pa.array(adv, pa.float32(), mask=None if scored.all() else ~scored))

@@ -1,12 +1,18 @@
-"""Group-relative advantages, hand-computed, plus invariants on random groups."""
+"""Advantages, hand-computed and against veRL's formula, plus invariants on random groups; DAPO's
+overlong shaping; the Advantage operator."""
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajflow.algorithms import dr_grpo, group_advantages, grpo, leave_one_out, zero_variance_groups
+from trajflow.algorithms import (ESTIMATORS, AdvantageConfig, compute_advantages, dr_grpo, group_advantages, grpo,
+                                 leave_one_out, overlong_penalty, reinforce_plus_plus, reinforce_plus_plus_baseline,
+                                 zero_variance_groups)
+from trajflow.algorithms.config import ESTIMATOR_NAMES
+from trajflow.operators.advantage import Advantage
 
 # group a: [1, 0, 0, 1] (mean 0.5, population std 0.5); b: [1, 1] (no variance); c: [0.5] (alone).
 # Rows interleaved on purpose: grouping is by label, not by position.
@@ -91,3 +97,105 @@ def test_invariants_on_random_groups(data):
         if zero_var[sel].all():
             assert np.all(normed[sel] == 0.0)
         assert zero_var[sel].all() == (np.ptp(r[sel]) == 0)
+
+
+# ---- REINFORCE++ and its baseline variant ---------------------------------------------------------
+
+def verl_masked_whiten(scores: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """veRL's outcome estimators in float64: each row's score repeated over its response tokens
+    (gamma 1), then (x - mean) / sqrt(var + 1e-8) over all tokens, var with Bessel's N / (N - 1)."""
+    tokens = np.repeat(scores, lengths)
+    mean = tokens.mean()
+    var = ((tokens - mean) ** 2).mean() * len(tokens) / (len(tokens) - 1)
+    return (scores - mean) / np.sqrt(var + 1e-8)
+
+
+def test_reinforce_plus_plus_by_hand():
+    # rewards [1, 0, 1], one token each: mean 2/3, sample var 1/3 -> [1/3, -2/3, 1/3] / sqrt(1/3)
+    adv = reinforce_plus_plus(np.array([1.0, 0.0, 1.0]), np.array([0, 0, 1]))
+    assert np.allclose(adv, np.array([1, -2, 1]) / 3 / np.sqrt(1 / 3 + 1e-8), atol=1e-6)
+    # token weights [2, 1, 0]: mean (2 + 0) / 3, var (2/9 + 4/9) / 2; the empty row does not count
+    adv = reinforce_plus_plus(np.array([1.0, 0.0, 1.0]), np.array([0, 0, 1]), token_counts=np.array([2, 1, 0]))
+    assert np.allclose(adv, np.array([1, -2, 1]) / 3 / np.sqrt(1 / 3 + 1e-8), atol=1e-6)
+    assert np.all(reinforce_plus_plus(np.array([3.0]), np.array([0])) == 0.0)  # nothing to compare with
+
+
+def test_reinforce_plus_plus_baseline_matches_verl():
+    # REWARDS/GROUPS above; veRL: a group of one keeps its score (baseline 0), then token whitening
+    lengths = np.array([3, 1, 2, 5, 4, 1, 2])
+    scores = REWARDS - np.array([0.5, 1.0, 0.5, 0.0, 0.5, 1.0, 0.5])  # group means; c alone: 0
+    adv = reinforce_plus_plus_baseline(REWARDS, GROUPS, token_counts=lengths)
+    assert np.allclose(adv, verl_masked_whiten(scores, lengths), atol=1e-6)
+    adv = reinforce_plus_plus(REWARDS, GROUPS, token_counts=lengths)
+    assert np.allclose(adv, verl_masked_whiten(REWARDS, lengths), atol=1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(groups_and_rewards, st.data())
+def test_reinforce_plus_plus_is_whitened(data, draw):
+    r, g = np.array(data[0]), np.array(data[1])
+    counts = np.array(draw.draw(st.lists(st.integers(1, 5), min_size=len(r), max_size=len(r))))
+    adv = reinforce_plus_plus(r, g, token_counts=counts).astype(np.float64)
+    assert abs((counts * adv).sum()) < 1e-3 * counts.sum()  # token-weighted mean 0
+    if counts.sum() > 1 and np.ptp(r) > 1e-2:  # unit token-weighted sample variance
+        var = (counts * adv**2).sum() / (counts.sum() - 1)
+        assert var == pytest.approx(1.0, rel=1e-3)
+
+
+# ---- DAPO's overlong shaping and the config-driven entry ------------------------------------------
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    # L_max 10, L_cache 4: no penalty up to 6, linear to -1 at 10, -1 beyond
+    assert np.allclose(overlong_penalty([3, 6, 7, 8, 10, 12], 10, 4), [0, 0, -0.25, -0.5, -1, -1])
+    assert np.allclose(overlong_penalty([8], 10, 4, penalty=0.5), [-0.25])  # veRL's penalty_factor
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty([1], 10, 0)
+
+
+def test_compute_advantages_follows_the_config():
+    rewards, groups, lengths = np.array([1.0, 1.0, 0.0, 0.0]), np.array([0, 0, 1, 1]), np.array([2, 9, 2, 2])
+    cfg = AdvantageConfig(estimator="dr_grpo", overlong_buffer=4, overlong_max_tokens=10)
+    # shaped rewards [1, 1 - 0.75, 0, 0]: group 0 mean 0.625
+    assert np.allclose(compute_advantages(cfg, rewards, groups, lengths=lengths), [0.375, -0.375, 0, 0])
+    assert np.allclose(compute_advantages(AdvantageConfig(std="population"), REWARDS, GROUPS),
+                       grpo(REWARDS, GROUPS, std="population"))
+    with pytest.raises(ValueError, match="lengths"):
+        compute_advantages(cfg, rewards, groups)
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(estimator="ppo"), "estimator"),
+    (dict(overlong_buffer=4), "overlong_max_tokens"),
+    (dict(overlong_buffer=11, overlong_max_tokens=10), "overlong_buffer"),
+    (dict(overlong_penalty=0.0), "overlong_penalty"),
+    (dict(overlong_buffer=True, overlong_max_tokens=10), "overlong_buffer"),
+])
+def test_advantage_config_checks(fields, name):
+    with pytest.raises(ValueError, match=f"AdvantageConfig.{name}"):
+        AdvantageConfig(**fields)
+
+
+def test_every_configurable_estimator_is_implemented():
+    assert tuple(ESTIMATORS) == ESTIMATOR_NAMES
+
+
+# ---- the Advantage operator ----------------------------------------------------------------------
+
+def test_advantage_operator_reads_lengths_and_loss_tokens_and_skips_failed_rewards():
+    table = pa.table({
+        "reward": pa.array([1.0, 0.0, None, 1.0], pa.float32()),
+        "group_id": ["a", "a", "a", "b"],
+        "response_tokens": pa.array([[1, 2], [3], [4, 5, 6], [7]], pa.list_(pa.int32())),
+        "loss_mask": pa.array([[True, True], [True], [True, False, True], [False]], pa.list_(pa.bool_())),
+    })
+    out = Advantage(AdvantageConfig(estimator="reinforce_plus_plus"))(table)["advantage"]
+    # rows 0, 1, 3 with 2, 1, 0 loss tokens: test_reinforce_plus_plus_by_hand's second case
+    expected = np.array([1, -2, 1]) / 3 / np.sqrt(1 / 3 + 1e-8)
+    assert out.null_count == 1 and out[2].as_py() is None
+    assert np.allclose([out[i].as_py() for i in (0, 1, 3)], expected, atol=1e-6)
+    # shaping from response lengths: budget 2, buffer 1 -> row 0 (2 tokens) loses 1: group a [0, 0]
+    out = Advantage(AdvantageConfig(estimator="dr_grpo", overlong_buffer=1, overlong_max_tokens=2))(table)
+    assert out["advantage"].to_pylist() == [0.0, 0.0, None, 0.0]
+    assert out["reward"].to_pylist() == table["reward"].to_pylist()  # the task's reward is kept
+    with pytest.raises(TypeError, match="AdvantageConfig"):
+        Advantage("grpo")

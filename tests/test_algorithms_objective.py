@@ -240,7 +240,7 @@ def test_everything_masked_gives_zero_loss_with_graph():
         ("mask_c_token", 0.5),
         ("mask_c_seq", float("inf")),
         ("tis_cap", 0.0),
-        ("eps_low", 1.0),
+        ("eps_low", 1.5),  # 1.0 is allowed: no lower bound (CISPO as SkyRL and TRL)
         ("eps_low", -0.1),
         ("eps_high", -0.1),
         ("dual_clip_c", 1.0),
