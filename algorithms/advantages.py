@@ -179,8 +179,8 @@ def compute_advantages(config: AdvantageConfig, rewards: ArrayLike, group_ids: A
     """The advantages `config` asks for: the overlong shaping on the rewards (needs `lengths`,
     response tokens per row), then the estimator (grpo gets `std`, REINFORCE++ `token_counts`)."""
     if config.overlong_buffer is not None:
-        if lengths is None:
-            raise ValueError("advantage.overlong_buffer needs the response lengths")
+        if lengths is None or config.overlong_max_tokens is None:
+            raise ValueError("advantage.overlong_buffer needs the response lengths and overlong_max_tokens")
         shaped = _to_numpy(rewards).astype(np.float64).reshape(-1) + overlong_penalty(
             lengths, config.overlong_max_tokens, config.overlong_buffer, config.overlong_penalty)
         rewards = _like(shaped, rewards)

@@ -154,15 +154,13 @@ class AdvantageConfig:
     overlong_penalty: float = setting(
         1.0, "the shaping's penalty at the budget (veRL's overlong_buffer.penalty_factor)", gt=0.0)
     overlong_max_tokens: int | None = setting(
-        None, "L_max of the shaping: the response token budget (a job sets max_new_tokens)", gt=0)
+        None, "L_max of the shaping: the response token budget (null in a job: sampling.max_new_tokens)", gt=0)
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.overlong_buffer is not None:
-            if self.overlong_max_tokens is None:
-                fail(self, "overlong_max_tokens", "overlong_buffer needs the response budget")
-            elif self.overlong_buffer > self.overlong_max_tokens:
-                fail(self, "overlong_buffer", f"must be <= overlong_max_tokens ({self.overlong_max_tokens})")
+        if self.overlong_buffer is not None and self.overlong_max_tokens is not None \
+                and self.overlong_buffer > self.overlong_max_tokens:
+            fail(self, "overlong_buffer", f"must be <= overlong_max_tokens ({self.overlong_max_tokens})")
 
 
 @dataclass(frozen=True)

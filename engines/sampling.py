@@ -77,6 +77,16 @@ def process_logits(logits: Tensor, sampling: SamplingParams) -> Tensor:
     return torch.log_softmax(warp_logits(logits, sampling), dim=-1)
 
 
+def processed_entropy(logits: Tensor, sampling: SamplingParams) -> Tensor:
+    """Entropy [...] of the processed distribution (the one sampled from) at each position of
+    float32 logits [..., V]; filtered entries contribute 0. Differentiable."""
+    import torch
+
+    logp = process_logits(logits, sampling)
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+
+
 def token_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingParams) -> Tensor:
     """Processed log-prob of `tokens` [...] under `logits` [..., V], in the memory-light
     gather-minus-logsumexp form (no [..., V] log-softmax kept). Equals

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from trajflow.engines.sampling import SamplingParams, token_logprobs
+from trajflow.engines.sampling import SamplingParams, processed_entropy, token_logprobs
 
 
 def pack_batch(
@@ -63,13 +63,16 @@ def response_logprobs(
     sampling: SamplingParams,
     *,
     grad: bool = False,
+    entropy: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Teacher-forced processed log-probs of each response token.
 
     Returns (logprobs [B, T_max] float32, valid [B, T_max] bool), right-padded to the longest
     response (padding entries are 0.0 and invalid). A token that the sampling filters (top-k/top-p)
     exclude under `model` scores -inf. With grad=True the result is differentiable w.r.t. the model
-    parameters; the model's train/eval mode is left as the caller set it.
+    parameters; the model's train/eval mode is left as the caller set it. `entropy`: a list that
+    receives the entropy of the processed distribution at each response position [B, T_max]
+    (differentiable like the log-probs; 0 on padding) — the entropy term of the loss.
     """
     device = next(model.parameters()).device
     lengths = torch.tensor([len(r) for r in response_tokens], dtype=torch.long, device=device)
@@ -96,6 +99,9 @@ def response_logprobs(
             [token_logprobs(logits[b], targets[b], sampling) for b in range(logits.shape[0])]
         )
         logprobs = logprobs.masked_fill(~valid, 0.0)
+        if entropy is not None:
+            entropy.append(torch.stack([processed_entropy(logits[b], sampling) for b in range(logits.shape[0])])
+                           .masked_fill(~valid, 0.0))
     return logprobs, valid
 
 

@@ -67,13 +67,19 @@ class TrainingNumerics:
         *,
         width: int,
         grad: bool = False,
+        entropy: list[Tensor] | None = None,
     ) -> Tensor:
         """Per-token processed log-probs [B, width] (right-padded with 0) on the CPU; a token the
-        sampling filter excludes scores -inf. Differentiable when grad=True."""
+        sampling filter excludes scores -inf. Differentiable when grad=True. `entropy`: a list
+        that receives the per-token entropy [B, width] of the processed distribution (the loss's
+        entropy term), from the same forward pass."""
+        found: list[Tensor] | None = [] if entropy is not None else None
         with self.autocast():
-            logprobs, _ = response_logprobs(model, prompt_tokens, response_tokens, sampling, grad=grad)
-        logprobs = logprobs.float().cpu()
-        return torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1]))
+            logprobs, _ = response_logprobs(model, prompt_tokens, response_tokens, sampling, grad=grad, entropy=found)
+        pad = (0, width - logprobs.shape[1])
+        if entropy is not None:
+            entropy.append(torch.nn.functional.pad(found[0].float().cpu(), pad))
+        return torch.nn.functional.pad(logprobs.float().cpu(), pad)
 
     def score(
         self,

@@ -5,7 +5,8 @@ A group's samples travel in one batch (the generator emits a whole step per bloc
 pipeline keeps step-sized batches), so group statistics, and REINFORCE++'s batch statistics,
 are complete. The shaping reads each row's response length (`response_tokens`); REINFORCE++
 weighs each row by its loss tokens (`loss_mask`), as veRL whitens per token. The `reward` column
-keeps the task's reward: shaping changes only the advantage.
+keeps the task's reward: shaping, and a KL penalty in the reward (`kl_penalty`, written by
+operators/reference.py under `kl.in: reward`), change only the advantage.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pyarrow as pa
 
 from trajflow.algorithms.advantages import compute_advantages
 from trajflow.algorithms.config import AdvantageConfig
-from trajflow.operators.columns import group_codes, list_values, replace_column
+from trajflow.operators.columns import KL_PENALTY_COLUMN, group_codes, list_values, replace_column
 
 
 class Advantage:
@@ -26,6 +27,8 @@ class Advantage:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rewards = batch["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
+        if KL_PENALTY_COLUMN in batch.column_names:  # the KL to the reference, in the reward (kl.in: reward)
+            rewards = rewards - batch[KL_PENALTY_COLUMN].to_numpy(zero_copy_only=False).astype(np.float64)
         groups = group_codes(batch)
         lengths = np.diff(list_values(batch["response_tokens"])[1])
         mask, offsets = list_values(batch["loss_mask"])

@@ -10,6 +10,10 @@ FILTER_REASON = "filter_reason"  # null = kept for training; otherwise why the r
 # pi_old as the train step's loss used it (every strategy; -inf: a token outside the sampling
 # support). `old_logprobs` keeps its one meaning: what an upstream operator supplied (exact strategies).
 PROXIMAL_COLUMN = "proximal_logprobs"
+# the KL to a frozen reference (operators/reference.py): log pi_ref per token, and under
+# `kl.in: reward` the per-row penalty the advantage subtracts from the reward
+REFERENCE_COLUMN = "reference_logprobs"
+KL_PENALTY_COLUMN = "kl_penalty"
 
 
 def replace_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:

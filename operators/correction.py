@@ -26,11 +26,19 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
+from trajflow.algorithms.config import KLConfig
 from trajflow.algorithms.diagnostics import correction_diagnostics
-from trajflow.algorithms.objective import CorrectionConfig, LossOutput, decoupled_loss, loss_denominator
+from trajflow.algorithms.kl import kl_estimate
+from trajflow.algorithms.objective import (
+    CorrectionConfig,
+    LossOutput,
+    decoupled_loss,
+    loss_denominator,
+    prompt_token_counts,
+)
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
-from trajflow.operators.columns import padded
+from trajflow.operators.columns import REFERENCE_COLUMN, group_codes, padded
 from trajflow.operators.strategies.base import Strategy, Trainer
 
 
@@ -46,15 +54,19 @@ class StepBatch:
     advantages: Tensor  # [B] float32
     old: Tensor | None  # [B, T] the old_logprobs column; None when the rows carry none
     rows: Tensor        # [B] int64: positions in the step's batch
+    groups: Tensor      # [B] int64: the prompt (group) of each row, a code shared by the step's rows
+    reference: Tensor | None  # [B, T] reference_logprobs (the KL's pi_ref); None without a reference
 
     @classmethod
     def from_table(cls, table: pa.Table, trainer_version: int, width: int | None = None,
-                   rows: np.ndarray | None = None) -> "StepBatch":
+                   rows: np.ndarray | None = None, groups: np.ndarray | None = None) -> "StepBatch":
         """`width`: pad to it (a data-parallel shard pads to its step's width, so that every
-        [B, T] result has the step's shape); `rows`: the rows' positions in the step (default 0..)."""
+        [B, T] result has the step's shape); `rows`: the rows' positions in the step (default 0..);
+        `groups`: the rows' prompt codes in the step (default: coded within this table)."""
         responses = table["response_tokens"].to_pylist()
         width = width if width is not None else max(len(r) for r in responses)
         old_column = table["old_logprobs"]
+        reference = table[REFERENCE_COLUMN] if REFERENCE_COLUMN in table.column_names else None
         return cls(
             prompts=table["prompt_tokens"].to_pylist(),
             responses=responses,
@@ -64,6 +76,10 @@ class StepBatch:
             advantages=torch.from_numpy(table["advantage"].to_numpy(zero_copy_only=False).astype(np.float32)),
             old=None if old_column.null_count else torch.from_numpy(padded(old_column, width, 0.0)),
             rows=torch.arange(table.num_rows) if rows is None else torch.as_tensor(rows, dtype=torch.int64),
+            groups=torch.as_tensor(groups) if groups is not None else torch.from_numpy(group_codes(table))
+            if "group_id" in table.column_names else torch.arange(table.num_rows),  # hand-built rows: one prompt each
+            reference=None if reference is None or reference.null_count else torch.from_numpy(
+                padded(reference, width, 0.0)),
         )
 
     def __len__(self) -> int:
@@ -85,6 +101,8 @@ class StepBatch:
             advantages=self.advantages[idx],
             old=None if self.old is None else self.old[idx],
             rows=self.rows[idx],
+            groups=self.groups[idx],
+            reference=None if self.reference is None else self.reference[idx],
         )
 
 
@@ -123,22 +141,39 @@ class Correction:
 
 
 def correct(strategy: Strategy, batch: StepBatch, current: Tensor, trainer: Trainer,
-            config: CorrectionConfig, denominator: float | None = None) -> Correction:
+            config: CorrectionConfig, denominator: float | None = None, *, kl: KLConfig = KLConfig(),
+            entropy: Tensor | None = None, group_counts: Tensor | None = None,
+            cov_selected: Tensor | None = None) -> Correction:
     """The strategy's loss on `batch` (see the module docstring). `denominator`: the
-    aggregation's count over the whole update when `batch` is a shard of it (None: its own)."""
+    aggregation's count over the whole update when `batch` is a shard of it (None: its own);
+    `group_counts` / `cov_selected`: prompt-mean's per-prompt counts and Clip-Cov/KL-Cov's token
+    selection over the whole update (None: this batch's own). `kl`: the KL to the reference
+    (`batch.reference`) enters the loss when `kl.in_` is "loss"; `entropy` [B, T] when
+    `config.entropy_coef` > 0."""
     old = strategy.proximal(batch, current, trainer).detach()
     loss_mask = finite_loss_mask(batch, current, old)
     trust = strategy.trust_mask(batch, current.detach(), old, loss_mask)
     config = strategy.correction(config)
+    in_loss = batch.reference is not None and kl.in_ == "loss"
     out = decoupled_loss(current, old, batch.inference, batch.advantages, loss_mask, config,
-                         trust_mask=trust, denominator=denominator)
+                         trust_mask=trust, denominator=denominator,
+                         reference_logprobs=batch.reference if in_loss else None, kl=kl, entropy=entropy,
+                         groups=batch.groups, group_counts=group_counts, cov_selected=cov_selected)
+    if batch.reference is not None and not in_loss:  # the KL is in the reward: measure it, as the loss would
+        ref = torch.where(loss_mask, batch.reference, current.detach())
+        out = dataclasses.replace(out, kl=torch.where(loss_mask, kl_estimate(current.detach(), ref, kl.estimator), 0.0))
+    if config.aggregation == "prompt-mean" and group_counts is None:
+        group_counts = prompt_token_counts(out.counted, batch.groups)
     return Correction(out, old, int((batch.loss_mask & ~loss_mask).sum()),
-                      float(loss_denominator(out.discrepancy_mask, config)))
+                      float(loss_denominator(out.counted, config, group_counts)))
 
 
 def finite_loss_mask(batch: StepBatch, current: Tensor, old: Tensor) -> Tensor:
-    """The loss tokens whose current, old and inference log-probs are all finite (step 2 above)."""
+    """The loss tokens whose current, old, inference (and reference) log-probs are all finite
+    (step 2 above)."""
     finite = torch.isfinite(current.detach()) & torch.isfinite(old) & torch.isfinite(batch.inference)
+    if batch.reference is not None:
+        finite &= torch.isfinite(batch.reference)
     return batch.loss_mask & finite
 
 
@@ -168,9 +203,11 @@ def merge_outputs(parts: list[tuple[Tensor, LossOutput]], shape: torch.Size, los
 
 
 def step_diagnostics(merged: LossOutput, batch: StepBatch, trainer_version: int, outside_support: int) -> dict:
-    """The correction metrics of one step (see algorithms/diagnostics.py for the keys)."""
+    """The correction metrics of one step (see algorithms/diagnostics.py for the keys); with a
+    reference, `kl/mean`: the policy's KL to it on the step's loss tokens (correct() fills
+    LossOutput.kl in either place of the KL)."""
     d = correction_diagnostics(merged, versions=batch.versions, trainer_version=trainer_version,
-                               advantages=batch.advantages)
+                               advantages=batch.advantages, reference=batch.reference is not None)
     d["loss"] = float(merged.loss.detach())
     d["support/outside_tokens"] = float(outside_support)
     d["rows_spanning_versions"] = sum(len(set(v)) > 1 for v in (batch.versions[i, : len(r)].tolist()

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from trajflow.algorithms.config import CorrectionConfig
+from trajflow.algorithms.config import CorrectionConfig, KLConfig
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -46,6 +46,7 @@ class Diagnose(PolicyHolder):
         model_path: str | Path,
         strategies: list[Strategy],
         correction: CorrectionConfig,
+        kl: KLConfig,
         sampling: SamplingParams,
         max_staleness: int,
         numerics: TrainingNumerics,
@@ -55,6 +56,7 @@ class Diagnose(PolicyHolder):
         self.store = store
         self.strategies = list(strategies)
         self.correction = correction
+        self.kl = kl
         self.sampling = sampling
         self.max_staleness = max_staleness
         self.numerics = numerics
@@ -97,7 +99,7 @@ class Diagnose(PolicyHolder):
             current = self.current(step, grad=False)
             for strategy in self.strategies:
                 strategy.before_step(step, self)
-                result = correct(strategy, step, current, self, self.correction)
+                result = correct(strategy, step, current, self, self.correction, kl=self.kl)
                 results[strategy.name] = step_diagnostics(result.loss, step, k, result.outside_support)
             self._after_step(k, results)
         rows = [{**base, "strategy": s.name, **results[s.name], "diagnose_seconds": time.perf_counter() - started}

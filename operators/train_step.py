@@ -45,7 +45,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from trajflow.algorithms.config import CorrectionConfig, OptimizerConfig
+from trajflow.algorithms.config import CorrectionConfig, KLConfig, OptimizerConfig
 from trajflow.algorithms.objective import LossOutput
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
@@ -83,6 +83,7 @@ class TrainerSpec:
     model_path: str
     strategy: Strategy
     correction: CorrectionConfig
+    kl: KLConfig
     optimizer: OptimizerConfig
     sampling: SamplingParams
     numerics: TrainingNumerics
@@ -179,7 +180,7 @@ class TrainerReplica(PolicyHolder):
             for micro in minibatch:
                 shard = batch.select(torch.tensor([local[p] for p in micro]))
                 fixed = correct(self.strategy, shard, self.current(shard, grad=True), self, self.correction,
-                                denominator=1.0)
+                                denominator=1.0, kl=self.spec.kl)
                 fixed.loss.loss.backward()
                 loss_sum += float(fixed.loss.loss.detach())
                 count += fixed.denominator

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
-from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, OptimizerConfig
+from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, OptimizerConfig
 from trajflow.engines.factory import VllmOptions
 from trajflow.engines.sampling import SamplingParams
 from trajflow.settings import check_setting, field_types
@@ -31,7 +31,7 @@ from trajflow.tasks.workload import Workload
 MAX_STEPS = 1_000_000
 # Every built-in advantage estimator is group-relative: a group of one sample is its own baseline,
 # so its advantage is 0 and nothing is trained. An estimator with another baseline may allow 1.
-MIN_GROUP_SIZE = {"grpo": 2, "dr_grpo": 2, "leave_one_out": 2}
+MIN_GROUP_SIZE = {"grpo": 2, "dr_grpo": 2, "leave_one_out": 2, "reinforce_plus_plus_baseline": 2}
 
 
 def _accepts_bool(annotation: Any) -> bool:
@@ -140,6 +140,7 @@ def settings_section(settings: type, name: str) -> type[_Section]:
 SamplingSection = settings_section(SamplingParams, "SamplingSection")
 CorrectionSection = settings_section(CorrectionConfig, "CorrectionSection")
 AdvantageSection = settings_section(AdvantageConfig, "AdvantageSection")
+KLSection = settings_section(KLConfig, "KLSection")
 OptimizerSection = settings_section(OptimizerConfig, "OptimizerSection")
 VllmSection = settings_section(VllmOptions, "VllmSection")
 
@@ -215,6 +216,7 @@ class PipelineConfig(_Strict):
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     correction: CorrectionSection = Field(default_factory=CorrectionSection)
     advantage: AdvantageSection = Field(default_factory=AdvantageSection)
+    kl: KLSection = Field(default_factory=KLSection)
     drop_zero_variance_groups: bool = True
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     eval_every: int = Field(0, ge=0, description="held-out greedy accuracy every k steps (0: off)")
@@ -281,6 +283,10 @@ class PipelineConfig(_Strict):
                 f"use group_size >= {min_group}"
             )
         self._check_workload()
+        try:
+            self.advantage_config()  # the overlong shaping's buffer within the job's max_new_tokens
+        except ValueError as e:
+            raise ValueError(f"advantage: {e}") from None
         if self.engine != "vllm" and self.vllm != VllmSection():
             raise ValueError("vllm: settings given but engine is not vllm")
         try:
@@ -366,6 +372,14 @@ class PipelineConfig(_Strict):
         from trajflow.engines.training_numerics import TrainingNumerics
 
         return TrainingNumerics(mixed_precision=self.optimizer.mixed_precision)
+
+    def advantage_config(self) -> AdvantageConfig:
+        """The estimator's settings; DAPO's overlong shaping budgets max_new_tokens unless
+        `advantage.overlong_max_tokens` is given."""
+        spec = self.advantage.spec()
+        if spec.overlong_max_tokens is None:
+            spec = dataclasses.replace(spec, overlong_max_tokens=self.sampling.max_new_tokens)
+        return spec
 
     def correction_config(self) -> CorrectionConfig:
         """The objective's settings; token-sum-norm normalises by max_new_tokens unless

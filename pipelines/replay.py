@@ -141,10 +141,18 @@ def load_trajectories(path: str | Path, allow_nonfinite: bool = False) -> dict[i
 
 
 def _prepare(table: pa.Table) -> pa.Table:
-    """Drop what the replay recomputes: filter reasons, old and proximal log-probs, advantages."""
-    from trajflow.operators.columns import FILTER_REASON, PROXIMAL_COLUMN, replace_column
+    """Drop what the replay recomputes: filter reasons, old, proximal and reference log-probs, the
+    KL penalty, advantages."""
+    from trajflow.operators.columns import (
+        FILTER_REASON,
+        KL_PENALTY_COLUMN,
+        PROXIMAL_COLUMN,
+        REFERENCE_COLUMN,
+        replace_column,
+    )
 
-    table = table.drop_columns([c for c in (FILTER_REASON, PROXIMAL_COLUMN) if c in table.column_names])
+    table = table.drop_columns([c for c in (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN)
+                                if c in table.column_names])
     table = replace_column(table, "old_logprobs", pa.nulls(table.num_rows, pa.list_(pa.float32())))
     return replace_column(table, "advantage", pa.nulls(table.num_rows, pa.float32()))
 
@@ -323,6 +331,7 @@ class Replay:
         c = self.config
         if self.mode == "diagnose":
             diagnose = dict(model_path=self.model_path, strategies=self.strategies, correction=c.correction_config(),
+                            kl=c.kl.spec(),
                             sampling=live.sampling, max_staleness=c.max_staleness, numerics=c.training_numerics(),
                             torch_threads=c.trainer.torch_threads)
             return chain + [Stage("diagnose", Diagnose, diagnose, c.trainer)]

@@ -45,6 +45,7 @@ from trajflow.operators.after_step import HeldoutEvaluation, PublishWeights, Sto
 from trajflow.operators.data_parallel import remove_placement_group_named
 from trajflow.operators.filter import Filter
 from trajflow.operators.generate import Generate
+from trajflow.operators.reference import ReferenceLogprobs
 from trajflow.operators.reward import Reward
 from trajflow.operators.stage import Placement, Stage, place, stage_index
 from trajflow.operators.store import PolicyStoreClient
@@ -172,7 +173,7 @@ class RLPipeline:
             services.append(HeldoutEvaluation(self.model_path, self.workload, c.eval_every, c.eval_prompts,
                                               c.sampling.max_new_tokens, c.sampling.stop))
         services.append(StoreStatistics())
-        spec = TrainerSpec(model_path=self.model_path, strategy=strategy, correction=c.correction_config(),
+        spec = TrainerSpec(model_path=self.model_path, strategy=strategy, correction=c.correction_config(), kl=c.kl.spec(),
                            optimizer=c.optimizer.spec(), sampling=self.sampling, numerics=c.training_numerics(),
                            data_parallel=c.trainer.data_parallel(self.trainer_group_name),
                            torch_threads=c.trainer.torch_threads)
@@ -205,13 +206,26 @@ class RLPipeline:
         stages = [
             generate,
             Stage("reward", Reward(self.model_path, self.workload, self.sampling.stop)),
-            Stage("advantage", Advantage(c.advantage.spec())),
+            Stage("advantage", Advantage(c.advantage_config())),
             Stage("filter", Filter(c.drop_zero_variance_groups)),
             self.train_stage(strategy),
         ]
         for placement in strategy.stages(self.stage_context()):
             place(stages, placement)
+        if c.kl.beta > 0:  # a frozen reference model, scored like an old log-prob (beta 0 builds none)
+            place(stages, self.reference_stage())
         return stages
+
+    def reference_stage(self) -> Placement:
+        """The reference model's log-probs (operators/reference.py): before the advantage when the
+        KL is in the reward (it shapes the advantage), else before the train step (trained rows only)."""
+        c = self.config
+        in_reward = c.kl.in_ == "reward"
+        kwargs = dict(model_path=self.model_path, kl=c.kl.spec(), sampling=self.sampling,
+                      numerics=c.training_numerics(), skip_filtered=not in_reward,
+                      torch_threads=c.scorer.torch_threads)
+        stage = Stage("reference", ReferenceLogprobs, kwargs, c.scorer)
+        return Placement(stage, before="advantage") if in_reward else Placement(stage, before="train")
 
     # -- building and running --------------------------------------------------------------------
     def start_store(self, initial_version: int = 0, initial_weights: dict | None = None) -> RayStore:

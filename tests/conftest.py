@@ -113,11 +113,13 @@ def run_in_process(ray_session):
     """Run an RLPipeline's own stage list step by step in this process: the same operator objects
     Ray Data would run (each is a callable, Arrow in, Arrow out), with the real policy store actor,
     but without Ray Data's executor and its per-run actor start-up. Steps are synchronous (a
-    rollout never runs ahead of the trainer). Returns the metrics as a polars DataFrame."""
+    rollout never runs ahead of the trainer). Returns the metrics as a polars DataFrame, and with
+    `final_weights=True` also the last version's weights (cloned)."""
     import polars as pl
 
-    def run(pipe):
+    def run(pipe, final_weights: bool = False):
         store = pipe.start_store()
+        fns = []
         try:
             fns = [stage.fn(**{"store": store, **stage.kwargs}) if stage.is_actor else stage.fn
                    for stage in pipe.stages]
@@ -127,8 +129,14 @@ def run_in_process(ray_session):
                 for fn in fns:
                     batch = fn(batch)
                 rows += batch.to_pylist()
-            return pl.from_dicts(rows, infer_schema_length=None)
+            metrics = pl.from_dicts(rows, infer_schema_length=None)
+            if not final_weights:
+                return metrics
+            return metrics, {k: v.clone() for k, v in store.weights(pipe.config.steps)[1].items()}
         finally:
+            for fn in fns:  # a train step with data-parallel workers ends them
+                if hasattr(fn, "close"):
+                    fn.close()
             pipe.shutdown()
 
     return run

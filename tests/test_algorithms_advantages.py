@@ -165,7 +165,6 @@ def test_compute_advantages_follows_the_config():
 
 @pytest.mark.parametrize("fields, name", [
     (dict(estimator="ppo"), "estimator"),
-    (dict(overlong_buffer=4), "overlong_max_tokens"),
     (dict(overlong_buffer=11, overlong_max_tokens=10), "overlong_buffer"),
     (dict(overlong_penalty=0.0), "overlong_penalty"),
     (dict(overlong_buffer=True, overlong_max_tokens=10), "overlong_buffer"),
@@ -173,6 +172,13 @@ def test_compute_advantages_follows_the_config():
 def test_advantage_config_checks(fields, name):
     with pytest.raises(ValueError, match=f"AdvantageConfig.{name}"):
         AdvantageConfig(**fields)
+
+
+def test_overlong_shaping_without_a_budget_is_refused_where_it_is_used():
+    """A job fills the budget from sampling.max_new_tokens; a library call must give it."""
+    cfg = AdvantageConfig(overlong_buffer=4)
+    with pytest.raises(ValueError, match="overlong_max_tokens"):
+        compute_advantages(cfg, REWARDS, GROUPS, lengths=np.full(len(REWARDS), 3))
 
 
 def test_every_configurable_estimator_is_implemented():

@@ -150,7 +150,8 @@ def test_bundled_configs_validate_and_cover_every_strategy():
 
 
 def test_advantage_accepts_the_estimator_name_and_defaults_to_the_sample_std():
-    assert build_job_config({}).advantage.model_dump() == {"estimator": "grpo", "std": "sample"}
+    default = build_job_config({}).advantage
+    assert (default.estimator, default.std, default.overlong_buffer) == ("grpo", "sample", None)
     old_form = build_job_config({"advantage": "leave_one_out"})
     assert old_form.advantage.estimator == "leave_one_out" and old_form.advantage.std == "sample"
     population = build_job_config({}, ["advantage.std=population"])

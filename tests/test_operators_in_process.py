@@ -164,7 +164,7 @@ def test_diagnose_reproduces_the_train_step_in_one_process(without_ray, one_torc
 
     c = pipe.config
     strategies = [pipe.strategy, PipelineConfig(strategy="behavior").build_strategy()]
-    diagnose = Diagnose(logged_store, pipe.model_path, strategies, c.correction_config(), pipe.sampling,
+    diagnose = Diagnose(logged_store, pipe.model_path, strategies, c.correction_config(), c.kl.spec(), pipe.sampling,
                         c.max_staleness, c.training_numerics(), 1)
     rows = {r["strategy"]: r for r in diagnose(logged).to_pylist()}
     for key in ("mask/token_kept_frac", "clip/frac", "mismatch/k3", "rows_trained"):

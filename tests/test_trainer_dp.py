@@ -164,7 +164,7 @@ def _replicas_update(store, table, world_size: int, strategy_name: str, aggregat
     spec = TrainerSpec(
         model_path=str(WARM_START_DIR), strategy=resolve_strategy(strategy_name)(**options),
         correction=CorrectionConfig(aggregation=aggregation, loss_norm_tokens=6, mask_level="none"),
-        optimizer=config.optimizer.spec(), sampling=SamplingParams(), numerics=TrainingNumerics(),
+        kl=config.kl.spec(), optimizer=config.optimizer.spec(), sampling=SamplingParams(), numerics=TrainingNumerics(),
         data_parallel=config.trainer.data_parallel(""), torch_threads=1)
     replicas = [TrainerReplica(store, spec, version=0) for _ in range(world_size)]
     lengths = np.array([len(p) + len(r) for p, r in zip(table["prompt_tokens"].to_pylist(),
