@@ -90,17 +90,19 @@ def offload_policy(cpu_offload: bool, device: torch.device | str):
     return OffloadPolicy()
 
 
-def shard_model(model: torch.nn.Module, mesh, cpu_offload: bool = False) -> None:
+def shard_model(model: torch.nn.Module, mesh, cpu_offload: bool = False, frozen: bool = False) -> None:
     """Shard `model` in place over `mesh`: each decoder layer, then the root (embeddings, final
     norm, head; a tied head stays one parameter). Gradients reduce as a sum (module docstring).
-    The shards move to the mesh's device (or stay on the host with `cpu_offload` on CUDA)."""
+    The shards move to the mesh's device (or stay on the host with `cpu_offload` on CUDA).
+    FSDP keeps the root's parameters whole from a forward to its backward; a `frozen` model
+    (no backward) frees them after each forward like every layer's."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(),
                   offload_policy=offload_policy(cpu_offload, mesh.device_type))
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, reshard_after_forward=True if frozen else None, **kwargs)
     for module in model.modules():  # the setting is per FSDP module: the root's covers only its own
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -187,18 +187,23 @@ class TrainerReplica(PolicyHolder):
         if not self.sharded:
             return super().policy_copy()
         model = load_model(self.spec.model_path).eval().requires_grad_(False)
-        shard_model(model, self.collective.mesh, self.spec.data_parallel.cpu_offload)
+        shard_model(model, self.collective.mesh, self.spec.data_parallel.cpu_offload, frozen=True)
         model.load_state_dict(self.model.state_dict())
         return model
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this worker holds of the parameters, their gradients and the optimizer state
         (its shards when sharded, FSDP's padding included)."""
-        params = list(self.model.parameters())
+        params = self._parameters()
         return {"parameter": local_bytes(params),
                 "gradient": local_bytes(p.grad for p in params if p.grad is not None),
                 "optimizer": local_bytes(t for state in self.optimizer.state.values() for t in state.values()
                                          if isinstance(t, Tensor))}
+
+    def _parameters(self) -> list[Tensor]:
+        """The parameters as the optimizer holds them: sharded, FSDP registers the unsharded ones
+        on the model between a forward and its backward (or after a no-grad forward)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     # -- state ------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
@@ -259,7 +264,7 @@ class TrainerReplica(PolicyHolder):
         elif self.sharded:  # the strategy's forward passes (recompute's scoring) are collectives
             self.strategy.before_step(self._dummy(trainer_version, width), self)
         local = {position: i for i, position in enumerate(positions)}
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self._parameters() if p.requires_grad]
         for minibatch in microbatches:
             self.optimizer.zero_grad(set_to_none=True)
             shards = [batch.select(torch.tensor([local[p] for p in micro])) if micro

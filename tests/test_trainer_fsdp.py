@@ -160,3 +160,87 @@ def test_two_sharded_workers_reproduce_one_unsharded_worker(ray_session):
     assert (runs["fsdp"][0]["trainer/dummy_passes"] == 0).all()
     three = runs["fsdp x 3 + dummy passes"][0]
     assert (three["trainer/microbatches"] == 16).all() and (three["trainer/dummy_passes"] == 2).all()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["ewma", "recompute", "m2po"])
+def test_strategies_that_score_or_gather_give_the_unsharded_numbers(ray_session, strategy):
+    """ewma: each worker keeps the EWMA of its shards and scores with a sharded copy of the
+    policy; recompute (2 updates per step): scores the whole step with the policy first; m2po:
+    its mask's statistics are gathered from every worker. Each equals one unsharded worker."""
+    config = dict(SYNC, steps=3, strategy=strategy)
+    one, one_weights = run_with_final_weights(PipelineConfig(**config))
+    two, two_weights = run_with_final_weights(PipelineConfig(**config, trainer=FSDP2))
+    print(f"\n{strategy}: weights differ by {max_abs_difference(two_weights, one_weights):.2e}")
+    assert two["loss"].to_list() == pytest.approx(one["loss"].to_list(), abs=1e-6)
+    assert max_abs_difference(two_weights, one_weights) < 1e-5
+    keys = [k for k in one.columns if k.startswith(f"{strategy}/")] + ["mask/token_kept_frac", "clip/frac"]
+    assert len(keys) > 2 or strategy == "recompute"
+    for key in keys:  # m2po's M2 (~1e-3) of log-ratios that differ by ~1e-7 between batch layouts
+        assert two[key].to_list() == pytest.approx(one[key].to_list(), rel=1e-4, abs=1e-9), key
+
+
+@pytest.mark.timeout(300)
+def test_full_weights_gathers_on_every_worker_in_step(ray_session):
+    from trajflow.engines.models import WARM_START_DIR, load_model
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    pipe = RLPipeline(PipelineConfig(**SYNC, trainer={**FSDP2, "collective_timeout_seconds": 60}))
+    store = pipe.start_store()
+    stage = pipe.stage("train")
+    trainstep = stage.fn(store=store, **stage.kwargs)
+    try:
+        start = load_model(WARM_START_DIR).state_dict()
+        shard = dict(trainstep.model.state_dict())["model.layers.0.mlp.up_proj.weight"]
+        assert shard.to_local().shape[0] == start["model.layers.0.mlp.up_proj.weight"].shape[0] // 2
+        full = dict(trainstep.full_weights())
+        assert list(full) == list(start) and max_abs_difference(full, start) == 0.0
+        assert full["lm_head.weight"] is full["model.embed_tokens.weight"]  # tied: one tensor
+        bf16 = dict(trainstep.full_weights(torch.bfloat16))
+        assert all(t.dtype == torch.bfloat16 and torch.equal(t, start[k].to(torch.bfloat16)) for k, t in bf16.items())
+        early = trainstep.full_weights()
+        next(early)
+        early.close()  # stopped after one tensor: the gathers still finish on every worker
+        assert max_abs_difference(dict(trainstep.full_weights()), start) == 0.0  # and they are in step
+        policy = trainstep.unsharded_policy()
+        assert max_abs_difference(policy.state_dict(), start) == 0.0
+    finally:
+        trainstep.close()
+        pipe.shutdown()
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.timeout(600)
+def test_a_run_resumed_from_a_sharded_checkpoint_equals_the_uninterrupted_run(ray_session, tmp_path):
+    """ewma on 2 sharded workers (its EWMA is sharded state too), checkpoint every 2 steps."""
+    from trajflow.engines import checkpoint as ckpt
+    from trajflow.engines.models import load_model
+    from trajflow.jobs.recorder import RunRecorder
+
+    config = PipelineConfig(**dict(SYNC, steps=4, strategy="ewma"), trainer=FSDP2)
+
+    def recorder(run_dir, resume_from=None) -> RunRecorder:
+        return RunRecorder(run_dir=str(run_dir), steps=4, checkpoint_every=2, keep_checkpoints=5,
+                           save_all_versions=False, trajectory_log=False, resume_from=resume_from)
+
+    whole, whole_weights = run_with_final_weights(config, recorder=recorder(tmp_path / "whole"))
+    run_with_final_weights(config, range(0, 2), recorder=recorder(tmp_path / "cut"))  # then "killed"
+    checkpoint = ckpt.latest_checkpoint(tmp_path / "cut" / "checkpoints")
+    assert checkpoint.version == 2 and checkpoint.sharded and checkpoint.meta["sharding"] == {
+        "method": "fsdp", "workers": 2}
+    for name in ("model", "optimizer", "strategy"):  # one file per worker; no pickled metadata
+        assert sorted(p.name for p in (checkpoint.path / "shards" / name).iterdir()) == [
+            f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)]
+    assert {p.suffix for p in checkpoint.path.rglob("*") if p.is_file()} == {".safetensors", ".json"}
+    resumed, resumed_weights = run_with_final_weights(config, range(2, 4), initial_weights=checkpoint.model_state(),
+                                                      recorder=recorder(tmp_path / "cut", str(checkpoint.path)))
+    print(f"\nresumed vs uninterrupted: weights differ by {max_abs_difference(resumed_weights, whole_weights):.1e}, "
+          f"losses {resumed['loss'].to_list()} vs {whole['loss'].to_list()[2:]}")
+    assert resumed["loss"].to_list() == pytest.approx(whole["loss"].to_list()[2:], abs=1e-7)
+    assert resumed["optimizer_steps"].to_list() == whole["optimizer_steps"].to_list()[2:]
+    assert resumed["ewma/age"].to_list() == whole["ewma/age"].to_list()[2:]
+    assert max_abs_difference(resumed_weights, whole_weights) < 1e-7
+    # the last checkpoint is a plain Hugging Face model directory with the final weights
+    final = ckpt.latest_checkpoint(tmp_path / "cut" / "checkpoints")
+    assert final.version == 4 and (final.path / "config.json").is_file()
+    assert max_abs_difference(load_model(final.path).state_dict(), resumed_weights) == 0.0
