@@ -81,6 +81,33 @@ def test_float32_parameters_under_autocast_keep_r_s_one_where_bf16_parameters_do
     assert not torch.distributed.is_initialized()  # closed cleanly: the next test may build its own
 
 
+def test_gradient_checkpointing_recomputes_sharded_layers(one_torch_thread):
+    """Checkpointing inside FSDP units: each layer runs its forward again in the backward pass
+    (gathered again), and the gradient is the one without checkpointing."""
+    from trajflow.engines.models import WARM_START_DIR, load_model
+    from trajflow.engines.sampling import SamplingParams
+    from trajflow.operators.fsdp import full, shard_model
+    from trajflow.operators.train_step import enable_gradient_checkpointing
+
+    numerics, grads = TrainingNumerics(), []
+    collective = Collective(default_group=True)
+    try:
+        for checkpointing in (False, True):
+            model = load_model(WARM_START_DIR)
+            if checkpointing:
+                enable_gradient_checkpointing(model)
+            shard_model(model, collective.mesh)
+            mlp_runs = []
+            model.model.layers[0].mlp.register_forward_pre_hook(lambda *args: mlp_runs.append(1))
+            numerics.logprobs(model, [[1, 5, 6, 7]] * 3, [[8, 9, 10]] * 3, SamplingParams(), width=3,
+                              grad=True).sum().backward()
+            assert len(mlp_runs) == (2 if checkpointing else 1)
+            grads.append([full(p.grad) for p in model.parameters()])
+    finally:
+        collective.close()
+    assert max(float((a - b).abs().max()) for a, b in zip(*grads)) <= 1e-6
+
+
 # -- device, backend, offload -------------------------------------------------------------------
 def test_offload_and_backend_follow_the_device():
     from torch.distributed.fsdp import CPUOffloadPolicy
