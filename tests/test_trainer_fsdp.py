@@ -194,10 +194,14 @@ def test_two_sharded_workers_reproduce_one_unsharded_worker(ray_session):
 def test_strategies_that_score_or_gather_give_the_unsharded_numbers(ray_session, strategy):
     """ewma: each worker keeps the EWMA of its shards and scores with a sharded copy of the
     policy; recompute (2 updates per step): scores the whole step with the policy first; m2po:
-    its mask's statistics are gathered from every worker. Each equals one unsharded worker."""
+    its mask's statistics are gathered from every worker. On 3 workers with one row per
+    micro-batch (so one worker makes a dummy pass per update, which must score too), each
+    equals one unsharded worker."""
     config = dict(SYNC, steps=3, strategy=strategy)
     one, one_weights = run_with_final_weights(PipelineConfig(**config))
-    two, two_weights = run_with_final_weights(PipelineConfig(**config, trainer=FSDP2))
+    two, two_weights = run_with_final_weights(PipelineConfig(
+        **config, trainer={"sharding": "fsdp", "num_workers": 3, "max_tokens_per_microbatch": 12}))
+    assert (two["trainer/dummy_passes"] > 0).all()
     print(f"\n{strategy}: weights differ by {max_abs_difference(two_weights, one_weights):.2e}")
     assert two["loss"].to_list() == pytest.approx(one["loss"].to_list(), abs=1e-6)
     assert max_abs_difference(two_weights, one_weights) < 1e-5
