@@ -275,3 +275,21 @@ def test_a_run_resumed_from_a_sharded_checkpoint_equals_the_uninterrupted_run(ra
     final = ckpt.latest_checkpoint(tmp_path / "cut" / "checkpoints")
     assert final.version == 4 and (final.path / "config.json").is_file()
     assert max_abs_difference(load_model(final.path).state_dict(), resumed_weights) == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_exact_old_logprobs_with_two_sharded_workers_on_ray_data(ray_session):
+    """The real thing: async on Ray Data, the train step an actor holding the default group."""
+    import ray
+
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    config = PipelineConfig(steps=4, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1,
+                            strategy="snapshot", max_staleness=1, trainer=FSDP2)
+    m = RLPipeline(config).run(progress=False)
+    print(f"\nsnapshot S=1, 2 sharded workers: max|log r_d| {m['mismatch/max_abs_log_rd'].max():.2e}")
+    assert m["step"].to_list() == list(range(4))
+    assert m["mismatch/max_abs_log_rd"].max() < 1e-5
+    assert 1 <= m["staleness/max"].max() <= 1
+    assert (m["trainer/num_workers"] == 2).all() and (m["optimizer_steps"] > 0).all()
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
