@@ -29,6 +29,7 @@ from benchmarks import (  # noqa: E402
     strategy_overhead,
     strategy_quality,
     trainer_dp,
+    trainer_fsdp,
     trl_compare,
 )
 from benchmarks.common import machine  # noqa: E402
@@ -37,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 SECTIONS = HERE / "results"  # one file per benchmark, so each can be refreshed on its own
 ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "hops", "store_calls", "orchestration", "compute_bound", "publish",
-         "trainer_dp", "startup", "end_to_end", "trl"]
+         "trainer_dp", "trainer_fsdp", "startup", "end_to_end", "trl"]
 
 
 def table(rows: list[dict]) -> str:
@@ -89,6 +90,10 @@ def run_section(name: str, quick: bool, strategies: list[str] | None = None) -> 
         return ("8b. Data-parallel training: the gradient all-reduce per update vs compute and publishing "
                 "(2 gloo workers on one node)",
                 table(trainer_dp.run(sizes=("0.6M", "25M") if q else tuple(trainer_dp.SIZES), repeats=2 if q else 5)))
+    if name == "trainer_fsdp":
+        return ("8c. Sharded training (`trainer.sharding: fsdp`): what each worker holds of parameters, gradients and "
+                "AdamW state, vs the replica (gloo workers on one node, one step of 16 x 64 tokens)",
+                table(trainer_fsdp.run(sizes=("0.6M", "25M") if q else trainer_fsdp.SIZES)))
     if name == "startup":
         return ("9. Start-up of `trajflow run quickstart` to the end of its first step, and its process tree "
                 "(cold process, CPU seconds per process)", startup.run(steps=5 if q else 20))

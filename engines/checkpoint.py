@@ -1,6 +1,7 @@
 """Checkpoints without pickle: weights, optimizer and strategy state as safetensors + JSON structure.
 
-A checkpoint of version v (the weights after v optimizer updates) is a directory
+A checkpoint of version v (the weights after v optimizer updates) is a directory, for a
+replicated trainer (`trainer.sharding: none`)
 
     step-000012/
         model.safetensors        the weights (float32, every state-dict key, tied ones duplicated)
@@ -9,10 +10,26 @@ A checkpoint of version v (the weights after v optimizer updates) is a directory
         strategy.safetensors/.json   the strategy's state (e.g. EWMA), when it has one
         meta.json                version, step, time; written last
 
-It is written atomically: into a hidden temp dir beside it, fsynced, then renamed. A process killed
-mid-write leaves a `.tmp-*` dir that `list_checkpoints` ignores (and `clean_partial` removes), so
-the previous checkpoint stays the latest complete one. Nothing is ever unpickled: JSON for
-structure, safetensors for tensors (`torch.load` is never used).
+and for a sharded one (`trainer.sharding: fsdp`), where every worker writes its own shards with
+torch.distributed.checkpoint (DCP) in its Hugging Face format (`save_sharded`, `load_sharded`)
+
+    step-000012/
+        shards/model/shard-0000r-model-00001-of-00001.safetensors   worker r-1's shard of each tensor
+        shards/optimizer/..., shards/strategy/...                    (the offsets in each header)
+        model.json, optimizer.json, strategy.json                    the structures (JSON)
+        meta.json                version, ..., "sharding": {"method": "fsdp", "workers": N}
+
+DCP's default writer pickles its metadata (`.metadata`); the Hugging Face writer
+(`save_distributed=True`) keeps each shard's offsets in its safetensors header instead, so nothing
+here is pickled. `Checkpoint.model_state()` assembles the full weights of either kind in one
+process. The run's last checkpoint is also a plain Hugging Face model directory (`export_model`:
+full float32 `model.safetensors`, the model's config and tokenizer files), loadable with
+`from_pretrained`.
+
+It is written atomically (`writing_checkpoint`): into a hidden temp dir beside it, fsynced, then
+renamed. A process killed mid-write leaves a `.tmp-*` dir that `list_checkpoints` ignores (and
+`clean_partial` removes), so the previous checkpoint stays the latest complete one. Nothing is
+ever unpickled: JSON for structure, safetensors for tensors (`torch.load` is never used).
 
 `save_weights` / `load_weights` write single version files (`versions/v000012.safetensors`) for
 runs that keep every version for exact offline replay.
@@ -20,11 +37,13 @@ runs that keep every version for exact offline replay.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +56,9 @@ if TYPE_CHECKING:  # torch and safetensors load lazily: the CLI checks its input
 StateDict = dict[str, "torch.Tensor"]
 CHECKPOINT_PREFIX = "step-"
 VERSION_PREFIX = "v"
+SHARDS = "shards"  # a sharded checkpoint's DCP directories: shards/model, shards/optimizer, ...
+# files of a model directory that hold weights (everything else, config and tokenizer, is exported)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json")
 
 
 class CheckpointError(ValueError):
@@ -77,21 +99,39 @@ def _own(t: "torch.Tensor") -> "torch.Tensor":
     return t.detach().to("cpu").contiguous().clone()
 
 
-def flatten_state(obj: Any, prefix: str = "") -> tuple[StateDict, Any]:
+def local_part(t: "torch.Tensor") -> "torch.Tensor":
+    """This worker's part of `t`: the local shard of a sharded tensor (DTensor), else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def storage_key(t: "torch.Tensor") -> tuple:
+    """What makes two tensors one (tied weights): their local data's address, offset, shape, dtype."""
+    part = local_part(t)
+    return part.untyped_storage().data_ptr(), part.storage_offset(), tuple(t.shape), t.dtype
+
+
+def flatten_state(obj: Any, prefix: str = "", copy: bool = True) -> tuple[StateDict, Any]:
     """Split a nested state (dicts, lists, tuples, tensors, scalars) into (tensors, JSON structure).
 
-    Tensors are replaced by {"__tensor__": key}; dicts become {"__dict__": [[key, value], ...]} so
-    that int keys (optimizer param ids) survive; tuples {"__tuple__": [...]}; non-finite floats
-    {"__float__": "nan"}. Anything else (objects that would need pickle) is a TypeError.
+    Tensors are replaced by {"__tensor__": key}; a tensor met twice (tied weights) is stored once
+    and both places name its key, so it comes back as one tensor; dicts become {"__dict__":
+    [[key, value], ...]} so that int keys (optimizer param ids) survive; tuples {"__tuple__":
+    [...]}; non-finite floats {"__float__": "nan"}. Anything else (objects that would need pickle)
+    is a TypeError. `copy`: tensors are detached CPU copies (for safetensors); else the tensors
+    themselves (sharded ones stay sharded: DCP writes and loads them in place).
     """
     import torch
 
     tensors: StateDict = {}
+    seen: dict[tuple, str] = {}
 
     def enc(x: Any, path: str) -> Any:
         if isinstance(x, torch.Tensor):
-            tensors[path] = _own(x)
-            return {"__tensor__": path}
+            key = storage_key(x)
+            if key not in seen:
+                seen[key] = path
+                tensors[path] = _own(x) if copy else x
+            return {"__tensor__": seen[key]}
         if isinstance(x, dict):
             items = []
             for k, v in x.items():
@@ -160,13 +200,92 @@ def load_state(directory: Path, name: str) -> Any:
     return unflatten_state(tensors, structure)
 
 
-# -- single weight files -------------------------------------------------------------------------
-def save_weights(state_dict: StateDict, path: str | os.PathLike) -> Path:
-    """Weights as one safetensors file (float32 copy), written atomically."""
+# -- sharded state (every worker of a torch.distributed group) ----------------------------------
+def save_sharded(directory: Path, name: str, state: Any, coordinator: bool) -> None:
+    """Write a nested state whose tensors may be sharded (DTensors) as `shards/name/` (each
+    worker's shards, DCP's Hugging Face safetensors format) + `name.json` (the structure, written
+    by the `coordinator`). Every worker of the default process group calls it with its own state
+    (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    tensors, structure = flatten_state(state, copy=False)
+    shards = Path(directory) / SHARDS / name
+    shards.mkdir(parents=True, exist_ok=True)
+    if tensors:
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(shards), save_distributed=True))
+    if coordinator:  # DCP's writer fsyncs the shards itself
+        (Path(directory) / f"{name}.json").write_text(json.dumps(structure))
+        _fsync_file(Path(directory) / f"{name}.json")
+
+
+def load_sharded(directory: Path, name: str, template: Callable[[], Any]) -> Any | None:
+    """The state `save_sharded` wrote as `name` (None if the checkpoint has none). If it holds
+    tensors, `template()` gives a state of the same structure whose tensors (sharded as this
+    worker's) the saved values are loaded into, in place. A collective, like the save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    path = Path(directory) / f"{name}.json"
+    if not path.is_file():
+        return None
+    structure = json.loads(path.read_text())
+    if not _names_tensors(structure):
+        return unflatten_state({}, structure)
+    tensors, _ = flatten_state(template(), copy=False)
+    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(Path(directory) / SHARDS / name)))
+    return unflatten_state(tensors, structure)
+
+
+def _names_tensors(structure: Any) -> bool:
+    if isinstance(structure, list):
+        return any(_names_tensors(x) for x in structure)
+    if isinstance(structure, dict):
+        return "__tensor__" in structure or any(_names_tensors(x) for x in structure.values())
+    return False
+
+
+def assemble_sharded(directory: Path, name: str) -> Any:
+    """The state `save_sharded` wrote as `name`, with every tensor whole, read in this process
+    (no process group): DCP reads each tensor's shards at their offsets."""
     import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    shards = str(Path(directory) / SHARDS / name)
+    metadata = HuggingFaceStorageReader(shards).read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in metadata.items()}
+    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(shards), no_dist=True)
+    return unflatten_state(tensors, json.loads((Path(directory) / f"{name}.json").read_text()))
+
+
+def export_model(directory: Path, weights: "Iterable[tuple[str, torch.Tensor]]", model_path: str | os.PathLike) -> None:
+    """Make `directory` a plain Hugging Face model directory: `model.safetensors` (full float32
+    tensors, unless it is there already) and the files of `model_path` that are not weights
+    (config, generation config, tokenizer)."""
+    directory = Path(directory)
+    if not (directory / "model.safetensors").is_file():
+        _save_safetensors(_float32(dict(weights)), directory / "model.safetensors")
+    for path in Path(model_path).iterdir():
+        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and not (directory / path.name).exists():
+            shutil.copyfile(path, directory / path.name)
+            _fsync_file(directory / path.name)
+
+
+# -- single weight files -------------------------------------------------------------------------
+def _float32(weights: "Mapping[str, torch.Tensor]") -> StateDict:
+    import torch
+
+    return {k: _own(v).to(torch.float32) if v.is_floating_point() else _own(v) for k, v in weights.items()}
+
+
+def save_weights(weights: "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]",
+                 path: str | os.PathLike) -> Path:
+    """Weights (a state dict, or (name, tensor) pairs such as a trainer's `full_weights()`) as
+    one safetensors file (float32 copy), written atomically."""
     from safetensors.torch import save_file
 
-    state = {k: _own(v).to(torch.float32) if v.is_floating_point() else _own(v) for k, v in state_dict.items()}
+    state = _float32(dict(weights))
     return atomic_write(path, lambda tmp: save_file(state, str(tmp)))
 
 
@@ -208,8 +327,16 @@ class Checkpoint:
     version: int
     meta: dict = field(default_factory=dict)
 
+    @property
+    def sharded(self) -> bool:
+        """Written by a sharded trainer (every worker its shards, module docstring)."""
+        return (self.path / SHARDS / "model").is_dir()
+
     def model_state(self) -> StateDict:
-        return load_weights(self.path / "model.safetensors")
+        """The full weights: `model.safetensors`, or a sharded checkpoint's shards assembled."""
+        if (self.path / "model.safetensors").is_file():
+            return load_weights(self.path / "model.safetensors")
+        return assemble_sharded(self.path, "model")
 
     def optimizer_state(self) -> dict | None:
         return load_state(self.path, "optimizer") if (self.path / "optimizer.json").is_file() else None
@@ -230,22 +357,39 @@ def save_checkpoint(
     strategy_state: dict | None = None,
     meta: dict | None = None,
 ) -> Checkpoint:
-    """Write checkpoint `version` under `root` atomically (temp dir, fsync, rename)."""
+    """Write checkpoint `version` of a replicated trainer under `root` atomically."""
+    with writing_checkpoint(root, version, meta) as tmp:
+        write_replica(tmp, model_state, optimizer_state, strategy_state)
+    return Checkpoint(checkpoint_dir(root, version), version, {"version": version, "complete": True, **(meta or {})})
+
+
+def write_replica(directory: Path, model_state: StateDict, optimizer_state: dict | None = None,
+                  strategy_state: dict | None = None) -> None:
+    """A replicated trainer's checkpoint files (module docstring) into `directory`."""
+    _save_safetensors(model_state, directory / "model.safetensors")
+    if optimizer_state is not None:
+        save_state(optimizer_state, directory, "optimizer")
+    if strategy_state:
+        save_state(strategy_state, directory, "strategy")
+
+
+@contextlib.contextmanager
+def writing_checkpoint(root: str | os.PathLike, version: int, meta: dict | None = None) -> Iterator[Path]:
+    """A hidden temp dir to write checkpoint `version`'s files into; on leaving the block,
+    `meta.json` is written last, everything fsynced and the dir renamed into place (an error
+    leaves nothing)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(root, version)
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _save_safetensors(model_state, tmp / "model.safetensors")
-        if optimizer_state is not None:
-            save_state(optimizer_state, tmp, "optimizer")
-        if strategy_state:
-            save_state(strategy_state, tmp, "strategy")
+        yield tmp
         meta = {"version": version, "complete": True, **(meta or {})}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         _fsync_file(tmp / "meta.json")
-        _fsync_dir(tmp)
+        for directory in [*(d for d in tmp.rglob("*") if d.is_dir()), tmp]:  # a sharded one has subdirs
+            _fsync_dir(directory)
         if final.exists():  # e.g. re-written after a resume: swap, then drop the old one
             old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
             final.rename(old)
@@ -257,7 +401,6 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Checkpoint(final, version, meta)
 
 
 def _read_meta(path: Path) -> dict | None:
@@ -282,9 +425,11 @@ def list_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
         except ValueError:
             continue
         meta = _read_meta(path)
-        if meta is None or meta.get("version") != version or not (path / "model.safetensors").is_file():
+        if meta is None or meta.get("version") != version:
             continue
-        out.append(Checkpoint(path, version, meta))
+        checkpoint = Checkpoint(path, version, meta)
+        if (path / "model.safetensors").is_file() or checkpoint.sharded:
+            out.append(checkpoint)
     return sorted(out, key=lambda c: c.version)
 
 

@@ -92,12 +92,14 @@ def response_logprobs(
             use_cache=False,
             logits_to_keep=T,
         ).logits
-        targets = ids[:, P:]
+        # the logits' device, which is not the parameters' when FSDP offloads them to the host
+        targets = ids[:, P:].to(logits.device)
         # One row at a time: the processed [T, V] temporaries (tempering, sort for top-p) then
         # exist for a single sequence, not the whole batch.
         logprobs = torch.stack(
             [token_logprobs(logits[b], targets[b], sampling) for b in range(logits.shape[0])]
         )
+        valid = valid.to(logits.device)
         logprobs = logprobs.masked_fill(~valid, 0.0)
         if entropy is not None:
             entropy.append(torch.stack([processed_entropy(logits[b], sampling) for b in range(logits.shape[0])])

@@ -10,7 +10,9 @@
                                         extras (answer, rollout_step, filter_reason, trainer_version)
       quarantine/step=000012.parquet    rows with non-finite log-probs (not schema-valid; rare)
       checkpoints/step-000012/          weights + optimizer (+ strategy, e.g. EWMA) state of version 12
-                                        (+ the dataset position and fingerprint in meta.json, for a dataset run)
+                                        (+ the dataset position and fingerprint in meta.json, for a dataset run;
+                                        each worker's shards under trainer.sharding: fsdp; the last one is also
+                                        a plain Hugging Face model directory: engines/checkpoint.py)
       versions/v000012.safetensors      every version's weights (save_all_versions only)
       tensorboard/                      event files (when tensorboard is installed)
       summary.txt                       the final summary table
@@ -196,8 +198,8 @@ class RunRecorder:
 
     on_start: restores optimizer and strategy state when resuming, and saves the starting
     version's weights when every version is kept. on_step: writes the logs and checkpoints of each
-    step. Both use only the train step's public methods: version, strategy, policy_state_dict(),
-    checkpoint_state(), load_checkpoint_state().
+    step. Both use only the train step's public methods: version, strategy, full_weights(),
+    save_checkpoint(), restore() (the last three drive every worker of a sharded trainer).
     """
 
     run_dir: str
@@ -223,11 +225,11 @@ class RunRecorder:
                     f"resume: the trainer starts at version {trainstep.version}, "
                     f"checkpoint {checkpoint.path} holds version {meta['version']}"
                 )
-            trainstep.load_checkpoint_state(checkpoint.optimizer_state(), checkpoint.strategy_state())
+            trainstep.restore(checkpoint.path)
         if self.save_all_versions:
             path = ckpt.version_file(self.paths.versions, trainstep.version)
             if not path.is_file():
-                ckpt.save_weights(trainstep.policy_state_dict(), path)
+                ckpt.save_weights(trainstep.full_weights(), path)
 
     def on_step(self, trainstep, batch: pa.Table, metrics: dict) -> None:
         import ray
@@ -243,20 +245,15 @@ class RunRecorder:
         if self.trajectory_log:
             self._log_trajectories(paths, step, batch)
         write_table_atomic(pa.Table.from_pylist([_plain(metrics)]), paths.metrics_file(step))
-        state = trainstep.policy_state_dict()
         if self.save_all_versions:
-            ckpt.save_weights(state, ckpt.version_file(paths.versions, version))
+            ckpt.save_weights(trainstep.full_weights(), ckpt.version_file(paths.versions, version))
         final = version >= self.steps
         if final or (self.checkpoint_every and version % self.checkpoint_every == 0):
-            extra = trainstep.checkpoint_state()
-            ckpt.save_checkpoint(
+            trainstep.save_checkpoint(
                 paths.checkpoints,
-                version,
-                state,
-                optimizer_state=extra["optimizer"],
-                strategy_state=extra["strategy"],
                 meta={"steps_done": version, "time": time.time(), "strategy": trainstep.strategy.name,
                       **({"data": data_position(self.data_state, version)} if self.data_state else {})},
+                export=final,
             )
             ckpt.prune_checkpoints(paths.checkpoints, self.keep_checkpoints)
             metrics["checkpoint"] = version

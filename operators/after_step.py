@@ -58,7 +58,7 @@ class HeldoutEvaluation:
                 device = next(trainstep.policy().parameters()).device
                 metrics["heldout_accuracy_start"] = self._accuracy(load_model(self.model_path).to(device))
         if trainstep.version % self.every == 0:
-            metrics["heldout_accuracy"] = self._accuracy(trainstep.policy())
+            metrics["heldout_accuracy"] = self._accuracy(trainstep.unsharded_policy())
 
     def _accuracy(self, model) -> float:
         from trajflow.tasks.rollout import heldout_accuracy

@@ -18,6 +18,7 @@ the policy model, the training numerics, and scoring under them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -119,7 +120,13 @@ class PolicyHolder:
         return self.model
 
     def policy_state_dict(self) -> dict[str, Tensor]:
+        """The policy's weights as the policy holds them (a sharded trainer: its shards): what
+        `policy_copy().load_state_dict` takes."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def policy_copy(self) -> torch.nn.Module:
+        """A frozen copy of the policy with the current weights, in the training numerics."""
+        return self.numerics.prepare(copy.deepcopy(self.model)).requires_grad_(False)
 
     @torch.no_grad()
     def score(self, model: torch.nn.Module, batch: StepBatch) -> Tensor:

@@ -27,6 +27,13 @@ all-reduce of one flat buffer per update does all of it with the collective torc
 `trainer/allreduce_seconds` metric measures its cost); DDP's overlap of communication with the
 backward pass matters for large models on GPUs and is the next step there.
 
+With `trainer.sharding: fsdp` (operators/fsdp.py) the workers hold 1/N of the parameters,
+gradients and optimizer state each. The plan and the normalisation are the same; the gradients
+are summed by FSDP's reduce-scatter during the backward passes instead of the flat all-reduce
+(the loss sums and counts are still all-reduced once per update), and every worker runs the same
+number of forward/backward passes per update (`plan_shards(lockstep=True)` pads a worker's
+micro-batches with zero-weight dummy passes), since each pass of a sharded model is a collective.
+
 A worker that dies (or does not join an all-reduce within `collective_timeout_seconds`) fails
 the step with `TrainerStateLost`, naming the worker and its node: the group's optimizer and
 strategy state is gone, and the run continues only by `--resume` from its last checkpoint.
@@ -61,6 +68,8 @@ class DataParallel:
     num_workers: int
     max_tokens_per_microbatch: int | None
     gradient_checkpointing: bool
+    sharding: str  # "none" (a full replica per worker) | "fsdp" (operators/fsdp.py)
+    cpu_offload: bool  # fsdp on CUDA: shards and optimizer state in host memory
     placement: str  # "pack" | "spread"
     collective_timeout_seconds: float
     num_cpus: float
@@ -92,7 +101,7 @@ class ShardPlan:
     """What each worker trains in one step: `microbatches[rank][m]` lists the micro-batches of
     minibatch m on that worker, each as row positions in the step's trained rows."""
 
-    microbatches: list[list[list[list[int]]]]
+    microbatches: list[list[list[list[int]]]]  # an empty micro-batch: a zero-weight dummy pass (lockstep)
 
     def rows(self, rank: int) -> list[int]:
         """The step rows worker `rank` trains, in the order its micro-batches list them."""
@@ -100,7 +109,8 @@ class ShardPlan:
 
     @property
     def num_microbatches(self) -> int:
-        return sum(len(minibatch) for worker in self.microbatches for minibatch in worker)
+        """Micro-batches with rows (dummy passes not counted)."""
+        return sum(bool(micro) for worker in self.microbatches for minibatch in worker for micro in minibatch)
 
 
 def padded_tokens(lengths: np.ndarray) -> int:
@@ -109,14 +119,16 @@ def padded_tokens(lengths: np.ndarray) -> int:
 
 
 def plan_shards(lengths: np.ndarray, minibatches: int, world_size: int,
-                max_tokens_per_microbatch: int | None) -> ShardPlan:
+                max_tokens_per_microbatch: int | None, lockstep: bool = False) -> ShardPlan:
     """Deal rows (`lengths`: prompt + response tokens per row) to workers and micro-batches.
 
     Minibatches are `np.array_split` of the rows in order (as one worker cuts them). Within a
     minibatch, rows go longest first to the worker with the fewest tokens so far (ties: the
     lower rank), so workers finish together; a worker keeps its rows in step order. Its rows are
     then cut, in order, into micro-batches whose padded tokens stay within the budget (a row
-    over the budget alone forms one). Deterministic: a pure function of its arguments.
+    over the budget alone forms one). `lockstep` (sharded workers): every worker gets as many
+    micro-batches per minibatch as the busiest, the missing ones empty (dummy passes).
+    Deterministic: a pure function of its arguments.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     plan: list[list[list[list[int]]]] = [[] for _ in range(world_size)]
@@ -127,8 +139,10 @@ def plan_shards(lengths: np.ndarray, minibatches: int, world_size: int,
             rank = int(np.argmin(load))
             dealt[rank].append(row)
             load[rank] += lengths[row]
+        cut = [_microbatches(sorted(rows), lengths, max_tokens_per_microbatch) for rows in dealt]
+        passes = max(len(micro) for micro in cut) if lockstep else 0
         for rank in range(world_size):
-            plan[rank].append(_microbatches(sorted(dealt[rank]), lengths, max_tokens_per_microbatch))
+            plan[rank].append(cut[rank] + [[] for _ in range(passes - len(cut[rank]))])
     return ShardPlan(plan)
 
 
@@ -162,20 +176,28 @@ def listening_socket(host: str) -> socket.socket:
 class Collective:
     """One worker's membership of the group: a torch.distributed process group (gloo or NCCL)
     built directly on a TCP store, not the process-global default group, so a process may hold
-    a trainer and a test or replay its own. World size 1: every operation is the identity."""
+    a trainer and a test or replay its own. World size 1: every operation is the identity.
+
+    `default_group` (a sharded trainer, operators/fsdp.py): the group is torch.distributed's
+    default group instead, initialised on the same store (at world size 1 too), because FSDP's
+    DeviceMesh accepts only a registered group; `mesh` is then the 1-D mesh over it, and
+    `close()` destroys it. One such group per process."""
 
     def __init__(self, rank: int = 0, world_size: int = 1, *, host: str = "127.0.0.1", port: int = 0,
                  device: torch.device | str = "cpu", timeout_seconds: float = 300.0,
-                 listen: socket.socket | None = None) -> None:
+                 listen: socket.socket | None = None, default_group: bool = False) -> None:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.group = None
-        if world_size == 1:
+        self.default_group = default_group
+        if world_size == 1 and not default_group:
             return
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_seconds)
-        if rank == 0:
+        if world_size == 1:
+            self._store = dist.HashStore()
+        elif rank == 0:
             assert listen is not None, "worker 0 serves the rendezvous store on its listening socket"
             self._store = dist.TCPStore(host, listen.getsockname()[1], world_size=world_size, is_master=True,
                                         master_listen_fd=listen.fileno(), wait_for_workers=False, timeout=timeout)
@@ -183,25 +205,43 @@ class Collective:
         else:
             self._store = dist.TCPStore(host, port, world_size=world_size, is_master=False, timeout=timeout)
         store = dist.PrefixStore("trajflow_trainer", self._store)
-        if choose_backend(self.device) == "nccl":
+        nccl = choose_backend(self.device) == "nccl"
+        if nccl:
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(store, rank, world_size, options)
         else:
             options = dist.ProcessGroupGloo._Options()
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            options._timeout = timeout
-            self.group = dist.ProcessGroupGloo(store, rank, world_size, options)
+        options._timeout = timeout
+        if not default_group:
+            self.group = (dist.ProcessGroupNCCL if nccl else dist.ProcessGroupGloo)(store, rank, world_size, options)
+            return
+        from trajflow.operators.fsdp import register_bound_gloo
+
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds torch.distributed's default group: one sharded "
+                               "trainer per process")
+        device_id = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        dist.init_process_group("nccl" if nccl else register_bound_gloo(), store=store, rank=rank,
+                                world_size=world_size, timeout=timeout, pg_options=options, device_id=device_id)
+        self.group = dist.group.WORLD
+
+    @property
+    def mesh(self):
+        """The 1-D DeviceMesh over the default group (`default_group` only), on this device's type."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        assert self.default_group, "a mesh needs the default group (Collective(default_group=True))"
+        return DeviceMesh.from_group(self.group, self.device.type)
 
     def all_reduce_sum(self, flat: torch.Tensor) -> torch.Tensor:
         """Sum `flat` (one tensor) over the workers, in place; returns it."""
-        if self.group is not None:
+        if self.world_size > 1:
             self.group.allreduce([flat]).wait()
         return flat
 
     def all_gather(self, values: torch.Tensor) -> torch.Tensor:
         """A 1-D tensor from every worker (lengths may differ), concatenated in rank order."""
-        if self.group is None:
+        if self.world_size == 1:
             return values
         device = values.device
         values = values.to(self.device)
@@ -215,6 +255,10 @@ class Collective:
         return torch.cat([g[: int(n)] for g, n in zip(gathered, sizes.tolist())]).to(device)
 
     def close(self) -> None:
+        if self.default_group and self.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
         self.group = None
         self._store = None
 
@@ -278,7 +322,7 @@ class TrainerGroup:
         port = listen.getsockname()[1]
         joined = [r.join.remote(host, port, timeout_seconds) for r in self.ranks]
         self.collective = Collective(0, world_size, host=host, listen=listen, device=device,
-                                     timeout_seconds=timeout_seconds)
+                                     timeout_seconds=timeout_seconds, default_group=spec.sharding == "fsdp")
         self._get(joined, timeout_seconds)
 
     def submit(self, method: str, *args) -> list[ray.ObjectRef]:

@@ -10,7 +10,9 @@ The step, top to bottom:
 2. Per minibatch (and per micro-batch of at most `max_tokens_per_microbatch`, gradients
    accumulating), on each of `num_workers` data-parallel workers (operators/data_parallel.py:
    the rows are shared out, gradients summed and the loss normalised over all workers, so N
-   workers give the one-worker update): pi_theta under the training numerics (engines/training_numerics.py: dropout
+   workers give the one-worker update; each worker a full replica, or 1/N of the model with
+   `trainer.sharding: fsdp`, operators/fsdp.py): pi_theta under the training numerics
+   (engines/training_numerics.py: dropout
    off, the same autocast as every pi_old), then the strategy's correction (operators/correction.py:
    its proximal, tokens outside the sampling support taken out and counted, its trust mask, the
    decoupled loss), backward, gradient clip and the optimizer update. An update whose gradient
@@ -27,8 +29,9 @@ step that finds it was restarted (the store already registered a trainer) or los
 stops with `TrainerStateLost` (`--resume` restores the state from the last checkpoint) rather
 than training on with a fresh optimizer.
 
-Public for the jobs layer: `version`, `strategy`, `policy()`, `policy_state_dict()`,
-`checkpoint_state()` / `load_checkpoint_state()` (optimizer + strategy state, for resume).
+Public for the jobs layer: `version`, `strategy`, `full_weights()` (the current version's full
+tensors, one at a time: every worker takes part under FSDP), `publish()`, `save_checkpoint()` /
+`restore()` (weights, optimizer and strategy state on every worker), `unsharded_policy()`.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -47,6 +51,7 @@ from torch import Tensor
 
 from trajflow.algorithms.config import CorrectionConfig, KLConfig, OptimizerConfig
 from trajflow.algorithms.objective import LossOutput
+from trajflow.engines import checkpoint as ckpt
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -70,6 +75,7 @@ from trajflow.operators.data_parallel import (
     node_address,
     plan_shards,
 )
+from trajflow.operators.fsdp import full_tensors, grad_norm, local_bytes, shard_model
 from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies.base import Strategy
 from trajflow.schemas import conform
@@ -111,12 +117,19 @@ class ShardResult:
     losses: list[float] = field(default_factory=list)  # per minibatch (global: the same on every worker)
     norms: list[float] = field(default_factory=list)
     skipped: int = 0
-    microbatches: int = 0
+    microbatches: int = 0  # with rows
+    dummy_passes: int = 0  # a sharded worker's passes without rows (lockstep)
     allreduce_seconds: float = 0.0
+    state_bytes: dict[str, int] = field(default_factory=dict)  # after the last optimizer step: TrainerReplica.state_bytes
 
 
 class TrainerReplica(PolicyHolder):
-    """One data-parallel worker: the policy, its optimizer and strategy, and the update of its rows."""
+    """One data-parallel worker: the policy, its optimizer and strategy, and the update of its rows.
+
+    Replicated (`trainer.sharding: none`), a worker is ready when built. Sharded (`fsdp`), it
+    shards its model when it joins the group (`join_group`) and only then builds its optimizer
+    (over the shards) and binds its strategy; from then on every forward and backward pass of the
+    policy is a collective, so the workers run the same passes in the same order."""
 
     def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, version: int | None = None) -> None:
         torch.set_num_threads(spec.torch_threads)
@@ -128,34 +141,111 @@ class TrainerReplica(PolicyHolder):
         self.numerics = spec.numerics
         self.grad_clip = spec.optimizer.grad_clip
         self.minibatches_per_step = spec.optimizer.minibatches_per_step
+        self.sharded = spec.data_parallel.sharding == "fsdp"
         self.collective = Collective()  # world size 1 until a group is joined
         # The store's newest weights (version 0 on a fresh run, the resumed one later), or the
         # version worker 0 started from.
         self.version, weights = store.weights(version)
-        self.model = spec.numerics.prepare(load_model(spec.model_path))
-        self.model.load_state_dict(weights)
+        model = load_model(spec.model_path)
+        model.load_state_dict(weights)
+        # sharded, the model reaches the device shard by shard (operators/fsdp.py), never whole
+        self.model = model.eval() if self.sharded else spec.numerics.prepare(model)
         if spec.data_parallel.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        o = spec.optimizer
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_steps = 0
+        if not self.sharded:
+            self._start()
+
+    def join_group(self, collective: Collective) -> None:
+        """Train in `collective`'s group from now on. A sharded worker shards its model over it
+        (locally: each keeps its part), then builds its optimizer and binds its strategy."""
+        self.collective = collective
+        if self.sharded:
+            shard_model(self.model, collective.mesh, self.spec.data_parallel.cpu_offload)
+            self._start()
+
+    def _start(self) -> None:
+        o = self.spec.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
-        self.optimizer_steps = 0
         self.strategy.bind(self)
+
+    # -- the weights ------------------------------------------------------------------------------
+    def full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(name, tensor) of the current version's full weights, one at a time, in state-dict
+        order (tied weights: the same tensor under each name), on the training device.
+
+        Replicated: the model's own tensors (detached, not copied; cast to `dtype` if given).
+        Sharded: each tensor is cast on its shard and all-gathered, which is a collective: every
+        worker of the group runs this iteration in step, to the end (`TrainStep.full_weights`
+        drives workers 1..N-1; they drop what they gather)."""
+        return full_tensors(self.model.state_dict(), dtype)
+
+    def policy_copy(self) -> torch.nn.Module:
+        """A frozen copy of the policy with the current weights; sharded like it (its forward
+        passes are collectives too, run by every worker in step) when the trainer is sharded."""
+        if not self.sharded:
+            return super().policy_copy()
+        model = load_model(self.spec.model_path).eval().requires_grad_(False)
+        shard_model(model, self.collective.mesh, self.spec.data_parallel.cpu_offload, frozen=True)
+        model.load_state_dict(self.model.state_dict())
+        return model
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds of the parameters, their gradients and the optimizer state
+        (its shards when sharded, FSDP's padding included)."""
+        params = self._parameters()
+        return {"parameter": local_bytes(params),
+                "gradient": local_bytes(p.grad for p in params if p.grad is not None),
+                "optimizer": local_bytes(t for state in self.optimizer.state.values() for t in state.values()
+                                         if isinstance(t, Tensor))}
+
+    def _parameters(self) -> list[Tensor]:
+        """The parameters as the optimizer holds them: sharded, FSDP registers the unsharded ones
+        on the model between a forward and its backward (or after a no-grad forward)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     # -- state ------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
-        """What a checkpoint keeps besides the weights: optimizer and strategy state."""
+        """What a replicated checkpoint keeps besides the weights: optimizer and strategy state."""
         return {"optimizer": self.optimizer.state_dict(), "strategy": self.strategy.state_dict()}
 
     def load_checkpoint_state(self, optimizer: dict | None, strategy: dict | None) -> None:
         if optimizer is not None:
             self.optimizer.load_state_dict(optimizer)
-            steps = [float(s["step"]) for s in self.optimizer.state_dict()["state"].values() if "step" in s]
-            self.optimizer_steps = int(max(steps)) if steps else 0
+            self.optimizer_steps = _optimizer_steps(self.optimizer.state_dict())
+        self._load_strategy_state(strategy)
+
+    def _load_strategy_state(self, strategy: dict | None) -> None:
         if strategy:
             self.strategy.load_state_dict(strategy)
         elif self.strategy.state_dict():
             raise RuntimeError(f"resume: the checkpoint holds no state of strategy {self.strategy.name}")
+
+    def save_shards(self, directory: str) -> None:
+        """Write this worker's shards of the weights, optimizer and strategy state into a sharded
+        checkpoint's directory (engines/checkpoint.py; every worker at once)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        coordinator = self.collective.rank == 0
+        ckpt.save_sharded(Path(directory), "model", self.model.state_dict(), coordinator)
+        # an optimizer that never stepped has no state (reading it would make some: a zero-lr step)
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer) if self.optimizer.state else {}
+        ckpt.save_sharded(Path(directory), "optimizer", optimizer, coordinator)
+        ckpt.save_sharded(Path(directory), "strategy", self.strategy.state_dict(), coordinator)
+
+    def load_shards(self, directory: str) -> None:
+        """Load this worker's shards of a sharded checkpoint (every worker at once)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        directory = Path(directory)
+        self.model.load_state_dict(ckpt.load_sharded(directory, "model", self.model.state_dict))
+        optimizer = ckpt.load_sharded(directory, "optimizer", lambda: get_optimizer_state_dict(self.model, self.optimizer))
+        if optimizer:
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer)
+            self.optimizer_steps = _optimizer_steps(optimizer)
+        self._load_strategy_state(ckpt.load_sharded(directory, "strategy", self.strategy.state_dict))
 
     # -- the update of this worker's rows ------------------------------------------------------
     def update_shard(self, rows: pa.Table, positions: list[int], microbatches: list[list[list[int]]],
@@ -165,22 +255,32 @@ class TrainerReplica(PolicyHolder):
         all-reduce of gradients, loss sums and aggregation counts over the workers, the division
         by the global count, the clip and the optimizer update. Every worker calls this once per
         step with the same number of minibatches (a worker without rows in one still joins its
-        all-reduce)."""
+        all-reduce). Sharded, the gradients are summed by FSDP in the backward passes (only the
+        loss sums and counts are all-reduced), and an empty micro-batch is a dummy pass: the
+        same forward, proximal and backward passes on a one-row batch, with weight 0."""
         result = ShardResult()
         batch = StepBatch.from_table(rows, trainer_version, width=width, rows=np.asarray(positions)) if len(positions) else None
         if batch is not None:
             self.strategy.before_step(batch, self)
+        elif self.sharded:  # the strategy's forward passes (recompute's scoring) are collectives
+            self.strategy.before_step(self._dummy(trainer_version, width), self)
         local = {position: i for i, position in enumerate(positions)}
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self._parameters() if p.requires_grad]
         for minibatch in microbatches:
             self.optimizer.zero_grad(set_to_none=True)
+            shards = [batch.select(torch.tensor([local[p] for p in micro])) if micro
+                      else self._dummy(trainer_version, width) for micro in minibatch]
             if self.strategy.needs_update_pass:
-                self._begin_update([batch.select(torch.tensor([local[p] for p in micro])) for micro in minibatch])
+                self._begin_update(shards)
             loss_sum, count, first_part = 0.0, 0.0, len(result.parts)
-            for micro in minibatch:
-                shard = batch.select(torch.tensor([local[p] for p in micro]))
-                fixed = correct(self.strategy, shard, self.current(shard, grad=True), self, self.correction,
-                                denominator=1.0, kl=self.spec.kl)
+            for micro, shard in zip(minibatch, shards):
+                current = self.current(shard, grad=True)
+                fixed = correct(self.strategy, shard, current, self, self.correction, denominator=1.0,
+                                kl=self.spec.kl)
+                if not micro:  # every parameter takes part in the backward, with gradient 0
+                    (torch.where(torch.isfinite(current), current, 0.0).sum() * 0.0).backward()
+                    result.dummy_passes += 1
+                    continue
                 fixed.loss.loss.backward()
                 loss_sum += float(fixed.loss.loss.detach())
                 count += fixed.denominator
@@ -191,16 +291,15 @@ class TrainerReplica(PolicyHolder):
             for p in params:  # every worker steps every parameter (zeros where it had no rows)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            if self.collective.world_size > 1:  # one flat all-reduce: gradients, loss sum, count
+            if self.collective.world_size > 1:
                 started = time.perf_counter()
-                scalars = torch.tensor([loss_sum, count], dtype=params[0].grad.dtype, device=params[0].grad.device)
-                flat = self.collective.all_reduce_sum(torch.cat([p.grad.reshape(-1) for p in params] + [scalars]))
+                if self.sharded:  # gradients: summed by FSDP's reduce-scatters in the backward passes
+                    scalars = torch.tensor([loss_sum, count], dtype=torch.float64, device=self.collective.device)
+                    self.collective.all_reduce_sum(scalars)
+                    loss_sum, count = float(scalars[0]), float(scalars[1])
+                else:  # one flat all-reduce: gradients, loss sum, count
+                    loss_sum, count = self._all_reduce(params, loss_sum, count)
                 result.allreduce_seconds += time.perf_counter() - started
-                offset = 0
-                for p in params:
-                    p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
-                loss_sum, count = float(flat[-2]), float(flat[-1])
             denominator = max(count, 1.0)
             for p in params:
                 p.grad.div_(denominator)
@@ -208,7 +307,7 @@ class TrainerReplica(PolicyHolder):
             for i in range(first_part, len(result.parts)):  # the weights each token had in the global loss
                 rows_i, out = result.parts[i]
                 result.parts[i] = (rows_i, dataclasses.replace(out, token_weights=out.token_weights / denominator))
-            norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip or math.inf))
+            norm = grad_norm(params, self.grad_clip or math.inf)
             if not math.isfinite(norm):  # never step on a NaN/inf gradient: count it instead
                 result.skipped += 1
                 self.optimizer.zero_grad(set_to_none=True)
@@ -216,9 +315,30 @@ class TrainerReplica(PolicyHolder):
             result.norms.append(norm)
             self.optimizer.step()
             self.optimizer_steps += 1
+            result.state_bytes = self.state_bytes()
             self.strategy.after_update(self)
         self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _all_reduce(self, params: list[Tensor], loss_sum: float, count: float) -> tuple[float, float]:
+        """Sum the gradients (replaced in place), loss sums and counts over the workers in one
+        flat all-reduce; returns the global (loss sum, count)."""
+        scalars = torch.tensor([loss_sum, count], dtype=params[0].grad.dtype, device=params[0].grad.device)
+        flat = self.collective.all_reduce_sum(torch.cat([p.grad.reshape(-1) for p in params] + [scalars]))
+        offset = 0
+        for p in params:
+            p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        return float(flat[-2]), float(flat[-1])
+
+    def _dummy(self, trainer_version: int, width: int) -> StepBatch:
+        """A one-row batch without loss tokens: the input of a sharded worker's dummy pass."""
+        token = [int(getattr(self.model.config, "bos_token_id", None) or 0)]
+        return StepBatch(prompts=[token], responses=[token], inference=torch.zeros((1, width)),
+                         versions=torch.full((1, width), trainer_version, dtype=torch.int64),
+                         loss_mask=torch.zeros((1, width), dtype=torch.bool), advantages=torch.zeros(1),
+                         old=torch.zeros((1, width)), rows=torch.zeros(1, dtype=torch.int64),
+                         groups=torch.zeros(1, dtype=torch.int64), reference=None)
 
     def _begin_update(self, shards: list[StepBatch]) -> None:
         """Hand the strategy the update's log-ratios (this worker's loss tokens, no gradient) and
@@ -242,6 +362,12 @@ class TrainerReplica(PolicyHolder):
         self.version += 1
 
 
+def _optimizer_steps(optimizer_state: dict) -> int:
+    """The optimizer steps taken, from an optimizer state dict (AdamW's per-parameter `step`)."""
+    steps = [float(s["step"]) for s in optimizer_state["state"].values() if "step" in s]
+    return int(max(steps)) if steps else 0
+
+
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass, with dropout still off.
 
@@ -258,25 +384,28 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
 
 
 class TrainerRank(TrainerReplica):
-    """Worker `rank` (1..N-1) of a data-parallel train step: a Ray actor started by worker 0,
-    holding the same state as worker 0 (its checkpoint state is passed in)."""
+    """Worker `rank` (1..N-1) of a data-parallel train step: a Ray actor started by worker 0 from
+    the same spec and version; worker 0 restores its checkpoint state when resuming."""
 
-    def __init__(self, rank: int, world_size: int, state: dict, store: PolicyStoreClient, spec: TrainerSpec,
-                 version: int) -> None:
+    def __init__(self, rank: int, world_size: int, store: PolicyStoreClient, spec: TrainerSpec, version: int) -> None:
         super().__init__(store, spec, version)
         self.rank, self.world_size = rank, world_size
-        self.load_checkpoint_state(state["optimizer"], state["strategy"])
 
     def node_id(self) -> str:
         return node_address()[0]
 
     def join(self, host: str, port: int, timeout_seconds: float) -> None:
-        self.collective = Collective(self.rank, self.world_size, host=host, port=port,
-                                     device=self.numerics.torch_device(), timeout_seconds=timeout_seconds)
+        self.join_group(Collective(self.rank, self.world_size, host=host, port=port, device=self.numerics.torch_device(),
+                                   timeout_seconds=timeout_seconds, default_group=self.sharded))
 
     def update(self, rows: pa.Table, positions: list[int], microbatches: list[list[list[int]]],
                trainer_version: int, width: int) -> ShardResult:
         return self.update_shard(rows, positions, microbatches, trainer_version, width)
+
+    def gather_weights(self, dtype: torch.dtype | None) -> None:
+        """Take part in worker 0's `full_weights()`: the same gathers in step (their tensors dropped)."""
+        for _ in self.full_weights(dtype):
+            pass
 
 
 class TrainStep(TrainerReplica):
@@ -303,18 +432,92 @@ class TrainStep(TrainerReplica):
         self.on_step = hooks.on_step  # the job's hook (trajectory log, metrics file, checkpoints), after the services
         self.busy_seconds = 0.0
         self.started = time.perf_counter()
-        if hooks.on_start is not None:
-            hooks.on_start(self)  # e.g. a resumed job restores optimizer and strategy state here
         if data_parallel.num_workers > 1:
-            self.group = TrainerGroup(
-                TrainerRank, dict(state=self.checkpoint_state(), store=store, spec=spec, version=self.version),
-                data_parallel, device=self.numerics.torch_device())
-            self.collective = self.group.collective
+            self.group = TrainerGroup(TrainerRank, dict(store=store, spec=spec, version=self.version), data_parallel,
+                                      device=self.numerics.torch_device())
+            self.join_group(self.group.collective)
+        elif self.sharded:  # one worker: FSDP over a group of one (the same code path)
+            self.join_group(Collective(device=self.numerics.torch_device(), default_group=True))
+        if hooks.on_start is not None:
+            hooks.on_start(self)  # e.g. a resumed job restores every worker's optimizer and strategy state here
 
     def publish(self) -> None:
         """Make the trainer's current weights version `self.version` in the policy store (the
-        after-step service `PublishWeights` calls it)."""
-        self.store.publish(self.policy_state_dict(), self.version)
+        after-step service `PublishWeights` calls it): the full tensors (`full_weights()`,
+        gathered from every worker when sharded) as one float32 copy in the object store."""
+        self.store.publish(dict(self.full_weights()), self.version)
+
+    def full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+        """`TrainerReplica.full_weights` on worker 0, with workers 1..N-1 running the same gathers
+        meanwhile when sharded. Iterate to the end: a consumer that stops early still finishes the
+        gathers (the other workers are in them), so the workers stay in step."""
+        if self.group is None or not self.sharded:
+            yield from super().full_weights(dtype)
+            return
+        refs = self.group.submit("gather_weights", [dtype] * (self.group.world_size - 1))
+        gathered = super().full_weights(dtype)
+        try:
+            for item in gathered:  # not `yield from`: closing this generator must not close `gathered`
+                yield item
+        except Exception as e:
+            raise self.group.failure(e, refs) from e
+        finally:
+            for _ in gathered:
+                pass
+        self.group.get(refs)
+
+    def unsharded_policy(self) -> torch.nn.Module:
+        """The policy as one module in this process, for work outside the workers' lockstep
+        (held-out evaluation): the model itself when replicated; sharded, a full copy loaded
+        from `full_weights()` (every worker takes part in the gathers)."""
+        if not self.sharded:
+            return self.model
+        model = self.numerics.prepare(load_model(self.spec.model_path))
+        model.load_state_dict(dict(self.full_weights()))
+        return model
+
+    def save_checkpoint(self, root: Path, meta: dict, export: bool = False) -> ckpt.Checkpoint:
+        """Checkpoint version `self.version` under `root` (engines/checkpoint.py): replicated,
+        this worker writes the weights, optimizer and strategy state; sharded, every worker
+        writes its shards. `export`: the checkpoint is also a plain Hugging Face model directory
+        (full float32 weights, the model's config and tokenizer files)."""
+        dp = self.data_parallel
+        meta = {**meta, "sharding": {"method": dp.sharding, "workers": dp.num_workers}}
+        with ckpt.writing_checkpoint(root, self.version, meta) as tmp:
+            if self.sharded:
+                self._on_every_worker("save_shards", str(tmp))
+            else:
+                state = self.checkpoint_state()
+                ckpt.write_replica(tmp, self.policy_state_dict(), state["optimizer"], state["strategy"])
+            if export:
+                ckpt.export_model(tmp, self.full_weights(), self.spec.model_path)
+        return ckpt.Checkpoint(ckpt.checkpoint_dir(root, self.version), self.version, meta)
+
+    def restore(self, path: Path) -> None:
+        """Load checkpoint `path`'s optimizer and strategy state (and, sharded, each worker's
+        shards of the weights) into every worker: a resumed run's state. The weights also came
+        with the store's version, which the trainer started from."""
+        checkpoint = ckpt.Checkpoint(Path(path), -1)
+        if checkpoint.sharded != self.sharded:
+            kind = "a sharded" if checkpoint.sharded else "a replicated"
+            raise RuntimeError(f"resume: checkpoint {path} was written by {kind} trainer, and trainer.sharding is "
+                               f"{self.data_parallel.sharding}; resume with the sharding the run used")
+        if self.sharded:
+            self._on_every_worker("load_shards", str(path))
+        else:
+            self._on_every_worker("load_checkpoint_state", checkpoint.optimizer_state(), checkpoint.strategy_state())
+
+    def _on_every_worker(self, method: str, *args) -> list:
+        """`method(*args)` on every worker at once (the collectives inside stay in step): workers
+        1..N-1 through the group, then this one; the results by rank."""
+        refs = self.group.submit(method, *([a] * (self.group.world_size - 1) for a in args)) if self.group else []
+        try:
+            mine = getattr(self, method)(*args)
+        except Exception as e:  # with workers: name the one that died, or surface a worker's own error
+            if self.group is None:
+                raise
+            raise self.group.failure(e, refs) from e
+        return [mine, *(self.group.get(refs) if refs else [])]
 
     @property
     def nodes(self) -> list[str]:
@@ -322,10 +525,13 @@ class TrainStep(TrainerReplica):
         return self.group.nodes if self.group is not None else [self.node]
 
     def close(self) -> None:
-        """End the other workers and free their placement group (they also end with this process)."""
+        """End the other workers and free their placement group (they also end with this process),
+        and leave the process group."""
         if self.group is not None:
             self.group.close()
             self.group = None
+        if getattr(self, "collective", None) is not None:
+            self.collective.close()
         self.collective = Collective()
 
     # -- the step ----------------------------------------------------------------------------------
@@ -368,21 +574,16 @@ class TrainStep(TrainerReplica):
     def _finish_step(self, diagnostics: dict) -> dict:
         """Every worker's strategy after-step hook on the same (global) diagnostics."""
         if not diagnostics:  # nothing trained: no update, the version still advances
-            self.advance_version()
-            if self.group is not None:
-                self.group.get(self.group.submit("advance_version"))
+            self._on_every_worker("advance_version")
             return {}
-        refs = self.group.submit("finish_step", [diagnostics] * (self.group.world_size - 1)) if self.group else []
-        out = self.finish_step(diagnostics)
-        if refs:
-            self.group.get(refs)
-        return out
+        return self._on_every_worker("finish_step", diagnostics)[0]
 
     def _update(self, table: pa.Table, trainer_version: int) -> tuple[dict, list, dict]:
         batch = StepBatch.from_table(table, trainer_version)
         lengths = np.array([len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)])
         dp = self.data_parallel
-        plan = plan_shards(lengths, self.minibatches_per_step, dp.num_workers, dp.max_tokens_per_microbatch)
+        plan = plan_shards(lengths, self.minibatches_per_step, dp.num_workers, dp.max_tokens_per_microbatch,
+                           lockstep=self.sharded)
         refs = []
         if self.group is not None:
             shards = [plan.rows(rank) for rank in range(1, dp.num_workers)]
@@ -408,5 +609,8 @@ class TrainStep(TrainerReplica):
         diagnostics["grad/norm"] = float(np.mean(results[0].norms)) if results[0].norms else None
         diagnostics["grad/nonfinite_skipped"] = float(results[0].skipped)
         parallel = {"trainer/microbatches": sum(r.microbatches for r in results),
-                    "trainer/allreduce_seconds": max(r.allreduce_seconds for r in results)}
+                    "trainer/allreduce_seconds": max(r.allreduce_seconds for r in results),
+                    **({"trainer/dummy_passes": sum(r.dummy_passes for r in results)} if self.sharded else {}),
+                    **{f"trainer/{kind}_bytes": max(r.state_bytes.get(kind, 0) for r in results)
+                       for kind in ("parameter", "gradient", "optimizer") if results[0].state_bytes}}
         return diagnostics, old_column(olds, [len(r) for r in batch.responses]), parallel

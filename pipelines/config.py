@@ -167,11 +167,21 @@ class TrainerConfig(ResourceConfig):
         None, ge=1, description="padded tokens (rows x longest prompt+response) per forward/backward; gradients "
         "accumulate over the micro-batches of an update (None: one micro-batch per minibatch and worker)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    sharding: Literal["none", "fsdp"] = Field(
+        "none", description="none: a full replica per worker; fsdp: parameters, gradients and optimizer state "
+        "sharded over the workers (torch FSDP2, operators/fsdp.py)")
+    cpu_offload: bool = Field(False, description="fsdp on CUDA: shards, gradients and optimizer state in host "
+                              "memory, each layer copied to the GPU to compute (no effect on CPU workers)")
     placement: Literal["pack", "spread"] = Field(
         "pack", description="workers 1..N-1: pack (fewest nodes) or spread (each on a node other than worker 0's)")
     collective_timeout_seconds: float = Field(
         300.0, gt=0.0, description="a worker that does not join a gradient all-reduce within this fails the step")
 
+    @model_validator(mode="after")
+    def _offload_needs_sharding(self) -> "TrainerConfig":
+        if self.cpu_offload and self.sharding != "fsdp":
+            raise ValueError("cpu_offload: needs sharding: fsdp (a replicated worker keeps its state on its device)")
+        return self
 
     def data_parallel(self, group_name: str):
         """The train step's view of this section (operators/data_parallel.py); `group_name`: the
@@ -179,7 +189,8 @@ class TrainerConfig(ResourceConfig):
         from trajflow.operators.data_parallel import DataParallel
 
         return DataParallel(num_workers=self.num_workers, max_tokens_per_microbatch=self.max_tokens_per_microbatch,
-                            gradient_checkpointing=self.gradient_checkpointing, placement=self.placement,
+                            gradient_checkpointing=self.gradient_checkpointing, sharding=self.sharding,
+                            cpu_offload=self.cpu_offload, placement=self.placement,
                             collective_timeout_seconds=self.collective_timeout_seconds, num_cpus=self.num_cpus,
                             num_gpus=self.num_gpus, resources=dict(self.resources), group_name=group_name)
 

@@ -1,10 +1,11 @@
 """RunRecorder (the trainer-side hooks that write a run dir) and resume truncation, without Ray:
 a small trainer with a real optimizer, the real EWMA strategy and the train step's own
-checkpoint-state methods."""
+checkpoint methods."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -14,26 +15,28 @@ import torch
 from trajflow.engines import checkpoint as ckpt
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.jobs.recorder import RunPaths, RunRecorder, logged_steps, read_metrics, truncate_after
-from trajflow.operators.correction import PolicyHolder
 from trajflow.operators.strategies.ewma import Ewma
 from trajflow.operators.train_step import TrainStep
+from trajflow.pipelines.config import PipelineConfig
 from trajflow.schemas import from_rows, read_parquet
 
 
-class SmallTrainer(PolicyHolder):
+class SmallTrainer(TrainStep):
     """A TrainStep without Ray or a language model: a linear policy, AdamW, the EWMA strategy, and
-    the train step's own public checkpoint methods (the only ones the recorder may call)."""
+    the train step's own public methods the recorder may call (full_weights, save_checkpoint,
+    restore), as a replicated trainer of one worker. `model_path`: the directory whose config and
+    tokenizer files the run's last checkpoint exports beside the weights."""
 
-    checkpoint_state = TrainStep.checkpoint_state
-    load_checkpoint_state = TrainStep.load_checkpoint_state
-
-    def __init__(self, version: int = 0, seed: int = 0) -> None:
-        torch.manual_seed(seed)
+    def __init__(self, version: int = 0, seed: int = 0, model_path: str | None = None) -> None:
+        torch.manual_seed(seed)  # not TrainStep.__init__: no store, model loading or worker group
         self.model = torch.nn.Linear(3, 2)
         self.numerics, self.sampling, self.minibatches_per_step = TrainingNumerics(), None, 1
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.optimizer_steps = 0
         self.version = version
+        self.sharded, self.group = False, None
+        self.data_parallel = PipelineConfig().trainer.data_parallel("")
+        self.spec = SimpleNamespace(model_path=model_path)
         self.strategy = Ewma(window=2)
         self.strategy.bind(self)
 
@@ -74,7 +77,13 @@ def _step(recorder: RunRecorder, trainer: SmallTrainer) -> dict:
 
 
 def test_steps_write_logs_checkpoints_and_versions(tmp_path):
-    recorder, trainer = _recorder(tmp_path), SmallTrainer()
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "linear"}')
+    (model_dir / "tokenizer.json").write_text("{}")
+    (model_dir / "model.safetensors").write_text("the initial weights: never exported")
+    recorder, trainer = _recorder(tmp_path / "run"), SmallTrainer(model_path=str(model_dir))
+    tmp_path = tmp_path / "run"
     recorder.on_start(trainer)
     metrics = [_step(recorder, trainer) for _ in range(5)]
     paths = RunPaths(tmp_path)
@@ -101,7 +110,14 @@ def test_steps_write_logs_checkpoints_and_versions(tmp_path):
     recorder.on_step(trainer, bad, {"step": 5, "version": 6})
     assert read_parquet(paths.trajectory_file(5)).num_rows == 3
     assert (paths.quarantine / "step=000005.parquet").is_file()
-    assert [c.version for c in ckpt.list_checkpoints(paths.checkpoints)] == [4, 6]  # final one + retention
+    checkpoints = ckpt.list_checkpoints(paths.checkpoints)
+    assert [c.version for c in checkpoints] == [4, 6]  # final one + retention
+    # the final one is also a model directory: the final weights, the model's config and tokenizer
+    assert (checkpoints[-1].path / "config.json").read_text() == '{"model_type": "linear"}'
+    assert (checkpoints[-1].path / "tokenizer.json").is_file() and not (checkpoints[0].path / "config.json").exists()
+    final = checkpoints[-1].model_state()
+    assert all(torch.equal(final[k], v) for k, v in trainer.model.state_dict().items())
+    assert checkpoints[-1].meta["sharding"] == {"method": "none", "workers": 1}
 
 
 def test_resume_restores_optimizer_and_ewma_and_truncates_later_steps(tmp_path):

@@ -255,21 +255,26 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradient():
 
 
 # -- real pipelines ----------------------------------------------------------------------------
-def run_with_final_weights(config: PipelineConfig) -> tuple[pl.DataFrame, dict[str, torch.Tensor]]:
+def run_with_final_weights(config: PipelineConfig, steps: range | None = None, recorder=None,
+                           initial_weights: dict | None = None) -> tuple[pl.DataFrame, dict[str, torch.Tensor]]:
     """Run a synchronous pipeline's own stage objects step by step in this process (worker 0 is
     this process: only workers 1..N-1 start as actors; no Ray Data start-up per run), then read
-    the final version from the policy store."""
+    the final version from the policy store. `steps` (default: all) may start later, from
+    `initial_weights`, with a job's `recorder` as the train step's hooks (a resumed run)."""
+    steps = steps if steps is not None else range(config.steps)
     pipe = RLPipeline(config)
-    store = pipe.start_store()
+    if recorder is not None:
+        pipe.hooks.on_start, pipe.hooks.on_step = recorder.on_start, recorder.on_step
+    store = pipe.start_store(initial_version=steps.start, initial_weights=initial_weights)
     stages = [stage.fn(store=store, **stage.kwargs) if stage.is_actor else stage.fn for stage in pipe.stages]
     try:
         rows = []
-        for step in range(config.steps):
+        for step in steps:
             batch = pipe.prompts.step_rows(step)
             for fn in stages:
                 batch = fn(batch)
             rows += batch.to_pylist()
-        _, weights = store.weights(config.steps)
+        _, weights = store.weights(steps.stop)
         weights = {k: v.clone() for k, v in weights.items()}
     finally:
         for fn in stages:

@@ -31,6 +31,10 @@ and, inside the process that trains (TrainStep) or diagnoses (Diagnose), per tra
 
 `trainer` gives the models and the numerics (see `Trainer`); `batch` is a StepBatch
 (operators/correction.py); `current` is pi_theta [B, T]. The pure math stays in algorithms/.
+Under a sharded trainer (`trainer.sharding: fsdp`) `policy_state_dict()` holds this worker's
+shards, and every forward pass of `policy()` or a `policy_copy()` is a collective: a strategy
+runs the same passes on every worker (the train step calls each hook on every worker, with a
+dummy batch where a worker has no rows), and keeps state that follows the weights per shard.
 Objects travel to Ray actors by Ray's in-memory pickling (never to disk): keep them plain.
 """
 
@@ -77,7 +81,9 @@ class Trainer(Protocol):
 
     def policy(self) -> torch.nn.Module: ...  # the policy with the current weights
 
-    def policy_state_dict(self) -> dict[str, Tensor]: ...
+    def policy_state_dict(self) -> dict[str, Tensor]: ...  # its weights as it holds them (shards if sharded)
+
+    def policy_copy(self) -> torch.nn.Module: ...  # a frozen copy of it (sharded like it), loads policy_state_dict()
 
     def score(self, model: torch.nn.Module, batch: "StepBatch") -> Tensor: ...  # no-grad [B, T]
 

@@ -4,7 +4,9 @@ The EWMA folds in the weights after every optimizer update, with beta set for a 
 versions counted in updates (W x minibatches_per_step, algorithms/ewma.py), and resets to the
 current weights when the step's active-token fraction falls below `reset_threshold` (the
 paper's tau). It scores in the trainer's numerics with its own model copy. `ewma/age` is
-reported in versions.
+reported in versions. Under a sharded trainer each worker keeps the EWMA of its own shards (the
+update is elementwise) and scores with a sharded copy of the policy: the proximal model is
+all-gathered layer by layer like the policy itself.
 
 Settings (`strategy_options`): `window` (W in versions; default max(1, max_staleness): the
 reference sits mid-window), `reset_threshold` (tau, default 0.9).
@@ -12,7 +14,6 @@ reference sits mid-window), `reset_threshold` (tau, default 0.9).
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any
 
 from trajflow.operators.strategies.base import Strategy, Trainer
@@ -53,7 +54,7 @@ class Ewma(Strategy):
 
         beta = ewma_beta(self.window, self.minibatches_per_step)
         self.ewma = EwmaProximal(trainer.policy_state_dict(), beta, reset_threshold=self.reset_threshold)
-        self._model = trainer.numerics.prepare(copy.deepcopy(trainer.policy())).requires_grad_(False)
+        self._model = trainer.policy_copy()
         self._stale_model = True
 
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:

@@ -25,8 +25,13 @@ class Recompute(Strategy):
         self._before_update: Tensor | None = None
 
     def before_step(self, batch, trainer: Trainer) -> None:
-        many_updates = trainer.minibatches_per_step > 1
-        self._before_update = trainer.score(trainer.policy(), batch) if many_updates else None
+        self._before_update = None
+        if trainer.minibatches_per_step > 1:
+            import torch
+
+            scores = trainer.score(trainer.policy(), batch)  # indexed by step row: a worker's rows are a subset
+            self._before_update = torch.zeros((int(batch.rows.max()) + 1, scores.shape[1]), dtype=scores.dtype)
+            self._before_update[batch.rows] = scores
 
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
         if self._before_update is not None:
