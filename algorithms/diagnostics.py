@@ -25,6 +25,12 @@ All fractions are over loss tokens (loss_mask true) unless the key says seq.
     mismatch/max_abs_log_rd  max |log pi_old - log mu| (0 when old logits are exact and numerics match)
     staleness_ratio/max_abs_log  max |log pi_theta - log pi_old| per token (0 on-policy when pi_old is
                            computed in the same numerics as pi_theta)
+    split/var_log_rd       variance over loss tokens of log r_d = log pi_old - log mu: with exact old
+    split/var_log_rs       logits, the engine-mismatch and the staleness parts of the total log-ratio
+    split/var_log_total    log pi_theta - log mu (the split of arXiv 2605.14220; under a proxy pi_old
+                           the two parts mix)
+    grad/cos_vs_exact      gradient_agreement(): a strategy's parameter gradient against the exact
+    grad/rel_err_vs_exact  one on the same batch (replay --diagnose --gradients)
     is/ess                 (sum w)^2 / (N sum w^2), w = r_d per loss token; 1 = all equal
     staleness/mean, /max   trainer_version - versions over loss tokens
     staleness/lag_{k}      token count at lag k, for k = 0..max (a histogram)
@@ -57,6 +63,23 @@ def mismatch_kl(log_rd: Tensor, mask: Tensor) -> tuple[float, float]:
     k1 = (-x).mean()
     k3 = (torch.expm1(x) - x).mean()  # rho - 1 - log rho, expm1 for accuracy near rho = 1
     return float(k1), float(k3)
+
+
+def _variance(x: Tensor, mask: Tensor) -> float:
+    """Population variance of x over the mask (float64); 0 for fewer than two tokens."""
+    v = x[mask].detach().to(torch.float64)
+    return float(v.var(unbiased=False)) if v.numel() > 1 else 0.0
+
+
+def gradient_agreement(grad: Tensor, exact: Tensor) -> dict[str, float]:
+    """How a strategy's flattened parameter gradient `grad` departs from the exact one on the same
+    batch: cosine similarity (1: the same direction; NaN when either gradient is zero) and the
+    relative norm error |grad - exact| / |exact| (0: the same gradient; NaN when exact is zero)."""
+    g, e = grad.detach().to(torch.float64).flatten(), exact.detach().to(torch.float64).flatten()
+    gn, en = float(g.norm()), float(e.norm())
+    cos = float(g @ e) / (gn * en) if gn > 0 and en > 0 else float("nan")
+    rel = float((g - e).norm()) / en if en > 0 else float("nan")
+    return {"grad/cos_vs_exact": cos, "grad/rel_err_vs_exact": rel, "grad/norm": gn}
 
 
 def effective_sample_size(weights: Tensor, mask: Tensor) -> float:
@@ -114,6 +137,9 @@ def correction_diagnostics(
         "staleness_ratio/max_abs_log": float(out.log_rs_token[m].abs().max()) if bool(m.any()) else 0.0,
         "is/ess": effective_sample_size(out.log_rd.exp(), m),
         "loss_tokens": float(m.sum()),
+        "split/var_log_rd": _variance(out.log_rd, m),
+        "split/var_log_rs": _variance(out.log_rs_token, m),
+        "split/var_log_total": _variance(out.log_rd + out.log_rs_token, m),
     }
     if reference:
         d.update(kl_metrics(out.kl, m))

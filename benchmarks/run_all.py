@@ -21,6 +21,7 @@ from benchmarks import (  # noqa: E402
     compute_bound,
     data_plane,
     end_to_end,
+    evidence,
     hops,
     orchestration,
     publish,
@@ -38,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 SECTIONS = HERE / "results"  # one file per benchmark, so each can be refreshed on its own
 ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "hops", "store_calls", "orchestration", "compute_bound", "publish",
-         "trainer_dp", "trainer_fsdp", "startup", "end_to_end", "trl"]
+         "trainer_dp", "trainer_fsdp", "startup", "end_to_end", "trl", "evidence_regime"]
 
 
 def table(rows: list[dict]) -> str:
@@ -103,6 +104,9 @@ def run_section(name: str, quick: bool, strategies: list[str] | None = None) -> 
     if name == "trl":
         return ("10. Side by side with TRL's GRPOTrainer (quickstart size: 16 prompts x 8 samples, 6 tokens)",
                 table(trl_compare.run(steps=12 if q else 60, repeats=1 if q else 3)))
+    if name == "evidence_regime":
+        return ("11. Evidence, the mechanism: each proxy's gradient against exact old logits on the same batch, "
+                "by replay at staleness S (benchmarks/evidence.py)", evidence.run_regime(quick=q))
     raise ValueError(f"unknown benchmark {name!r}; choose from {ORDER}")
 
 

@@ -208,7 +208,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     strategies = [s for item in args.strategy for s in item.split(",") if s]
     replay_job(args.trajectories, args.checkpoints, strategies, mode="train" if args.train else "diagnose",
                config=args.config, overrides=args.set, out=args.out,
-               quarantine_nonfinite=args.quarantine_nonfinite, verbose=args.verbose)
+               quarantine_nonfinite=args.quarantine_nonfinite, gradients=args.gradients, verbose=args.verbose)
     return 0
 
 
@@ -357,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--quarantine-nonfinite", action="store_true",
                     help="replay a log holding NaN/inf log-probs: such rows are counted, written to "
                          "OUT/quarantine.parquet, never trained (default: refuse the log)")
+    rp.add_argument("--gradients", action="store_true",
+                    help="--diagnose: each strategy's gradient vs the exact strategy's on the same batch "
+                         "(cosine, relative error; give an exact strategy, e.g. snapshot)")
     rp.set_defaults(func=_cmd_replay)
 
     cf = command("configs", "list the bundled job configs and the strategies")

@@ -30,7 +30,7 @@ from trajflow.schemas import LOGPROB_COLUMNS, SchemaError, nonfinite_rows
 TABLE_COLUMNS = (
     ("step", "step", "{:d}"), ("strategy", "strategy", "{}"), ("trained", "rows_trained", "{:d}"),
     ("mask", "mask/token_kept_frac", "{:.3f}"), ("clip", "clip/frac", "{:.3f}"),
-    ("active", "active_frac", "{:.3f}"), ("k3", "mismatch/k3", "{:.1e}"), ("ess", "is/ess", "{:.3f}"),
+    ("active", "active_frac", "{:.3f}"), ("grad cos", "grad/cos_vs_exact", "{:.3f}"), ("k3", "mismatch/k3", "{:.1e}"), ("ess", "is/ess", "{:.3f}"),
     ("stale", "staleness/mean", "{:.2f}"), ("loss", "loss", "{:+.4f}"),
 )
 
@@ -52,10 +52,11 @@ def _find_run_config(trajectories: Path) -> Path | None:
 def replay_job(trajectories: str | os.PathLike, checkpoints: str | os.PathLike, strategies: Sequence[str], *,
                mode: str = "diagnose", config: str | os.PathLike | None = None, overrides: Sequence[str] = (),
                out: str | os.PathLike | None = None, quarantine_nonfinite: bool = False,
-               verbose: bool = False) -> Path:
+               gradients: bool = False, verbose: bool = False) -> Path:
     """Replay the log under `strategies` ("diagnose": metrics only; "train": one strategy, trained
     on the logged rows); returns the output dir. `config`: the job config (default: the run's,
-    found beside the log), with `overrides` (`--set key=value`) applied."""
+    found beside the log), with `overrides` (`--set key=value`) applied. `gradients` (diagnose): each
+    strategy's parameter gradient compared with the exact strategy's on the same batch."""
     trajectories = Path(trajectories)
     if not trajectories.exists():
         raise ReplayArgumentError(f"{trajectories}: no such file or directory")
@@ -72,7 +73,7 @@ def replay_job(trajectories: str | os.PathLike, checkpoints: str | os.PathLike, 
         raise ReplayArgumentError(f"--out {out} already exists and is not an empty directory")
     try:  # checks every input before Ray starts
         replay = Replay(job.pipeline_config(), trajectories, checkpoints, strategies, mode,
-                        quarantine_nonfinite=quarantine_nonfinite)
+                        quarantine_nonfinite=quarantine_nonfinite, gradients=gradients)
     except SchemaError as e:
         if e.column in LOGPROB_COLUMNS and "non-finite" in str(e):
             where = str(e).rsplit(" (", 1)[0]

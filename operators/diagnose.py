@@ -16,6 +16,11 @@ reproduces its logged diagnostics.
 
 A strategy whose state follows the weights (`follows_updates`, e.g. EWMA) is advanced after step k
 with the weights of version k + 1 — one update per version, the unit it then counts its window in.
+
+`gradients=True` adds the mechanism itself: current is computed with grad, and each strategy's
+loss is differentiated with respect to every parameter (one backward each, on the same forward
+pass); `grad/cos_vs_exact` and `grad/rel_err_vs_exact` compare it with the gradient of the first
+exact strategy in `strategies` (algorithms/diagnostics.py `gradient_agreement`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import pyarrow as pa
 import torch
 
 from trajflow.algorithms.config import CorrectionConfig, KLConfig
+from trajflow.algorithms.diagnostics import gradient_agreement
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -51,6 +57,7 @@ class Diagnose(PolicyHolder):
         max_staleness: int,
         numerics: TrainingNumerics,
         torch_threads: int,
+        gradients: bool = False,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
@@ -60,6 +67,10 @@ class Diagnose(PolicyHolder):
         self.sampling = sampling
         self.max_staleness = max_staleness
         self.numerics = numerics
+        exact = [s.name for s in self.strategies if s.kind == "exact"]
+        if gradients and not exact:
+            raise ValueError("gradients: compare against an exact strategy (e.g. snapshot); none was given")
+        self.gradients_vs = exact[0] if gradients else None
         self.minibatches_per_step = 1  # the log holds one set of weights per version
         self.model = numerics.prepare(load_model(model_path))
         self.version: int | None = None
@@ -96,11 +107,19 @@ class Diagnose(PolicyHolder):
         results: dict[str, dict] = {s.name: {} for s in self.strategies}
         if len(trained):
             step = StepBatch.from_table(batch.take(pa.array(trained)), k)
-            current = self.current(step, grad=False)
+            current = self.current(step, grad=self.gradients_vs is not None)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grads: dict[str, torch.Tensor] = {}
             for strategy in self.strategies:
                 strategy.before_step(step, self)
                 result = correct(strategy, step, current, self, self.correction, kl=self.kl)
                 results[strategy.name] = step_diagnostics(result.loss, step, k, result.outside_support)
+                if self.gradients_vs is not None:
+                    parts = torch.autograd.grad(result.loss.loss, params, retain_graph=True, allow_unused=True)
+                    grads[strategy.name] = torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
+                                                      for p, g in zip(params, parts)])
+            for name, grad in grads.items():
+                results[name].update(gradient_agreement(grad, grads[self.gradients_vs]))
             self._after_step(k, results)
         rows = [{**base, "strategy": s.name, **results[s.name], "diagnose_seconds": time.perf_counter() - started}
                 for s in self.strategies]

@@ -267,6 +267,8 @@ class Replay:
     # NaN/inf log-probs: refuse the log (default), or keep such rows out of training and the
     # diagnostics (the filter marks them `nonfinite`) and count them in `quarantined`
     quarantine_nonfinite: bool = False
+    # diagnose: each strategy's parameter gradient against the exact one's (operators/diagnose.py)
+    gradients: bool = False
     pipeline: Any = None
     steps: dict[int, pa.Table] = field(init=False)
     weights: dict[int, Path] = field(init=False)
@@ -280,6 +282,9 @@ class Replay:
         self.strategies = resolve_strategies(self.config, list(self.strategies))
         if self.mode == "train" and len(self.strategies) != 1:
             raise ReplayError("--train replays one strategy at a time")
+        if self.gradients and (self.mode != "diagnose" or not any(s.kind == "exact" for s in self.strategies)):
+            raise ReplayError("--gradients compares against an exact strategy in --diagnose: add one, "
+                              "e.g. --strategy snapshot")
         if self.model_path is None:
             self.model_path = self.pipeline.model_path if self.pipeline is not None else self.config.model_path
         self.model_path = str(self.model_path)
@@ -333,7 +338,7 @@ class Replay:
             diagnose = dict(model_path=self.model_path, strategies=self.strategies, correction=c.correction_config(),
                             kl=c.kl.spec(),
                             sampling=live.sampling, max_staleness=c.max_staleness, numerics=c.training_numerics(),
-                            torch_threads=c.trainer.torch_threads)
+                            torch_threads=c.trainer.torch_threads, gradients=self.gradients)
             return chain + [Stage("diagnose", Diagnose, diagnose, c.trainer)]
         train = live.train_stage(self.strategies[0])
         train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones

@@ -98,3 +98,30 @@ def test_empty_batch_and_errors():
 def test_negative_lag_is_counted():
     d = correction_diagnostics(batch_output(), versions=VERSIONS, trainer_version=4)
     assert d["staleness/negative_count"] == 1.0
+
+
+def test_split_variances_by_hand():
+    from statistics import pvariance
+
+    d = correction_diagnostics(batch_output())
+    # loss tokens: log r_d = [ln 2, 0 | 0, ln 3, 0], log r_s = [0, ln 1.5 | ln 1.5, 0, ln 0.5]
+    rd, rs = [ln(2), 0.0, 0.0, ln(3), 0.0], [0.0, ln(1.5), ln(1.5), 0.0, ln(0.5)]
+    assert d["split/var_log_rd"] == pytest.approx(pvariance(rd), rel=1e-6)
+    assert d["split/var_log_rs"] == pytest.approx(pvariance(rs), rel=1e-6)
+    assert d["split/var_log_total"] == pytest.approx(pvariance([a + b for a, b in zip(rd, rs)]), rel=1e-6)
+
+
+def test_gradient_agreement_by_hand():
+    from trajflow.algorithms.diagnostics import gradient_agreement
+
+    exact = torch.tensor([3.0, 4.0])  # norm 5
+    same = gradient_agreement(exact.clone(), exact)
+    assert same["grad/cos_vs_exact"] == 1.0 and same["grad/rel_err_vs_exact"] == 0.0  # identical old logits
+    assert same["grad/norm"] == 5.0
+    half = gradient_agreement(exact / 2, exact)  # same direction, half the length
+    assert half["grad/cos_vs_exact"] == pytest.approx(1.0) and half["grad/rel_err_vs_exact"] == pytest.approx(0.5)
+    turned = gradient_agreement(torch.tensor([-4.0, 3.0]), exact)  # orthogonal, same length
+    assert turned["grad/cos_vs_exact"] == pytest.approx(0.0, abs=1e-12)
+    assert turned["grad/rel_err_vs_exact"] == pytest.approx(math.sqrt(2))
+    assert math.isnan(gradient_agreement(torch.zeros(2), exact)["grad/cos_vs_exact"])
+    assert math.isnan(gradient_agreement(exact, torch.zeros(2))["grad/rel_err_vs_exact"])

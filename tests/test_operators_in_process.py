@@ -173,3 +173,37 @@ def test_diagnose_reproduces_the_train_step_in_one_process(without_ray, one_torc
     # behavior (old := mu): r_d == 1, so its mask keeps every token; recompute's r_d is the
     # bf16-vs-float32 gap, which its k3 shows
     assert rows["behavior"]["mismatch/k3"] == 0.0 and rows["recompute"]["mismatch/k3"] > 0.0
+
+
+@pytest.mark.timeout(300)
+def test_diagnose_gradients_against_the_exact_strategy(without_ray, one_torch_thread):
+    """At staleness 0 recompute's pi_old is the exact one (pi of the trainer's own version, same
+    numerics): its gradient equals snapshot's. behavior's pi_old is mu (bf16 inference), so its
+    gradient departs; and with exact old logits the whole log-ratio is engine mismatch (the
+    staleness part has variance 0)."""
+    pipe = RLPipeline(_config(inference_dtype="bfloat16"))
+    store = _store(pipe)
+    ops = _build(pipe, store)
+    batch = _prompt_rows(pipe, 0)
+    for name in ("generate", "reward", "advantage", "filter", "old_logprobs"):
+        batch = ops[name](batch)
+    logged = batch.append_column("trainer_version", pa.array(np.zeros(batch.num_rows, np.int32)))
+    logged_store = InProcessStore(10**9, True)
+    logged_store.publish(store.weights(0)[1], 0)
+    c = pipe.config
+    strategies = [PipelineConfig(strategy=s).build_strategy() for s in ("snapshot", "recompute", "behavior")]
+    diagnose = Diagnose(logged_store, pipe.model_path, strategies, c.correction_config(), c.kl.spec(), pipe.sampling,
+                        c.max_staleness, c.training_numerics(), 1, gradients=True)
+    rows = {r["strategy"]: r for r in diagnose(logged).to_pylist()}
+    assert rows["snapshot"]["grad/cos_vs_exact"] == pytest.approx(1.0, abs=1e-12)
+    assert rows["snapshot"]["grad/rel_err_vs_exact"] == 0.0 and rows["snapshot"]["grad/norm"] > 0
+    assert rows["recompute"]["grad/cos_vs_exact"] == pytest.approx(1.0, abs=1e-6)
+    assert rows["recompute"]["grad/rel_err_vs_exact"] < 1e-5
+    assert rows["behavior"]["grad/rel_err_vs_exact"] > 1e-4
+    assert 0.0 < rows["behavior"]["grad/cos_vs_exact"] < 1.0
+    assert rows["snapshot"]["split/var_log_rs"] == 0.0 < rows["snapshot"]["split/var_log_rd"]
+    assert rows["snapshot"]["split/var_log_total"] == pytest.approx(rows["snapshot"]["split/var_log_rd"])
+    # without an exact strategy there is nothing to compare with
+    with pytest.raises(ValueError, match="exact strategy"):
+        Diagnose(logged_store, pipe.model_path, strategies[1:], c.correction_config(), c.kl.spec(), pipe.sampling,
+                 c.max_staleness, c.training_numerics(), 1, gradients=True)

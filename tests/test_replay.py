@@ -109,6 +109,8 @@ def test_missing_versions_are_reported_by_number_before_any_work(tmp_path):
         Replay(_config(), root, run, ["behavior", "behavior"], "diagnose")
     with pytest.raises(ReplayError, match="step 0 holds 4 rows, the config's rows_per_step is 8"):
         Replay(_config(8), root, run, ["behavior"], "diagnose")
+    with pytest.raises(ReplayError, match="--gradients compares against an exact strategy"):
+        Replay(_config(), root, run, ["behavior", "recompute"], "diagnose", gradients=True)
 
 
 def test_bad_parquet_is_a_schema_error_naming_file_and_column(tmp_path):

@@ -1,0 +1,38 @@
+"""The evidence benchmark's statistics (benchmarks/evidence.py) on hand-built cases."""
+
+import polars as pl
+import pytest
+
+from benchmarks.evidence import bootstrap_interval, outcome_rows, sign_flip_p
+
+
+def test_sign_flip_p_by_hand():
+    # 3 positive differences: of the 8 sign patterns only all-plus and all-minus reach |mean| 1
+    assert sign_flip_p([1.0, 1.0, 1.0]) == pytest.approx(2 / 8)
+    assert sign_flip_p([1.0, -1.0]) == 1.0  # observed mean 0: every pattern is as extreme
+    # [3, 1]: |mean| >= 2 for (+,+) and (-,-) only
+    assert sign_flip_p([3.0, 1.0]) == pytest.approx(2 / 4)
+
+
+def test_bootstrap_interval():
+    assert bootstrap_interval([0.1] * 5) == pytest.approx((0.1, 0.1))
+    d = [0.05, -0.01, 0.03, 0.02, 0.04, 0.0, 0.06, 0.01]
+    lo, hi = bootstrap_interval(d)
+    lo99, hi99 = bootstrap_interval(d, level=0.99)
+    assert min(d) <= lo < sum(d) / len(d) < hi <= max(d)
+    assert lo99 <= lo and hi <= hi99
+
+
+def test_outcome_rows_pair_by_seed():
+    curves = pl.DataFrame({
+        "strategy": ["snapshot"] * 4 + ["behavior"] * 4,
+        "seed": [0, 0, 1, 1] * 2,
+        "version": [10, 20] * 4,
+        "heldout_accuracy": [0.30, 0.40, 0.32, 0.50, 0.31, 0.35, 0.35, 0.46],
+        "seconds_from_enter": [10.0, 20.0, 11.0, 21.0, 9.0, 19.0, 12.0, 22.0],
+    })
+    rows = {r["strategy"]: r for r in outcome_rows(curves, target=0.45)}
+    # finals: snapshot 0.40, 0.50; behavior 0.35, 0.46 -> paired differences -0.05, -0.04
+    assert rows["behavior"]["vs snapshot (paired)"].startswith("-0.045 [")
+    assert rows["behavior"]["reached 0.45"] == "1/2" and rows["snapshot"]["reached 0.45"] == "1/2"
+    assert rows["snapshot"]["seconds to target"] == "21" and rows["behavior"]["versions to target"] == "20.0"
