@@ -169,14 +169,17 @@ def required_versions(steps: dict[int, pa.Table], strategies: list, mode: str) -
 
 
 def resolve_strategies(config: PipelineConfig, strategies: list) -> list:
-    """Strategy objects from names / import paths (settings from `config`) or objects."""
+    """Strategy objects from names / import paths or objects. `config.strategy_options` are the
+    settings of `config.strategy`; another strategy named here takes its own defaults."""
     from trajflow.operators.strategies import resolve_strategy, strategy_class
 
     out = []
+    defaults = config.model_copy(update={"strategy_options": {}})
     for s in strategies:
         try:
             if isinstance(s, str):
-                out.append(resolve_strategy(s).from_config(config))
+                cls = resolve_strategy(s)
+                out.append(cls.from_config(config if cls is resolve_strategy(config.strategy) else defaults))
             else:
                 strategy_class(s)
                 out.append(s)

@@ -155,9 +155,12 @@ def test_quickstart_run_writes_a_complete_run_dir(quick_run):
     # checkpoints: the newest two (retention), weights + optimizer state, no pickle anywhere
     kept = ckpt.list_checkpoints(run_dir / "checkpoints")
     assert [c.version for c in kept] == [6, 8]
+    state_files = {"meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors"}
     for c in kept:
-        names = sorted(p.name for p in c.path.iterdir())
-        assert names == ["meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors"]
+        names = {p.name for p in c.path.iterdir()}
+        # the last one is also the run's exported Hugging Face directory (config, tokenizer files)
+        expected = state_files | ({"config.json", "tokenizer.json"} if c is kept[-1] else set())
+        assert expected <= names and (c is kept[-1] or names == state_files)
         optimizer = c.optimizer_state()
         assert optimizer["state"] and "exp_avg" in next(iter(optimizer["state"].values()))
     assert not [p for p in run_dir.rglob("*") if p.suffix in (".pt", ".pkl", ".pickle", ".bin", ".tmp")]

@@ -170,3 +170,11 @@ def test_replay_stages_come_from_the_live_stage_list(tmp_path):
     out = mine.fn(logged)
     assert out["reward"].to_pylist() == logged["reward"].to_pylist()
     assert out["filter_reason"].to_pylist()[:2] == ["mine", None]
+
+
+def test_strategy_options_belong_to_the_configured_strategy():
+    config = PipelineConfig(strategy="ewma", strategy_options={"window": 3, "reset_threshold": 0.5}, max_staleness=2)
+    snapshot, ewma, loglinear = resolve_strategies(config, ["snapshot", "ewma", "loglinear"])
+    assert (ewma.window, ewma.reset_threshold) == (3, 0.5)
+    assert loglinear.name == "loglinear"  # its own defaults, not EWMA's options (which it would refuse)
+    assert resolve_strategies(PipelineConfig(strategy="behavior", max_staleness=2), ["ewma"])[0].window == 2
