@@ -234,7 +234,8 @@ class RayStore:
         self.actor.release.remote(version, count)
 
     def add_counters(self, values: Mapping[str, float]) -> None:
-        self.actor.add_counters.remote(dict(values))
+        # Waited for: the actor is threaded, so a fire-and-forget call could land after a later stats().
+        self._call("add_counters", dict(values))
 
     def stats(self, reset_counters: bool = False) -> StoreStats:
         return self._call("stats", reset_counters)
