@@ -108,11 +108,14 @@ def retimed(run_dir: Path, delay: int, out: Path, spread: bool = False) -> int:
     return written
 
 
-def regime(steps: int = 14, settings=SETTINGS, staleness=STALENESS, proxies=PROXIES) -> pl.DataFrame:
+def regime(steps: int = 14, settings=SETTINGS, staleness=STALENESS, proxies=PROXIES,
+           work: Path | None = None) -> pl.DataFrame:
     """Per setting x staleness x strategy: the mean over steps of the gradient agreement with the
-    exact strategy, the kept / clipped / active fractions and (snapshot) the log-ratio split."""
+    exact strategy, the kept / clipped / active fractions and (snapshot) the log-ratio split.
+    `work`: where the logged runs and replays go (kept for `ewma --run`); a temp dir by default."""
     frames = []
-    work = Path(tempfile.mkdtemp(prefix="trajflow-evidence-"))
+    work = work or Path(tempfile.mkdtemp(prefix="trajflow-evidence-"))
+    work.mkdir(parents=True, exist_ok=True)
     log = work / "commands.log"
     started = time.time()
     for n, (label, config, overrides) in enumerate(settings):
@@ -194,14 +197,14 @@ def plot_regime(summary: pl.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def run_regime(steps: int = 14, quick: bool = False) -> str:
+def run_regime(steps: int = 14, quick: bool = False, work: Path | None = None) -> str:
     """Markdown for benchmarks/results: the three pivots and the split, plus the plot."""
     from benchmarks.run_all import table
 
     settings = SETTINGS[1:2] if quick else SETTINGS
     staleness = [0, 2] if quick else STALENESS
     started = time.time()
-    metrics = regime(steps=6 if quick else steps, settings=settings, staleness=staleness)
+    metrics = regime(steps=6 if quick else steps, settings=settings, staleness=staleness, work=work)
     summary = regime_summary(metrics)
     RESULTS.mkdir(exist_ok=True)
     metrics.write_parquet(RESULTS / "evidence_regime.parquet")
@@ -348,6 +351,7 @@ def main() -> None:
     r = sub.add_parser("regime")
     r.add_argument("--steps", type=int, default=14)
     r.add_argument("--quick", action="store_true")
+    r.add_argument("--work", type=Path, help="keep the logged runs and replays here (default: a temp dir)")
     e = sub.add_parser("ewma")
     e.add_argument("--run", type=Path, required=True, help="a logged run with every version (regime's run dirs)")
     o = sub.add_parser("outcome")
@@ -359,7 +363,7 @@ def main() -> None:
     o.add_argument("--work", type=Path, required=True, help="run dirs (resumable)")
     a = p.parse_args()
     if a.what == "regime":
-        print(run_regime(a.steps, a.quick))
+        print(run_regime(a.steps, a.quick, a.work))
         return
     from benchmarks.run_all import table
 

@@ -89,7 +89,9 @@ def trajectory_files(path: str | Path) -> list[Path]:
     if not path.is_dir():
         raise ReplayError(f"{path}: no such file or directory")
     root = path / "trajectories" if (path / "trajectories").is_dir() else path
-    files = sorted(p for p in root.rglob("*.parquet") if not any(part.startswith(".") for part in p.parts))
+    # hidden files under the log (e.g. writers' temp files) are skipped; dots above it are the user's
+    files = sorted(p for p in root.rglob("*.parquet")
+                   if not any(part.startswith(".") for part in p.relative_to(root).parts))
     if not files:
         raise ReplayError(f"{path}: no Parquet files found")
     return files

@@ -65,6 +65,9 @@ def test_load_groups_by_step_and_checks_ids(tmp_path):
     steps = load_trajectories(root)
     assert sorted(steps) == [0, 1, 2] and all(t.num_rows == 4 for t in steps.values())
     assert load_trajectories(root.parent).keys() == steps.keys()  # a run dir works too
+    hidden = _log(tmp_path / ".work")  # a dot above the log is the user's; one inside it is skipped
+    write_parquet(_rows(9, 4, [8, 9, 9]), hidden / ".tmp" / "part-0.parquet")
+    assert sorted(load_trajectories(hidden)) == [0, 1, 2]
     # the same partition twice: duplicate trajectory ids are refused
     write_parquet(_rows(1, 4, [0, 1, 1]), root / "step=000001" / "part-1.parquet")
     with pytest.raises(ReplayError, match="step 1: duplicate trajectory_id"):
