@@ -311,8 +311,6 @@ class PipelineConfig(_Strict):
                 f"optimizer.minibatches_per_step: {self.optimizer.minibatches_per_step} does not divide "
                 f"the {rows} rows of a step"
             )
-        if self.correction.eps_low >= 1.0:
-            raise ValueError("correction.eps_low must be < 1")
         return self
 
     def _check_workload(self) -> None:
