@@ -26,6 +26,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -98,7 +99,7 @@ def retimed(run_dir: Path, delay: int, out: Path, spread: bool = False) -> int:
                 groups = sorted(set(table["group_id"].to_pylist()))
                 mine = {g for i, g in enumerate(groups) if i % (delay + 1) == d}
                 parts.append(table.filter(pa.array([g in mine for g in table["group_id"].to_pylist()])))
-            table = pa.concat_tables(parts)
+            table = pa.concat_tables(parts, promote_options="permissive")  # logs before every step had pi_old
         else:
             table = steps[k - delay]
         moved = table.set_column(table.column_names.index(STEP_COLUMN), STEP_COLUMN,
@@ -120,17 +121,21 @@ def regime(steps: int = 14, settings=SETTINGS, staleness=STALENESS, proxies=PROX
     started = time.time()
     for n, (label, config, overrides) in enumerate(settings):
         run_dir = work / f"run{n}"
-        logged_run(config, {"prompts_per_step": 32, **overrides} if config == "quickstart" else overrides, steps,
-                   run_dir, log)
+        if not (run_dir / "metrics.parquet").exists():  # resumable: a finished run is kept
+            shutil.rmtree(run_dir, ignore_errors=True)
+            logged_run(config, {"prompts_per_step": 32, **overrides} if config == "quickstart" else overrides,
+                       steps, run_dir, log)
         for delay, spread in [(d, False) for d in staleness] + [(d, True) for d in staleness if d > 1]:
             ages = f"0-{delay}" if spread else str(delay)
-            logs = work / f"run{n}-S{ages}"
-            if not retimed(run_dir, delay, logs / "trajectories", spread):
-                continue
-            out = work / f"replay{n}-S{ages}"
-            trajflow("replay", str(logs / "trajectories"), "--checkpoints", str(run_dir), "--config",
-                     str(run_dir / "config.yaml"), "--set", f"max_staleness={delay}", "--strategy",
-                     ",".join(["snapshot", *proxies]), "--diagnose", "--gradients", "--out", str(out), log=log)
+            logs, out = work / f"run{n}-S{ages}", work / f"replay{n}-S{ages}"
+            if not (out / "metrics.parquet").exists():
+                for partial in (logs, out):
+                    shutil.rmtree(partial, ignore_errors=True)
+                if not retimed(run_dir, delay, logs / "trajectories", spread):
+                    continue
+                trajflow("replay", str(logs / "trajectories"), "--checkpoints", str(run_dir), "--config",
+                         str(run_dir / "config.yaml"), "--set", f"max_staleness={delay}", "--strategy",
+                         ",".join(["snapshot", *proxies]), "--diagnose", "--gradients", "--out", str(out), log=log)
             m = pl.read_parquet(out / "metrics.parquet")
             frames.append(m.with_columns(pl.lit(label).alias("setting"), pl.lit(ages).alias("staleness"),
                                          pl.lit(delay).alias("delay"), pl.lit(spread).alias("spread")))

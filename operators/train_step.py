@@ -548,15 +548,16 @@ class TrainStep(TrainerReplica):
         metrics["strategy"] = self.strategy.name
 
         diagnostics: dict = {}
+        # pi_old as the loss used it, under its own name: `old_logprobs` stays what arrived (the
+        # exact strategies' upstream scores, or null), so each column has one meaning; null on
+        # untrained rows, present on every step so the log has one schema
+        old = np.full(batch.num_rows, None, dtype=object)
         if len(trained):
             diagnostics, old_used, parallel = self._update(batch.take(pa.array(trained)), trainer_version)
             metrics.update(diagnostics)
             metrics.update(parallel)
-            # pi_old as the loss used it, under its own name: `old_logprobs` stays what arrived
-            # (the exact strategies' upstream scores, or null), so each column has one meaning
-            old = np.full(batch.num_rows, None, dtype=object)
             old[trained] = old_used
-            batch = replace_column(batch, PROXIMAL_COLUMN, pa.array(old.tolist(), pa.list_(pa.float32())))
+        batch = replace_column(batch, PROXIMAL_COLUMN, pa.array(old.tolist(), pa.list_(pa.float32())))
         metrics.update(self._finish_step(diagnostics))
         metrics["version"] = self.version
         metrics["optimizer_steps"] = self.optimizer_steps

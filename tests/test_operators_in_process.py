@@ -65,6 +65,12 @@ def _prompt_rows(pipe: RLPipeline, step: int) -> pa.Table:
     return source.step_rows(step)
 
 
+def pc_set_filtered(batch: pa.Table) -> pa.Table:
+    """Every row marked filtered (as when all groups have zero reward variance)."""
+    i = batch.schema.get_field_index("filter_reason")
+    return batch.set_column(i, "filter_reason", pa.array(["zero_variance"] * batch.num_rows, pa.string()))
+
+
 def _max_gap(table: pa.Table) -> float:
     trained = table.filter(pc.is_null(table["filter_reason"])) if "filter_reason" in table.column_names else table
     old = pc.list_flatten(trained["old_logprobs"]).to_numpy(zero_copy_only=False)
@@ -106,6 +112,12 @@ def test_snapshot_pipeline_runs_step_by_step_in_one_process(without_ray, one_tor
     _, w3 = store.weights(3)
     assert store.stats().keeps_history
     assert all(torch.isfinite(t).all() for t in w3.values())
+    # a step whose rows are all filtered trains nothing, and its log keeps the schema of the others
+    logged = []
+    ops["train"].on_step = lambda step, batch, m: logged.append(batch)
+    ops["train"](ops["old_logprobs"](pc_set_filtered(ops["filter"](ops["advantage"](ops["reward"](
+        ops["generate"](_prompt_rows(pipe, 3))))))))
+    assert logged[0]["proximal_logprobs"].null_count == logged[0].num_rows == 16
 
 
 @pytest.mark.timeout(300)
