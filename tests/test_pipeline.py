@@ -30,8 +30,10 @@ def check_accounting(metrics: pl.DataFrame, config_rows: int) -> None:
     assert ((metrics["rows_trained"] + filtered) == metrics["rows"]).all()
 
 
-@pytest.mark.parametrize("strategy", ["snapshot", "dedicated", "interrupt"])
-@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+# synchronous (S=0) only for interrupt, where it checks that nothing is published mid-rollout; the
+# other two are exact in sync mode by tests/test_operators_in_process.py and test_trainer_fsdp.py
+@pytest.mark.parametrize("max_staleness, strategy", [(0, "interrupt")] + [
+    (s, name) for s in (1, 3) for name in ("snapshot", "dedicated", "interrupt")])
 def test_exact_strategies_recover_inference_logprobs(ray_session, publish_inside_rollouts, strategy, max_staleness):
     pipe = RLPipeline(PipelineConfig(**SMALL, strategy=strategy, max_staleness=max_staleness))
     if strategy == "interrupt":  # a publish lands inside every rollout that runs ahead of the trainer
