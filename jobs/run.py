@@ -88,23 +88,32 @@ class RunFailed(RuntimeError):
 
 
 def trainer_state_lost(error: BaseException) -> str | None:
-    """The one-line message of a TrainerStateLost behind `error` (which Ray Data wraps in its
-    own exceptions; across processes only the text of the cause may survive), else None."""
+    """The one-line message of a TrainerStateLost behind `error`, else None.
+
+    Ray Data wraps the step's error (UserCodeException, RayTaskError), appends its retry advice
+    ("To change retry attempts, ... `ray.data.DataContext` ...") to the message of the exception
+    it re-raises, and across processes only the text of the cause may survive. So the message is
+    taken from the first line after `TrainerStateLost: ` in any text of the chain, never from a
+    whole `str(e)` (whose last lines may be Ray's advice)."""
     import re
 
     from trajflow.operators.data_parallel import TrainerStateLost
 
+    pattern = re.compile(rf"{TrainerStateLost.__name__}: ([^\n]+)")
     seen, stack = set(), [error]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, TrainerStateLost):
-            return str(e)
+        if isinstance(e, TrainerStateLost) and e.args and isinstance(e.args[0], str) and e.args[0].strip():
+            return e.args[0].strip().splitlines()[0]
+        for text in (getattr(e, "traceback_str", None), str(e)):
+            found = pattern.search(text) if isinstance(text, str) else None
+            if found:
+                return found.group(1).strip()
         stack += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    found = re.search(rf"{TrainerStateLost.__name__}: ([^\n]+)", str(error))
-    return found.group(1).strip() if found else None
+    return None
 
 
 def default_run_dir(config: JobConfig) -> Path:
