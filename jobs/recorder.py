@@ -258,6 +258,25 @@ class RunRecorder:
             ckpt.prune_checkpoints(paths.checkpoints, self.keep_checkpoints)
             metrics["checkpoint"] = version
 
+    # -- the trainer's source after a fault (operators/recovery.py TrainerSource) --------------
+    def refusal(self) -> str | None:
+        return None if self.trajectory_log else "trajectory_log is off: no logged rows to retrain"
+
+    def last_checkpoint(self, at_most: int) -> tuple[str, int] | None:
+        found = [c for c in ckpt.list_checkpoints(self.paths.checkpoints) if c.version <= at_most]
+        return (str(found[-1].path), found[-1].version) if found else None
+
+    def logged_rows(self, step: int) -> pa.Table | None:
+        """Step `step`'s rows as the train step received them (None: not logged, or some rows were
+        quarantined, so the step cannot be trained again exactly)."""
+        from trajflow.schemas import read_parquet
+
+        paths = self.paths
+        path = paths.trajectory_file(step)
+        if not path.is_file() or (paths.quarantine / (STEP_DIR.format(step) + ".parquet")).is_file():
+            return None
+        return read_parquet(path).drop_columns(["trainer_version"])
+
     def _log_trajectories(self, paths: RunPaths, step: int, batch: pa.Table) -> None:
         from trajflow.schemas import nonfinite_rows, write_parquet
 

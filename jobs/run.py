@@ -335,6 +335,18 @@ def _begin_session(paths: RunPaths, first_step: int, steps: int) -> None:
                 first_step=first_step, steps=steps, ended=None, error=None, sessions=[*sessions, session])
 
 
+def record_recovery(paths: RunPaths, row: dict) -> None:
+    """Add a recovery (operators/recovery.py) to this session's entry in run.json: what died and
+    where, the step it ended at, the checkpoint's replayed steps and the seconds it took."""
+    state = read_state(paths)
+    sessions = state.get("sessions") or [{}]
+    sessions[-1].setdefault("recoveries", []).append(
+        {"event": row["recovery/event"], "step": int(row["step"]), "seconds": float(row["recovery/seconds"]),
+         "replayed_steps": int(row["recovery/replayed_steps"]), "restarts": int(row["recovery/restarts"]),
+         "time": time.time()})
+    write_state(paths, sessions=sessions)
+
+
 def _end_session(paths: RunPaths, state: str, error: str | None = None) -> None:
     current = read_state(paths)
     sessions = current.get("sessions") or [{}]
@@ -462,6 +474,7 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
                 data_state=pipeline.data_state(),
             )
             pipeline.hooks.on_start, pipeline.hooks.on_step = recorder.on_start, recorder.on_step
+            pipeline.hooks.source = recorder  # a trainer that dies is rebuilt from the run dir
             weights = checkpoint.model_state() if checkpoint is not None else None
             pipeline.start_store(initial_version=first_step, initial_weights=weights)
             print(wrap(pipeline.describe()), flush=True)
@@ -504,6 +517,9 @@ def _stream(config, paths, pipeline, first_step, started, interactive, step_seco
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
             if tb is not None:
                 tb.add(row)
+            if row.get("recovery/event"):
+                say(f"trajflow: recovered: {row['recovery/event']}")
+                record_recovery(paths, row)
             if row.get("checkpoint") is not None:
                 say(f"trajflow: checkpoint of version {row['checkpoint']} (resumes at step {row['checkpoint']})")
             if record_placement(paths, placement, row) and len({n for v in placement.values() for n in v}) > 1:

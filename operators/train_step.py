@@ -26,8 +26,9 @@ The step, top to bottom:
 (worker 0, the Ray Data operator) and `TrainerRank` (workers 1..N-1) are both replicas, so
 every worker runs the same code. The trainer's state lives only in these processes: a train
 step that finds it was restarted (the store already registered a trainer) or loses a worker
-stops with `TrainerStateLost` (`--resume` restores the state from the last checkpoint) rather
-than training on with a fresh optimizer.
+rebuilds that state from the last checkpoint and the trajectory log (operators/recovery.py, up
+to `recovery.max_restarts` times), else stops with `TrainerStateLost` (`--resume` restores the
+state from the last checkpoint) rather than training on with a fresh optimizer.
 
 Public for the jobs layer: `version`, `strategy`, `full_weights()` (the current version's full
 tensors, one at a time: every worker takes part under FSDP), `publish()`, `save_checkpoint()` /
@@ -74,8 +75,18 @@ from trajflow.operators.data_parallel import (
     TrainerStateLost,
     node_address,
     plan_shards,
+    remove_placement_group_named,
 )
 from trajflow.operators.fsdp import full_tensors, grad_norm, local_bytes, shard_model
+from trajflow.operators.recovery import (
+    RECOVERY_PREFIX,
+    Fault,
+    RecoveryConfig,
+    TrainerSource,
+    event_metrics,
+    refusal,
+    replay_plan,
+)
 from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies.base import Strategy
 from trajflow.schemas import conform
@@ -100,11 +111,13 @@ class TrainerSpec:
 @dataclass
 class StepHooks:
     """The job's hooks, run in the train step's process (jobs/recorder.py): `on_start(trainstep)`
-    once before the first step (a resumed job restores optimizer and strategy state there) and
-    `on_step(trainstep, batch, metrics)` after each step's services (logs, checkpoints)."""
+    once before the first step (a resumed job restores optimizer and strategy state there),
+    `on_step(trainstep, batch, metrics)` after each step's services (logs, checkpoints), and
+    `source`, where a trainer rebuilt after a fault finds its state (operators/recovery.py)."""
 
     on_start: Callable[["TrainStep"], None] | None = None
     on_step: Callable[["TrainStep", pa.Table, dict], None] | None = None
+    source: TrainerSource | None = None
 
 
 @dataclass
@@ -246,6 +259,21 @@ class TrainerReplica(PolicyHolder):
             set_optimizer_state_dict(self.model, self.optimizer, optimizer)
             self.optimizer_steps = _optimizer_steps(optimizer)
         self._load_strategy_state(ckpt.load_sharded(directory, "strategy", self.strategy.state_dict))
+
+    def load_checkpoint(self, directory: str, version: int) -> None:
+        """Roll this worker back to checkpoint `directory` of `version` (recovery): weights,
+        optimizer and strategy state. Replicated, the optimizer and strategy start afresh first,
+        so nothing of the state since the checkpoint remains."""
+        if self.sharded:
+            self.load_shards(directory)
+        else:
+            checkpoint = ckpt.Checkpoint(Path(directory), version)
+            self.model.load_state_dict(checkpoint.model_state())
+            self.strategy = copy.deepcopy(self.spec.strategy)
+            self.optimizer_steps = 0
+            self._start()
+            self.load_checkpoint_state(checkpoint.optimizer_state(), checkpoint.strategy_state())
+        self.version = version
 
     # -- the update of this worker's rows ------------------------------------------------------
     def update_shard(self, rows: pa.Table, positions: list[int], microbatches: list[list[list[int]]],
@@ -412,19 +440,27 @@ class TrainStep(TrainerReplica):
     """Worker 0: the Ray Data operator. Workers 1..N-1 are built from the same `spec`."""
 
     def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, max_staleness: int,
-                 after_step: Sequence[AfterStep], hooks: StepHooks) -> None:
+                 after_step: Sequence[AfterStep], hooks: StepHooks, recovery: RecoveryConfig = RecoveryConfig()) -> None:
         data_parallel = spec.data_parallel
         # One train step per store: a second one means this process replaced a trainer that died
         # (Ray Data restarts actors and retries the step), and that trainer's optimizer and
-        # strategy state died with it (its published weights too). Refuse to train on.
+        # strategy state died with it (its published weights too). Rebuild it at the first step
+        # (operators/recovery.py), or refuse to train on.
         self.node = node_address()[0]
         self.group: TrainerGroup | None = None
         self.lost: TrainerStateLost | None = None
-        if store.claim_trainer() > 0:
-            self.lost = TrainerStateLost(
-                f"trainer worker 0 of {data_parallel.num_workers} (node {self.node[:12]}) was restarted after its "
-                f"process died; the trainer's optimizer and strategy state is lost: {RESUME_HINT}")
-            return
+        self.recovery, self.source, self.fault = recovery, hooks.source, None
+        self.restarts = store.claim_trainer()
+        if self.restarts > 0:
+            what = (f"trainer worker 0 of {data_parallel.num_workers} (node {self.node[:12]}) was restarted after "
+                    "its process died")
+            why = refusal(recovery, hooks.source, self.restarts)
+            if why is not None:
+                self.lost = TrainerStateLost(f"{what}; the trainer's optimizer and strategy state is lost ({why}): "
+                                             f"{RESUME_HINT}")
+                return
+            self.fault = Fault(what, time.time())
+            remove_placement_group_named(data_parallel.group_name)  # the dead worker 0's: its bundles are held
         super().__init__(store, spec)
         self.max_staleness = max_staleness
         self.data_parallel = data_parallel
@@ -438,13 +474,17 @@ class TrainStep(TrainerReplica):
             self.join_group(self.group.collective)
         elif self.sharded:  # one worker: FSDP over a group of one (the same code path)
             self.join_group(Collective(device=self.numerics.torch_device(), default_group=True))
-        if hooks.on_start is not None:
+        if hooks.on_start is not None and self.fault is None:  # a rebuilt trainer's state is the recovery's
             hooks.on_start(self)  # e.g. a resumed job restores every worker's optimizer and strategy state here
 
     def publish(self) -> None:
         """Make the trainer's current weights version `self.version` in the policy store (the
         after-step service `PublishWeights` calls it): the full tensors (`full_weights()`,
-        gathered from every worker when sharded) as one float32 copy in the object store."""
+        gathered from every worker when sharded) as one float32 copy in the object store. A version
+        the store holds already was published by the process this one replaced (recovery): the
+        same weights, kept."""
+        if self.store.latest_version() >= self.version:
+            return
         self.store.publish(dict(self.full_weights()), self.version)
 
     def full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
@@ -542,9 +582,29 @@ class TrainStep(TrainerReplica):
         steps = np.unique(batch["rollout_step"].to_numpy())
         if len(steps) != 1:
             raise RuntimeError(f"a train batch must hold exactly one rollout step, got steps {steps.tolist()}")
+        try:
+            recovered = self._recover(int(steps[0])) if self.fault is not None else {}
+            batch, metrics = self._train(batch, int(steps[0]))
+        except TrainerStateLost as lost:  # a worker died: rebuild the group, roll back, train the step again
+            self._rebuild_group(lost)
+            recovered = self._recover(int(steps[0]))
+            batch, metrics = self._train(batch, int(steps[0]))
+        metrics.update(recovered)
+        metrics[f"{RECOVERY_PREFIX}restarts"] = self.restarts
+        for hook in self.after_step:
+            hook(self, batch, metrics)
+        metrics["train_seconds"] = time.perf_counter() - started
+        self.busy_seconds += metrics["train_seconds"]
+        metrics["trainer_busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
+        if self.on_step is not None:
+            self.on_step(self, conform(batch), metrics)
+        return pa.Table.from_pylist([metrics])
+
+    def _train(self, batch: pa.Table, step: int) -> tuple[pa.Table, dict]:
+        """Train one step's rows: the batch as trained (its pi_old column) and the step's metrics."""
         trainer_version = self.version
         batch, trained, stale_tokens = apply_staleness_bound(batch, trainer_version, self.max_staleness)
-        metrics = step_metrics(batch, trainer_version, int(steps[0]), trained, stale_tokens)
+        metrics = step_metrics(batch, trainer_version, step, trained, stale_tokens)
         metrics["strategy"] = self.strategy.name
 
         diagnostics: dict = {}
@@ -563,14 +623,34 @@ class TrainStep(TrainerReplica):
         metrics["optimizer_steps"] = self.optimizer_steps
         metrics["trainer/num_workers"] = self.data_parallel.num_workers
         metrics["trainer/nodes"] = ",".join(self.nodes)
-        for hook in self.after_step:
-            hook(self, batch, metrics)
-        metrics["train_seconds"] = time.perf_counter() - started
-        self.busy_seconds += metrics["train_seconds"]
-        metrics["trainer_busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
-        if self.on_step is not None:
-            self.on_step(self, conform(batch), metrics)
-        return pa.Table.from_pylist([metrics])
+        return batch, metrics
+
+    # -- recovery (operators/recovery.py) ---------------------------------------------------------
+    def _rebuild_group(self, lost: TrainerStateLost) -> None:
+        """A worker of the group died: start a new group (a fault to recover at this step), or
+        raise `lost` when the fault is not to be recovered."""
+        self.restarts = self.store.claim_trainer()  # the store counts every trainer rebuilt
+        why = refusal(self.recovery, self.source, self.restarts)
+        if why is not None or self.group is None or self.sharded:  # a sharded model is not re-sharded in place
+            raise lost
+        self.fault = Fault(str(lost).split(";")[0], time.time())
+        self.close()
+        self.group = TrainerGroup(TrainerRank, dict(store=self.store, spec=self.spec, version=None), self.data_parallel,
+                                  device=self.numerics.torch_device())
+        self.join_group(self.group.collective)
+
+    def _recover(self, step: int) -> dict:
+        """Roll every worker back to the last checkpoint and train the steps since it again from
+        their logged rows (nothing published or logged: it all was); the `recovery/*` metrics."""
+        fault, self.fault = self.fault, None
+        try:
+            directory, version, batches = replay_plan(self.source, step)
+        except RuntimeError as e:
+            raise TrainerStateLost(f"{fault.what}; the trainer's state cannot be rebuilt ({e}): {RESUME_HINT}") from None
+        self._on_every_worker("load_checkpoint", directory, version)
+        for k, rows in enumerate(batches, start=version):
+            self._train(rows, k)
+        return event_metrics(fault, step, version, len(batches), time.time() - fault.noticed, self.restarts)
 
     def _finish_step(self, diagnostics: dict) -> dict:
         """Every worker's strategy after-step hook on the same (global) diagnostics."""

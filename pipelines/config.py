@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model,
 from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, OptimizerConfig
 from trajflow.engines.factory import VllmOptions
 from trajflow.engines.sampling import SamplingParams
+from trajflow.operators.recovery import RecoveryConfig
 from trajflow.settings import check_setting, field_types
 from trajflow.tasks.dataset import DataConfig
 from trajflow.tasks.workload import Workload
@@ -143,6 +144,7 @@ AdvantageSection = settings_section(AdvantageConfig, "AdvantageSection")
 KLSection = settings_section(KLConfig, "KLSection")
 OptimizerSection = settings_section(OptimizerConfig, "OptimizerSection")
 VllmSection = settings_section(VllmOptions, "VllmSection")
+RecoverySection = settings_section(RecoveryConfig, "RecoverySection")
 
 
 class ResourceConfig(_Strict):
@@ -237,6 +239,7 @@ class PipelineConfig(_Strict):
     generator: ResourceConfig = Field(default_factory=ResourceConfig)
     scorer: ResourceConfig = Field(default_factory=lambda: ResourceConfig(num_cpus=0.25))
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    recovery: RecoverySection = Field(default_factory=RecoverySection)
     light_stage_cpus: float = Field(0.1, gt=0.0, description="CPUs of reward/advantage/filter tasks")
     colocate: Literal["auto", "off"] = Field(
         "auto", description="auto: consecutive stages share an actor process where that does not serialise "

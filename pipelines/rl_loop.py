@@ -177,7 +177,8 @@ class RLPipeline:
                            optimizer=c.optimizer.spec(), sampling=self.sampling, numerics=c.training_numerics(),
                            data_parallel=c.trainer.data_parallel(self.trainer_group_name),
                            torch_threads=c.trainer.torch_threads)
-        train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks)
+        train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
+                     recovery=c.recovery.spec())
         return Stage("train", TrainStep, train, c.trainer)
 
     def _default_stages(self) -> list[Stage]:
@@ -233,8 +234,9 @@ class RLPipeline:
         from trajflow.engines.models import load_model
 
         start_local_ray()
-        self.store = RayStore.start(self.config.max_staleness, self.strategy.keep_history,
-                                    final_version=self.config.steps)
+        # a trainer that may be rebuilt (recovery) dies with the versions it put: the store owns them all
+        final = self.config.steps if self.config.recovery.max_restarts == 0 else None
+        self.store = RayStore.start(self.config.max_staleness, self.strategy.keep_history, final_version=final)
         model = load_model(self.model_path)
         if initial_weights is not None:
             model.load_state_dict(initial_weights)

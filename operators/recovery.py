@@ -1,0 +1,97 @@
+"""Recovery of a lost trainer: rebuild its state from the last checkpoint and the trajectory log.
+
+The trainer's state (weights, optimizer, strategy) lives only in the train step's processes. When
+one dies — a data-parallel worker (`TrainerRank`), or the train step's own process, which Ray Data
+restarts and whose in-flight step it retries — the state since the last checkpoint is rebuilt
+exactly rather than lost:
+
+1. every worker loads the last checkpoint (weights, optimizer and strategy state, its version v);
+2. the steps v .. s-1 (s: the step at hand) are trained again from the rows the trajectory log
+   holds for them — the same rows in the same order, with the old log-probs they carried — with
+   nothing published, logged or checkpointed (all of it already was);
+3. step s is trained as usual, from the live stream.
+
+No rollout is generated again and none is trained twice into the final state: a logged step is
+re-applied only to state that was rolled back to before it. The generators keep going meanwhile
+(the staleness bound holds them back as usual).
+
+The run dir is the job's (jobs/recorder.py): the job gives the train step a `TrainerSource`
+(`StepHooks.source`) that finds the checkpoint and reads a step's logged rows. `max_restarts`
+bounds the recoveries of a run (the policy store counts the trainers started); past it, or
+without a source, checkpoint or log, the run stops with today's one line (`--resume` goes on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import pyarrow as pa
+
+from trajflow.settings import setting
+
+RECOVERY_PREFIX = "recovery/"  # the metrics of recoveries: restarts, seconds, replayed_steps, event
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """How a run heals itself (the `recovery:` section of the config)."""
+
+    max_restarts: int = setting(
+        3, "times a run rebuilds its trainer (from the last checkpoint and the trajectory log) after a "
+        "trainer process dies; 0: stop with one line naming `trajflow run --resume`", ge=0)
+
+
+class TrainerSource(Protocol):
+    """Where a rebuilt trainer finds its state (the job's run dir, jobs/recorder.py)."""
+
+    def last_checkpoint(self, at_most: int) -> tuple[str, int] | None:
+        """(directory, version) of the newest complete checkpoint of a version <= `at_most`, or None."""
+
+    def logged_rows(self, step: int) -> pa.Table | None:
+        """Step `step`'s rows as the train step received them, in order (None: not all logged)."""
+
+    def refusal(self) -> str | None:
+        """Why this run cannot be rebuilt at all (e.g. its trajectory log is off), or None."""
+
+
+@dataclass
+class Fault:
+    """A trainer process that died: what it was, and when the loss was noticed (wall clock)."""
+
+    what: str  # e.g. "trainer worker 1 of 2 (node 1a2b3c4d5e6f) died"
+    noticed: float
+
+
+def refusal(config: RecoveryConfig, source: TrainerSource | None, restarts: int) -> str | None:
+    """Why fault number `restarts` (1, 2, ...) of a run is not recovered, or None."""
+    if restarts > config.max_restarts:
+        return f"recovery.max_restarts ({config.max_restarts}) is spent"
+    if source is None:
+        return "the pipeline runs without a run dir to rebuild the trainer from"
+    return source.refusal()
+
+
+def replay_plan(source: TrainerSource, step: int) -> tuple[str, int, list[pa.Table]]:
+    """The checkpoint to load and the logged rows of its version .. `step`-1, in step order;
+    RuntimeError (one line) when the checkpoint or a step's rows are missing."""
+    found = source.last_checkpoint(at_most=step)
+    if found is None:
+        raise RuntimeError("no checkpoint to rebuild the trainer from yet (checkpoint_every)")
+    directory, version = found
+    batches = []
+    for k in range(version, step):
+        rows = source.logged_rows(k)
+        if rows is None:
+            raise RuntimeError(f"the trajectory log lacks rows of step {k} (trajectory_log)")
+        batches.append(rows)
+    return directory, version, batches
+
+
+def event_metrics(fault: Fault, step: int, version: int, replayed: int, seconds: float, restarts: int) -> dict:
+    """The `recovery/*` entries of the metrics row of the step a recovery ends at."""
+    steps = f"steps {version}-{step - 1}" if replayed else "no steps"
+    return {f"{RECOVERY_PREFIX}restarts": restarts, f"{RECOVERY_PREFIX}seconds": seconds,
+            f"{RECOVERY_PREFIX}replayed_steps": replayed,
+            f"{RECOVERY_PREFIX}event": f"{fault.what} at step {step}; rebuilt from checkpoint {version}, retrained "
+                                        f"{steps} from the trajectory log in {seconds:.1f} s"}
