@@ -35,3 +35,124 @@ def test_the_lost_line_survives_ray_datas_retry_advice(ray_session, original):
 
 def test_no_line_for_other_errors():
     assert trainer_state_lost(RuntimeError("To change retry attempts, configure ray.data.DataContext")) is None
+
+
+def test_refusal_names_the_setting(tmp_path):
+    """Past the budget, without a run dir or a trajectory log, a fault is not recovered: the
+    reason names the setting."""
+    from trajflow.jobs.recorder import RunRecorder
+    from trajflow.operators.recovery import RecoveryConfig, refusal, replay_plan
+
+    recorder = RunRecorder(run_dir=str(tmp_path), steps=8, checkpoint_every=3, keep_checkpoints=2,
+                           save_all_versions=False, trajectory_log=True)
+    assert refusal(RecoveryConfig(max_restarts=2), recorder, 2) is None
+    assert "recovery.max_restarts (2)" in refusal(RecoveryConfig(max_restarts=2), recorder, 3)
+    assert "recovery.max_restarts (0)" in refusal(RecoveryConfig(max_restarts=0), recorder, 1)
+    assert "run dir" in refusal(RecoveryConfig(), None, 1)
+    off = RunRecorder(run_dir=str(tmp_path), steps=8, checkpoint_every=3, keep_checkpoints=2,
+                      save_all_versions=False, trajectory_log=False)
+    assert "trajectory_log" in refusal(RecoveryConfig(), off, 1)
+    with pytest.raises(RuntimeError, match="checkpoint_every"):
+        replay_plan(recorder, 4)  # no checkpoint written yet
+
+
+# -- the must-show runs (slow): `trajflow run` as a subprocess, a trainer process SIGKILLed ------
+STEPS, KILL_AT = 8, 4
+SYNC = ["--set", f"steps={STEPS}", "--set", "checkpoint_every=3", "--set", "save_all_versions=false",
+        "--set", "tensorboard=false", "--set", "trainer.num_workers=2", "--set", "prompts_per_step=8",
+        "--set", "group_size=4", "--set", "eval_every=0", "--set", "max_staleness=0",
+        "--set", "inference_dtype=float32", "--set", "seed=0", "--no-progress"]
+TIMING = ("seconds", "time", "frac", "busy", "recovery/", "bytes", "node", "checkpoint")
+
+
+def _run(run_dir, kill: str | None, log_path):
+    """`trajflow run quickstart` in sync mode; with `kill`, SIGKILL the run's processes whose
+    command line holds it while step KILL_AT trains (step KILL_AT - 1's metrics are written).
+    Returns (exit status, output, seconds from the kill to step KILL_AT's metrics)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    args = [sys.executable, "-m", "trajflow.jobs.cli", "run", "quickstart", "--run-dir", str(run_dir), *SYNC]
+    healed = None
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            if kill is not None:
+                before = run_dir / "metrics" / f"step={KILL_AT - 1:06d}.parquet"
+                deadline = time.monotonic() + 240
+                while not before.is_file():
+                    assert proc.poll() is None and time.monotonic() < deadline, "no step before the kill"
+                    time.sleep(0.05)
+                victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if kill in " ".join(p.cmdline())]
+                assert victims, f"no process {kill!r} in the run"
+                killed = time.monotonic()
+                for p in victims:
+                    p.kill()
+                after = run_dir / "metrics" / f"step={KILL_AT:06d}.parquet"
+                while not after.is_file() and proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                healed = time.monotonic() - killed
+            status = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    return status, log_path.read_text(), healed
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("base") / "run"
+    status, out, _ = _run(run_dir, None, run_dir.parent / "log")
+    assert status == 0, out[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kill", ["TrainerRank", "TrainStep"], ids=["worker", "train_step_process"])
+def test_killed_trainer_is_rebuilt_and_the_run_matches_an_uninterrupted_one(tmp_path, uninterrupted, kill):
+    """Sync mode, 2 trainer workers, a trainer process SIGKILLed at step 4: the run heals itself
+    (checkpoint 3 + step 3 retrained from the log) and ends with the uninterrupted run's per-step
+    metrics (1e-6) and final weights (1e-5); every step trained once, no trajectory twice."""
+    import json
+
+    import numpy as np
+    import polars as pl
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from trajflow.engines import checkpoint as ckpt
+    from trajflow.schemas import read_parquet
+
+    run_dir = tmp_path / "run"
+    status, out, healed = _run(run_dir, kill, tmp_path / "log")
+    assert status == 0, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("trajflow: recovered: ")]
+    assert len(lines) == 1 and f"at step {KILL_AT}; rebuilt from checkpoint 3, retrained steps 3-3" in lines[0], lines
+    recoveries = json.loads((run_dir / "run.json").read_text())["sessions"][-1]["recoveries"]
+    assert [(r["step"], r["replayed_steps"], r["restarts"]) for r in recoveries] == [(KILL_AT, 1, 1)]
+
+    base, healed_metrics = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
+    assert healed_metrics["step"].to_list() == list(range(STEPS))  # none repeated or skipped
+    assert healed_metrics["recovery/restarts"].to_list() == [0] * KILL_AT + [1] * (STEPS - KILL_AT)
+    assert (base["recovery/restarts"] == 0).all()
+    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
+    assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version"} <= set(compared)
+    for c in compared:
+        np.testing.assert_allclose(healed_metrics[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
+                                   atol=1e-6, rtol=0, err_msg=c)
+    final = [ckpt.latest_checkpoint(d / "checkpoints") for d in (uninterrupted, run_dir)]
+    assert [c.version for c in final] == [STEPS, STEPS]
+    a, b = (c.model_state() for c in final)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+    parts = sorted((run_dir / "trajectories").glob("step=*/part-*.parquet"))
+    table = pa.concat_tables([read_parquet(p) for p in parts], promote_options="permissive")
+    assert table.num_rows == STEPS * 32 and pc.count_distinct(table["trajectory_id"]).as_py() == table.num_rows
+    print(f"{kill}: {healed:.1f} s from the kill to step {KILL_AT}'s metrics")
