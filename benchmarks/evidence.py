@@ -233,8 +233,9 @@ def regime_report(metrics: pl.DataFrame) -> str:
         "Raw per-step rows: `results/evidence_regime.parquet`; plot: `results/evidence_regime.png`.",
         "Gradient cosine with the exact strategy's gradient (mean over the steps that have a gradient; "
         "1 = same direction):\n\n" + table(pivot(summary, "cos")),
-        "Share of steps on which the strategy's masks removed every token (no gradient at all):\n\n"
-        + table(pivot(summary, "no_grad", "{:.2f}")),
+        "Share of steps on which the strategy's masks removed every token (no gradient at all; rows "
+        "with any such step):\n\n" + table(pivot(summary.filter(pl.col("no_grad").max().over("setting", "strategy") > 0),
+                                                 "no_grad", "{:.2f}")),
         "Smallest cosine over the steps:\n\n" + table(pivot(summary, "cos_min")),
         "Relative error of the gradient |g - g_exact| / |g_exact| (median over steps):\n\n"
         + table(pivot(summary, "rel_err")),
