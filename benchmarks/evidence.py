@@ -53,6 +53,9 @@ SETTINGS = [
     ("calc bf16 lr3e-4", "calc", {"inference_dtype": "bfloat16", "optimizer.lr": 3e-4}),
     # little drift per version: where a drifting proxy should come close to the exact pi_old
     ("addition bf16 lr3e-5", "quickstart", {"inference_dtype": "bfloat16", "optimizer.lr": 3e-5}),
+    # longer single-turn responses (up to 7 tokens with EOS, variable length) than addition's
+    ("reverse bf16 lr3e-4", "quickstart", {"task": "reverse", "model": "artifacts/warm_start/reverse",
+                                           "inference_dtype": "bfloat16", "sampling.max_new_tokens": 8}),
 ]
 KEYS = {"cos": "grad/cos_vs_exact", "rel_err": "grad/rel_err_vs_exact", "kept": "mask/token_kept_frac",
         "clip": "clip/frac", "active": "active_frac"}
