@@ -3,7 +3,7 @@
 import polars as pl
 import pytest
 
-from benchmarks.evidence import bootstrap_interval, outcome_rows, sign_flip_p
+from benchmarks.evidence import bootstrap_interval, outcome_rows, regime_summary, sign_flip_p
 
 
 def test_sign_flip_p_by_hand():
@@ -36,3 +36,19 @@ def test_outcome_rows_pair_by_seed():
     assert rows["behavior"]["vs snapshot (paired)"].startswith("-0.045 [")
     assert rows["behavior"]["reached 0.45"] == "1/2" and rows["snapshot"]["reached 0.45"] == "1/2"
     assert rows["snapshot"]["seconds to target"] == "21" and rows["behavior"]["versions to target"] == "20.0"
+
+
+def test_regime_summary_counts_steps_without_gradient_apart():
+    nan = float("nan")
+    rows = pl.DataFrame({
+        "setting": ["s"] * 4, "staleness": ["2"] * 4, "strategy": ["recompute"] * 4, "delay": [2] * 4,
+        "spread": [False] * 4,
+        "grad/cos_vs_exact": [0.5, nan, 0.7, nan],  # steps 2 and 4: every token masked
+        "grad/rel_err_vs_exact": [0.1, 1.0, 0.3, 100.0],
+        "mask/token_kept_frac": [0.5, 0.0, 0.7, 0.0], "clip/frac": [0.0] * 4, "active_frac": [0.5, 0, 0.7, 0],
+        "split/var_log_rd": [None] * 4, "split/var_log_rs": [None] * 4, "staleness/mean": [2.0] * 4,
+    })
+    (row,) = regime_summary(rows).to_dicts()
+    assert row["cos"] == pytest.approx(0.6) and row["cos_min"] == pytest.approx(0.5)  # NaN steps left out
+    assert row["no_grad"] == 0.5
+    assert row["rel_err"] == pytest.approx(0.65)  # the median, not the mean the outlier owns

@@ -395,8 +395,11 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     before the resume starts — by pid, only this run's processes."""
     import psutil
 
-    children = psutil.Process(proc.pid).children(recursive=True)
-    os.kill(proc.pid, signal.SIGKILL)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)
+    except (psutil.NoSuchProcess, ProcessLookupError):  # it ended by itself (the caller checks how far it got)
+        children = []
     proc.wait(timeout=30)
     _, alive = psutil.wait_procs(children, timeout=15)  # Ray's reaper takes its processes down
     for child in alive:
