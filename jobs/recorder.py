@@ -100,6 +100,12 @@ class RunPaths:
     def summary(self) -> Path:
         return self.root / "summary.txt"
 
+    @property
+    def trainer_lost(self) -> Path:
+        """The one line of a TrainerStateLost, written by the train step as it raises it (Ray Data
+        may lose the error's text on the way to the driver)."""
+        return self.root / "trainer_lost.txt"
+
     def trajectory_file(self, step: int) -> Path:
         return self.trajectories / STEP_DIR.format(step) / "part-0.parquet"
 
@@ -257,6 +263,9 @@ class RunRecorder:
             )
             ckpt.prune_checkpoints(paths.checkpoints, self.keep_checkpoints)
             metrics["checkpoint"] = version
+
+    def on_lost(self, line: str) -> None:
+        ckpt.atomic_write_text(self.paths.trainer_lost, line + "\n")
 
     # -- the trainer's source after a fault (operators/recovery.py TrainerSource) --------------
     def refusal(self) -> str | None:

@@ -450,6 +450,7 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
 
     started = time.time()
     _begin_session(paths, first_step, config.steps)
+    paths.trainer_lost.unlink(missing_ok=True)  # a previous session's
     if first_step >= config.steps:  # killed after its last checkpoint, before the summary
         print(f"trajflow: all {config.steps} steps are trained; writing the summary")
         _finish(config, paths, first_step, started, [])
@@ -475,6 +476,7 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
             )
             pipeline.hooks.on_start, pipeline.hooks.on_step = recorder.on_start, recorder.on_step
             pipeline.hooks.source = recorder  # a trainer that dies is rebuilt from the run dir
+            pipeline.hooks.on_lost = recorder.on_lost
             weights = checkpoint.model_state() if checkpoint is not None else None
             pipeline.start_store(initial_version=first_step, initial_weights=weights)
             print(wrap(pipeline.describe()), flush=True)
@@ -483,7 +485,8 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
     except BaseException as e:
         stopped = isinstance(e, (KeyboardInterrupt, SystemExit))
         _end_session(paths, "stopped" if stopped else "failed", f"{type(e).__name__}: {e}"[:500])
-        lost = None if stopped else trainer_state_lost(e)
+        written = paths.trainer_lost.read_text().strip() if paths.trainer_lost.is_file() else None
+        lost = None if stopped else (written or trainer_state_lost(e))
         if lost is not None:  # a trainer worker died: its optimizer state is gone; say how to go on
             raise RunFailed(lost.replace("RUN_DIR", str(paths.root))) from None
         raise

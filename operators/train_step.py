@@ -118,6 +118,7 @@ class StepHooks:
     on_start: Callable[["TrainStep"], None] | None = None
     on_step: Callable[["TrainStep", pa.Table, dict], None] | None = None
     source: TrainerSource | None = None
+    on_lost: Callable[[str], None] | None = None  # the TrainerStateLost line, as the step raises it
 
 
 @dataclass
@@ -449,7 +450,7 @@ class TrainStep(TrainerReplica):
         self.node = node_address()[0]
         self.group: TrainerGroup | None = None
         self.lost: TrainerStateLost | None = None
-        self.recovery, self.source, self.fault = recovery, hooks.source, None
+        self.recovery, self.source, self.fault, self.on_lost = recovery, hooks.source, None, hooks.on_lost
         self.restarts = store.claim_trainer()
         if self.restarts > 0:
             what = (f"trainer worker 0 of {data_parallel.num_workers} (node {self.node[:12]}) was restarted after "
@@ -576,19 +577,24 @@ class TrainStep(TrainerReplica):
 
     # -- the step ----------------------------------------------------------------------------------
     def __call__(self, batch: pa.Table) -> pa.Table:
-        if self.lost is not None:
-            raise self.lost
         started = time.perf_counter()
         steps = np.unique(batch["rollout_step"].to_numpy())
         if len(steps) != 1:
             raise RuntimeError(f"a train batch must hold exactly one rollout step, got steps {steps.tolist()}")
         try:
-            recovered = self._recover(int(steps[0])) if self.fault is not None else {}
-            batch, metrics = self._train(batch, int(steps[0]))
-        except TrainerStateLost as lost:  # a worker died: rebuild the group, roll back, train the step again
-            self._rebuild_group(lost)
-            recovered = self._recover(int(steps[0]))
-            batch, metrics = self._train(batch, int(steps[0]))
+            if self.lost is not None:
+                raise self.lost
+            try:
+                recovered = self._recover(int(steps[0])) if self.fault is not None else {}
+                batch, metrics = self._train(batch, int(steps[0]))
+            except TrainerStateLost as lost:  # a worker died: rebuild the group, roll back, train the step again
+                self._rebuild_group(lost)
+                recovered = self._recover(int(steps[0]))
+                batch, metrics = self._train(batch, int(steps[0]))
+        except TrainerStateLost as lost:
+            if self.on_lost is not None:
+                self.on_lost(str(lost))
+            raise
         metrics.update(recovered)
         metrics[f"{RECOVERY_PREFIX}restarts"] = self.restarts
         for hook in self.after_step:
