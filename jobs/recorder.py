@@ -3,7 +3,9 @@
     RUN/
       config.yaml                       the resolved job config
       run.json                          state (running / finished / failed), pid, host, times, and
-                                        one entry per session (the first run, each resume)
+                                        one entry per session (the first run, each resume), with
+                                        the session's `recoveries` (operators/recovery.py)
+      trainer_lost.txt                  the one line of a trainer that could not be rebuilt
       metrics/step=000012.parquet       one row per train step (written by the trainer, atomically)
       metrics.parquet                   all steps in one file (rewritten at the end)
       trajectories/step=000012/part-0.parquet   every trajectory of train step 12, schema v1 +
@@ -24,6 +26,9 @@ trajectory partition of step s, the metrics row of step s, the version file s + 
 kill at any point leaves complete files; a complete checkpoint k implies complete logs of steps
 < k. Resuming from checkpoint k deletes whatever exists of steps >= k (`truncate_after`) and
 re-runs them, so no step is repeated or skipped in the logs.
+
+The recorder is also the trainer's `TrainerSource` (operators/recovery.py): a trainer process
+that dies is rebuilt in the run from the newest checkpoint and the logged rows of the steps since.
 """
 
 from __future__ import annotations
