@@ -441,7 +441,8 @@ class TrainStep(TrainerReplica):
     """Worker 0: the Ray Data operator. Workers 1..N-1 are built from the same `spec`."""
 
     def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, max_staleness: int,
-                 after_step: Sequence[AfterStep], hooks: StepHooks, recovery: RecoveryConfig = RecoveryConfig()) -> None:
+                 after_step: Sequence[AfterStep], hooks: StepHooks,
+                 recovery: RecoveryConfig = RecoveryConfig()) -> None:
         data_parallel = spec.data_parallel
         # One train step per store: a second one means this process replaced a trainer that died
         # (Ray Data restarts actors and retries the step), and that trainer's optimizer and
@@ -641,8 +642,8 @@ class TrainStep(TrainerReplica):
             raise lost
         self.fault = Fault(str(lost).split(";")[0], time.time())
         self.close()
-        self.group = TrainerGroup(TrainerRank, dict(store=self.store, spec=self.spec, version=None), self.data_parallel,
-                                  device=self.numerics.torch_device())
+        ranks = dict(store=self.store, spec=self.spec, version=None)  # the checkpoint's weights come next
+        self.group = TrainerGroup(TrainerRank, ranks, self.data_parallel, device=self.numerics.torch_device())
         self.join_group(self.group.collective)
 
     def _recover(self, step: int) -> dict:
