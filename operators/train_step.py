@@ -51,6 +51,7 @@ from torch import Tensor
 
 from trajflow.algorithms.config import CorrectionConfig, KLConfig, OptimizerConfig
 from trajflow.algorithms.objective import LossOutput
+from trajflow.algorithms.schedules import lr_multiplier
 from trajflow.engines import checkpoint as ckpt
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
@@ -95,6 +96,7 @@ class TrainerSpec:
     numerics: TrainingNumerics
     data_parallel: DataParallel
     torch_threads: int
+    total_updates: int | None = None  # optimizer updates in the run (steps x minibatches_per_step): the lr schedule's N
 
 
 @dataclass
@@ -121,6 +123,7 @@ class ShardResult:
     dummy_passes: int = 0  # a sharded worker's passes without rows (lockstep)
     allreduce_seconds: float = 0.0
     state_bytes: dict[str, int] = field(default_factory=dict)  # after the last optimizer step: TrainerReplica.state_bytes
+    lr: float | None = None  # the learning rate of the last optimizer update
 
 
 class TrainerReplica(PolicyHolder):
@@ -274,9 +277,10 @@ class TrainerReplica(PolicyHolder):
                 self._begin_update(shards)
             loss_sum, count, first_part = 0.0, 0.0, len(result.parts)
             for micro, shard in zip(minibatch, shards):
-                current = self.current(shard, grad=True)
+                entropy: list[Tensor] | None = [] if self.correction.entropy_coef > 0 else None
+                current = self.current(shard, grad=True, entropy=entropy)
                 fixed = correct(self.strategy, shard, current, self, self.correction, denominator=1.0,
-                                kl=self.spec.kl)
+                                kl=self.spec.kl, entropy=entropy[0] if entropy else None)
                 if not micro:  # every parameter takes part in the backward, with gradient 0
                     (torch.where(torch.isfinite(current), current, 0.0).sum() * 0.0).backward()
                     result.dummy_passes += 1
@@ -313,12 +317,24 @@ class TrainerReplica(PolicyHolder):
                 self.optimizer.zero_grad(set_to_none=True)
                 continue
             result.norms.append(norm)
+            result.lr = self._schedule_lr()
             self.optimizer.step()
             self.optimizer_steps += 1
             result.state_bytes = self.state_bytes()
             self.strategy.after_update(self)
         self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _schedule_lr(self) -> float:
+        """Set the lr of the next optimizer update from the schedule (algorithms/schedules.py).
+        The update index is AdamW's own step count, which every checkpoint (replicated or
+        sharded) holds, so a resumed run continues the schedule where it stopped; a skipped
+        (non-finite) update does not advance it."""
+        o = self.spec.optimizer
+        lr = o.lr * lr_multiplier(self.optimizer_steps, self.spec.total_updates, o)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _all_reduce(self, params: list[Tensor], loss_sum: float, count: float) -> tuple[float, float]:
         """Sum the gradients (replaced in place), loss sums and counts over the workers in one
@@ -609,6 +625,7 @@ class TrainStep(TrainerReplica):
         diagnostics = step_diagnostics(merged, batch, trainer_version, outside)
         diagnostics["grad/norm"] = float(np.mean(results[0].norms)) if results[0].norms else None
         diagnostics["grad/nonfinite_skipped"] = float(results[0].skipped)
+        diagnostics["optimizer/lr"] = results[0].lr
         parallel = {"trainer/microbatches": sum(r.microbatches for r in results),
                     "trainer/allreduce_seconds": max(r.allreduce_seconds for r in results),
                     **({"trainer/dummy_passes": sum(r.dummy_passes for r in results)} if self.sharded else {}),

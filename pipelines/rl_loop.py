@@ -176,7 +176,8 @@ class RLPipeline:
         spec = TrainerSpec(model_path=self.model_path, strategy=strategy, correction=c.correction_config(), kl=c.kl.spec(),
                            optimizer=c.optimizer.spec(), sampling=self.sampling, numerics=c.training_numerics(),
                            data_parallel=c.trainer.data_parallel(self.trainer_group_name),
-                           torch_threads=c.trainer.torch_threads)
+                           torch_threads=c.trainer.torch_threads,
+                           total_updates=c.steps * c.optimizer.minibatches_per_step)
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks)
         return Stage("train", TrainStep, train, c.trainer)
 
