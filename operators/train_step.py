@@ -53,6 +53,7 @@ from trajflow.algorithms.config import CorrectionConfig, KLConfig, OptimizerConf
 from trajflow.algorithms.objective import LossOutput
 from trajflow.algorithms.schedules import lr_multiplier
 from trajflow.engines import checkpoint as ckpt
+from trajflow.engines import lora
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -97,6 +98,7 @@ class TrainerSpec:
     data_parallel: DataParallel
     torch_threads: int
     total_updates: int | None = None  # optimizer updates in the run (steps x minibatches_per_step): the lr schedule's N
+    lora: lora.LoraSettings = lora.LoraSettings()  # r > 0: train and publish an adapter (engines/lora.py)
 
 
 @dataclass
@@ -150,7 +152,13 @@ class TrainerReplica(PolicyHolder):
         # version worker 0 started from.
         self.version, weights = store.weights(version)
         model = load_model(spec.model_path)
-        model.load_state_dict(weights)
+        if lora.is_adapter(weights):  # a resumed LoRA run: the model directory's base + the version's adapter
+            model = lora.wrap(model, spec.lora)
+            lora.load_adapter(model, weights)
+        else:
+            model.load_state_dict(weights)
+            if spec.lora.enabled:
+                model = lora.wrap(model, spec.lora)
         # sharded, the model reaches the device shard by shard (operators/fsdp.py), never whole
         self.model = model.eval() if self.sharded else spec.numerics.prepare(model)
         if spec.data_parallel.gradient_checkpointing:
@@ -170,7 +178,8 @@ class TrainerReplica(PolicyHolder):
 
     def _start(self) -> None:
         o = self.spec.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapter only
+        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.strategy.bind(self)
 
@@ -182,8 +191,15 @@ class TrainerReplica(PolicyHolder):
         Replicated: the model's own tensors (detached, not copied; cast to `dtype` if given).
         Sharded: each tensor is cast on its shard and all-gathered, which is a collective: every
         worker of the group runs this iteration in step, to the end (`TrainStep.full_weights`
-        drives workers 1..N-1; they drop what they gather)."""
+        drives workers 1..N-1; they drop what they gather). LoRA: the base with the adapter merged
+        in, under the plain model's names."""
+        if self.spec.lora.enabled:
+            return full_tensors(lora.merged(dict(lora.base_weights(self.model)), self.version_payload()), dtype)
         return full_tensors(self.model.state_dict(), dtype)
+
+    def version_payload(self) -> dict[str, Tensor]:
+        """What a LoRA trainer publishes and checkpoints per version: the adapter (engines/lora.py)."""
+        return lora.adapter_payload(self.model, self.spec.lora.scaling)
 
     def policy_copy(self) -> torch.nn.Module:
         """A frozen copy of the policy with the current weights; sharded like it (its forward
@@ -460,8 +476,10 @@ class TrainStep(TrainerReplica):
     def publish(self) -> None:
         """Make the trainer's current weights version `self.version` in the policy store (the
         after-step service `PublishWeights` calls it): the full tensors (`full_weights()`,
-        gathered from every worker when sharded) as one float32 copy in the object store."""
-        self.store.publish(dict(self.full_weights()), self.version)
+        gathered from every worker when sharded) as one float32 copy in the object store; with
+        LoRA, the adapter only."""
+        payload = self.version_payload() if self.spec.lora.enabled else dict(self.full_weights())
+        self.store.publish(payload, self.version)
 
     def full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """`TrainerReplica.full_weights` on worker 0, with workers 1..N-1 running the same gathers
@@ -486,9 +504,9 @@ class TrainStep(TrainerReplica):
         """The policy as one module in this process, for work outside the workers' lockstep
         (held-out evaluation): the model itself when replicated; sharded, a full copy loaded
         from `full_weights()` (every worker takes part in the gathers)."""
-        if not self.sharded:
+        if not self.sharded and not self.spec.lora.enabled:
             return self.model
-        model = self.numerics.prepare(load_model(self.spec.model_path))
+        model = self.numerics.prepare(load_model(self.spec.model_path))  # LoRA: the adapter merged in
         model.load_state_dict(dict(self.full_weights()))
         return model
 
@@ -504,7 +522,11 @@ class TrainStep(TrainerReplica):
                 self._on_every_worker("save_shards", str(tmp))
             else:
                 state = self.checkpoint_state()
-                ckpt.write_replica(tmp, self.policy_state_dict(), state["optimizer"], state["strategy"])
+                if self.spec.lora.enabled:  # the adapter: the base is the model directory's
+                    ckpt.write_replica(tmp, self.version_payload(), state["optimizer"], state["strategy"],
+                                       weights_file=ckpt.ADAPTER_FILE)
+                else:
+                    ckpt.write_replica(tmp, self.policy_state_dict(), state["optimizer"], state["strategy"])
             if export:
                 ckpt.export_model(tmp, self.full_weights(), self.spec.model_path)
         return ckpt.Checkpoint(ckpt.checkpoint_dir(root, self.version), self.version, meta)
