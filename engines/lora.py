@@ -74,7 +74,14 @@ def wrap(model: "torch.nn.Module", settings: LoraSettings) -> "torch.nn.Module":
                         target_modules=list(settings.target_modules), bias="none")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(INIT_SEED)
-        return get_peft_model(model, config)
+        wrapped = get_peft_model(model, config)
+    # readers merge W + scaling B A, which is the layer's function for nn.Linear only (GPT-2's
+    # Conv1D stores W transposed)
+    other = sorted({type(m.base_layer).__name__ for m in wrapped.modules()
+                    if hasattr(m, "lora_A") and not isinstance(m.base_layer, torch.nn.Linear)})
+    if other:
+        raise ValueError(f"lora.target_modules: only linear layers can carry an adapter here, got {other}")
+    return wrapped
 
 
 def adapter_payload(model: "torch.nn.Module", scaling: float) -> dict[str, "Tensor"]:
