@@ -205,10 +205,11 @@ def plot_regime(summary: pl.DataFrame, path: Path) -> None:
         axes[1][i].set_xlabel("staleness S (versions)")
     axes[0][0].set_ylabel("gradient cosine vs exact")
     axes[1][0].set_ylabel("mask kept fraction (tokens)")
-    axes[0][-1].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()  # outside the panels: covers no data
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle("Each proxy's gradient against exact old logits on the same batch, mean over steps\n"
                  "solid: every token S versions stale; dotted: ages spread over 0..S", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
