@@ -4,7 +4,10 @@ A checkpoint of version v (the weights after v optimizer updates) is a directory
 replicated trainer (`trainer.sharding: none`)
 
     step-000012/
-        model.safetensors        the weights (float32, every state-dict key, tied ones duplicated)
+        model.safetensors        the weights (float32, every state-dict key, tied ones duplicated);
+                                 a LoRA run (engines/lora.py): adapter.safetensors, the adapter
+                                 (the base is the model directory's), and no model.safetensors
+                                 except in the last, exported one (the adapter merged in)
         optimizer.safetensors    every tensor of optimizer.state_dict() ...
         optimizer.json           ... and its structure (scalars, param groups) with tensor keys
         strategy.safetensors/.json   the strategy's state (e.g. EWMA), when it has one
@@ -333,7 +336,10 @@ class Checkpoint:
         return (self.path / SHARDS / "model").is_dir()
 
     def model_state(self) -> StateDict:
-        """The full weights: `model.safetensors`, or a sharded checkpoint's shards assembled."""
+        """The version's payload a resumed run starts from: a LoRA run's adapter (`ADAPTER_FILE`),
+        else the full weights (`model.safetensors`, or a sharded checkpoint's shards assembled)."""
+        if (self.path / ADAPTER_FILE).is_file():
+            return load_weights(self.path / ADAPTER_FILE)
         if (self.path / "model.safetensors").is_file():
             return load_weights(self.path / "model.safetensors")
         return assemble_sharded(self.path, "model")
@@ -363,10 +369,14 @@ def save_checkpoint(
     return Checkpoint(checkpoint_dir(root, version), version, {"version": version, "complete": True, **(meta or {})})
 
 
+ADAPTER_FILE = "adapter.safetensors"  # a LoRA trainer's weights: the adapter payload (engines/lora.py)
+
+
 def write_replica(directory: Path, model_state: StateDict, optimizer_state: dict | None = None,
-                  strategy_state: dict | None = None) -> None:
-    """A replicated trainer's checkpoint files (module docstring) into `directory`."""
-    _save_safetensors(model_state, directory / "model.safetensors")
+                  strategy_state: dict | None = None, weights_file: str = "model.safetensors") -> None:
+    """A replicated trainer's checkpoint files (module docstring) into `directory`; a LoRA
+    trainer's weights are its adapter, in `ADAPTER_FILE`."""
+    _save_safetensors(model_state, directory / weights_file)
     if optimizer_state is not None:
         save_state(optimizer_state, directory, "optimizer")
     if strategy_state:
@@ -428,7 +438,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
         if meta is None or meta.get("version") != version:
             continue
         checkpoint = Checkpoint(path, version, meta)
-        if (path / "model.safetensors").is_file() or checkpoint.sharded:
+        if (path / "model.safetensors").is_file() or (path / ADAPTER_FILE).is_file() or checkpoint.sharded:
             out.append(checkpoint)
     return sorted(out, key=lambda c: c.version)
 

@@ -132,11 +132,12 @@ class PolicyHolder:
     def score(self, model: torch.nn.Module, batch: StepBatch) -> Tensor:
         return self.numerics.logprobs(model, batch.prompts, batch.responses, self.sampling, width=batch.width)
 
-    def current(self, batch: StepBatch, grad: bool) -> Tensor:
-        """pi_theta [B, T] of the batch under the policy's current weights."""
+    def current(self, batch: StepBatch, grad: bool, entropy: list[Tensor] | None = None) -> Tensor:
+        """pi_theta [B, T] of the batch under the policy's current weights; `entropy`: a list
+        that receives its per-token entropy [B, T] from the same forward pass."""
         with torch.set_grad_enabled(grad):
             return self.numerics.logprobs(self.model, batch.prompts, batch.responses, self.sampling,
-                                          width=batch.width, grad=grad)
+                                          width=batch.width, grad=grad, entropy=entropy)
 
 
 @dataclass

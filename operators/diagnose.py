@@ -34,6 +34,7 @@ import torch
 
 from trajflow.algorithms.config import CorrectionConfig, KLConfig
 from trajflow.algorithms.diagnostics import gradient_agreement
+from trajflow.engines.lora import VersionWeights
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -73,6 +74,7 @@ class Diagnose(PolicyHolder):
         self.gradients_vs = exact[0] if gradients else None
         self.minibatches_per_step = 1  # the log holds one set of weights per version
         self.model = numerics.prepare(load_model(model_path))
+        self.versions = VersionWeights(model_path)  # a LoRA run's versions are adapters
         self.version: int | None = None
         self.bound = False
 
@@ -83,7 +85,7 @@ class Diagnose(PolicyHolder):
                 _, weights = self.store.weights(version)
             except VersionNotHeld:
                 return False
-            self.model.load_state_dict(weights)
+            self.model.load_state_dict(self.versions.full(weights))
             self.version = version
         return True
 

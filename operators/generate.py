@@ -32,6 +32,7 @@ import pyarrow as pa
 import torch
 
 from trajflow.engines.factory import VllmOptions, make_engine
+from trajflow.engines.lora import VersionWeights
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import stop_token_ids
@@ -105,14 +106,16 @@ class Generate:
         # Training numerics of the resident version, for scoring prefixes at a switch (interrupt).
         self.numerics = numerics
         self.scoring_model = numerics.prepare(model) if scores_at_switch else None
+        self.versions = VersionWeights(model_path)
         self.semantics = SamplingSemantics(sampling.temperature, sampling.top_p, sampling.top_k)
 
     def _take_newest(self, pins: set[int]) -> None:
-        version, weights = self.store.weights(None, pin=True)
+        version, payload = self.store.weights(None, pin=True)
         if version in pins:
             self.store.release(version)  # this call already holds a pin on it
         pins.add(version)
         if version != self.engine.version:
+            weights = self.versions.full(payload)  # a LoRA run's versions are adapters
             self.engine.load_weights(weights, version)
             if self.scoring_model is not None:
                 self.scoring_model.load_state_dict(weights)

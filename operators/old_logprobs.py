@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from trajflow.engines.lora import VersionWeights
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -52,6 +53,7 @@ class OldLogprobsAtBehaviourVersion:
         self.store = store
         self.numerics = numerics
         self.model = numerics.prepare(load_model(model_path))
+        self.versions = VersionWeights(model_path)  # a LoRA run's versions are adapters
         self.sampling = sampling
         self.skip_filtered = skip_filtered
         self.resident_version: int | None = None
@@ -59,7 +61,7 @@ class OldLogprobsAtBehaviourVersion:
     def _ensure(self, version: int) -> None:
         if version != self.resident_version:
             _, weights = self.store.weights(version)
-            self.model.load_state_dict(weights)
+            self.model.load_state_dict(self.versions.full(weights))
             self.resident_version = version
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -52,7 +52,9 @@ from torch import Tensor
 
 from trajflow.algorithms.config import CorrectionConfig, KLConfig, OptimizerConfig
 from trajflow.algorithms.objective import LossOutput
+from trajflow.algorithms.schedules import lr_multiplier
 from trajflow.engines import checkpoint as ckpt
+from trajflow.engines import lora
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -106,6 +108,8 @@ class TrainerSpec:
     numerics: TrainingNumerics
     data_parallel: DataParallel
     torch_threads: int
+    total_updates: int | None = None  # optimizer updates in the run (steps x minibatches_per_step): the lr schedule's N
+    lora: lora.LoraSettings = lora.LoraSettings()  # r > 0: train and publish an adapter (engines/lora.py)
 
 
 @dataclass
@@ -135,6 +139,7 @@ class ShardResult:
     dummy_passes: int = 0  # a sharded worker's passes without rows (lockstep)
     allreduce_seconds: float = 0.0
     state_bytes: dict[str, int] = field(default_factory=dict)  # after the last optimizer step: TrainerReplica.state_bytes
+    lr: float | None = None  # the learning rate of the last optimizer update
 
 
 class TrainerReplica(PolicyHolder):
@@ -161,7 +166,13 @@ class TrainerReplica(PolicyHolder):
         # version worker 0 started from.
         self.version, weights = store.weights(version)
         model = load_model(spec.model_path)
-        model.load_state_dict(weights)
+        if lora.is_adapter(weights):  # a resumed LoRA run: the model directory's base + the version's adapter
+            model = lora.wrap(model, spec.lora)
+            lora.load_adapter(model, weights)
+        else:
+            model.load_state_dict(weights)
+            if spec.lora.enabled:
+                model = lora.wrap(model, spec.lora)
         # sharded, the model reaches the device shard by shard (operators/fsdp.py), never whole
         self.model = model.eval() if self.sharded else spec.numerics.prepare(model)
         if spec.data_parallel.gradient_checkpointing:
@@ -181,7 +192,8 @@ class TrainerReplica(PolicyHolder):
 
     def _start(self) -> None:
         o = self.spec.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapter only
+        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.strategy.bind(self)
 
@@ -193,8 +205,15 @@ class TrainerReplica(PolicyHolder):
         Replicated: the model's own tensors (detached, not copied; cast to `dtype` if given).
         Sharded: each tensor is cast on its shard and all-gathered, which is a collective: every
         worker of the group runs this iteration in step, to the end (`TrainStep.full_weights`
-        drives workers 1..N-1; they drop what they gather)."""
+        drives workers 1..N-1; they drop what they gather). LoRA: the base with the adapter merged
+        in, under the plain model's names."""
+        if self.spec.lora.enabled:
+            return full_tensors(lora.merged(dict(lora.base_weights(self.model)), self.version_payload()), dtype)
         return full_tensors(self.model.state_dict(), dtype)
+
+    def version_payload(self) -> dict[str, Tensor]:
+        """What a LoRA trainer publishes and checkpoints per version: the adapter (engines/lora.py)."""
+        return lora.adapter_payload(self.model, self.spec.lora.scaling)
 
     def policy_copy(self) -> torch.nn.Module:
         """A frozen copy of the policy with the current weights; sharded like it (its forward
@@ -303,9 +322,10 @@ class TrainerReplica(PolicyHolder):
                 self._begin_update(shards)
             loss_sum, count, first_part = 0.0, 0.0, len(result.parts)
             for micro, shard in zip(minibatch, shards):
-                current = self.current(shard, grad=True)
+                entropy: list[Tensor] | None = [] if self.correction.entropy_coef > 0 else None
+                current = self.current(shard, grad=True, entropy=entropy)
                 fixed = correct(self.strategy, shard, current, self, self.correction, denominator=1.0,
-                                kl=self.spec.kl)
+                                kl=self.spec.kl, entropy=entropy[0] if entropy else None)
                 if not micro:  # every parameter takes part in the backward, with gradient 0
                     (torch.where(torch.isfinite(current), current, 0.0).sum() * 0.0).backward()
                     result.dummy_passes += 1
@@ -342,12 +362,24 @@ class TrainerReplica(PolicyHolder):
                 self.optimizer.zero_grad(set_to_none=True)
                 continue
             result.norms.append(norm)
+            result.lr = self._schedule_lr()
             self.optimizer.step()
             self.optimizer_steps += 1
             result.state_bytes = self.state_bytes()
             self.strategy.after_update(self)
         self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _schedule_lr(self) -> float:
+        """Set the lr of the next optimizer update from the schedule (algorithms/schedules.py).
+        The update index is AdamW's own step count, which every checkpoint (replicated or
+        sharded) holds, so a resumed run continues the schedule where it stopped; a skipped
+        (non-finite) update does not advance it."""
+        o = self.spec.optimizer
+        lr = o.lr * lr_multiplier(self.optimizer_steps, self.spec.total_updates, o)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _all_reduce(self, params: list[Tensor], loss_sum: float, count: float) -> tuple[float, float]:
         """Sum the gradients (replaced in place), loss sums and counts over the workers in one
@@ -482,12 +514,13 @@ class TrainStep(TrainerReplica):
     def publish(self) -> None:
         """Make the trainer's current weights version `self.version` in the policy store (the
         after-step service `PublishWeights` calls it): the full tensors (`full_weights()`,
-        gathered from every worker when sharded) as one float32 copy in the object store. A version
-        the store holds already was published by the process this one replaced (recovery): the
-        same weights, kept."""
+        gathered from every worker when sharded) as one float32 copy in the object store; with
+        LoRA, the adapter only. A version the store holds already was published by the process
+        this one replaced (recovery): the same weights, kept."""
         if self.store.latest_version() >= self.version:
             return
-        self.store.publish(dict(self.full_weights()), self.version)
+        payload = self.version_payload() if self.spec.lora.enabled else dict(self.full_weights())
+        self.store.publish(payload, self.version)
 
     def full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """`TrainerReplica.full_weights` on worker 0, with workers 1..N-1 running the same gathers
@@ -512,9 +545,9 @@ class TrainStep(TrainerReplica):
         """The policy as one module in this process, for work outside the workers' lockstep
         (held-out evaluation): the model itself when replicated; sharded, a full copy loaded
         from `full_weights()` (every worker takes part in the gathers)."""
-        if not self.sharded:
+        if not self.sharded and not self.spec.lora.enabled:
             return self.model
-        model = self.numerics.prepare(load_model(self.spec.model_path))
+        model = self.numerics.prepare(load_model(self.spec.model_path))  # LoRA: the adapter merged in
         model.load_state_dict(dict(self.full_weights()))
         return model
 
@@ -530,7 +563,11 @@ class TrainStep(TrainerReplica):
                 self._on_every_worker("save_shards", str(tmp))
             else:
                 state = self.checkpoint_state()
-                ckpt.write_replica(tmp, self.policy_state_dict(), state["optimizer"], state["strategy"])
+                if self.spec.lora.enabled:  # the adapter: the base is the model directory's
+                    ckpt.write_replica(tmp, self.version_payload(), state["optimizer"], state["strategy"],
+                                       weights_file=ckpt.ADAPTER_FILE)
+                else:
+                    ckpt.write_replica(tmp, self.policy_state_dict(), state["optimizer"], state["strategy"])
             if export:
                 ckpt.export_model(tmp, self.full_weights(), self.spec.model_path)
         return ckpt.Checkpoint(ckpt.checkpoint_dir(root, self.version), self.version, meta)
@@ -696,6 +733,7 @@ class TrainStep(TrainerReplica):
         diagnostics = step_diagnostics(merged, batch, trainer_version, outside)
         diagnostics["grad/norm"] = float(np.mean(results[0].norms)) if results[0].norms else None
         diagnostics["grad/nonfinite_skipped"] = float(results[0].skipped)
+        diagnostics["optimizer/lr"] = results[0].lr
         parallel = {"trainer/microbatches": sum(r.microbatches for r in results),
                     "trainer/allreduce_seconds": max(r.allreduce_seconds for r in results),
                     **({"trainer/dummy_passes": sum(r.dummy_passes for r in results)} if self.sharded else {}),

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model,
 
 from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, OptimizerConfig
 from trajflow.engines.factory import VllmOptions
+from trajflow.engines.lora import LoraSettings
 from trajflow.engines.sampling import SamplingParams
 from trajflow.operators.recovery import RecoveryConfig
 from trajflow.settings import check_setting, field_types
@@ -145,6 +146,7 @@ KLSection = settings_section(KLConfig, "KLSection")
 OptimizerSection = settings_section(OptimizerConfig, "OptimizerSection")
 VllmSection = settings_section(VllmOptions, "VllmSection")
 RecoverySection = settings_section(RecoveryConfig, "RecoverySection")
+LoraSection = settings_section(LoraSettings, "LoraSection")
 
 
 class ResourceConfig(_Strict):
@@ -232,6 +234,7 @@ class PipelineConfig(_Strict):
     kl: KLSection = Field(default_factory=KLSection)
     drop_zero_variance_groups: bool = True
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
     eval_every: int = Field(0, ge=0, description="held-out greedy accuracy every k steps (0: off)")
     eval_prompts: int = Field(200, ge=1)
     seed: int = 0
@@ -289,6 +292,10 @@ class PipelineConfig(_Strict):
                 check_model_dir(self.model)
             except ValueError as e:
                 raise ValueError(f"model: {e}") from None
+        if self.lora.r > 0 and self.trainer.sharding == "fsdp":
+            raise ValueError("lora: an adapter is trained by a replicated trainer; use trainer.sharding: none")
+        if self.lora.r > 0 and self.engine != "torch":
+            raise ValueError("lora: the vllm engine does not apply adapter versions yet; use engine: torch")
         min_group = MIN_GROUP_SIZE.get(self.advantage.estimator, 1)
         if self.group_size < min_group:
             raise ValueError(

@@ -176,7 +176,8 @@ class RLPipeline:
         spec = TrainerSpec(model_path=self.model_path, strategy=strategy, correction=c.correction_config(), kl=c.kl.spec(),
                            optimizer=c.optimizer.spec(), sampling=self.sampling, numerics=c.training_numerics(),
                            data_parallel=c.trainer.data_parallel(self.trainer_group_name),
-                           torch_threads=c.trainer.torch_threads)
+                           torch_threads=c.trainer.torch_threads,
+                           total_updates=c.steps * c.optimizer.minibatches_per_step, lora=c.lora.spec())
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
                      recovery=c.recovery.spec())
         return Stage("train", TrainStep, train, c.trainer)
@@ -231,12 +232,16 @@ class RLPipeline:
     # -- building and running --------------------------------------------------------------------
     def start_store(self, initial_version: int = 0, initial_weights: dict | None = None) -> RayStore:
         """Create this run's policy store actor and publish the starting weights as `initial_version`."""
+        from trajflow.engines.lora import is_adapter
         from trajflow.engines.models import load_model
 
         start_local_ray()
         # a trainer that may be rebuilt (recovery) dies with the versions it put: the store owns them all
         final = self.config.steps if self.config.recovery.max_restarts == 0 else None
         self.store = RayStore.start(self.config.max_staleness, self.strategy.keep_history, final_version=final)
+        if initial_weights is not None and is_adapter(initial_weights):  # a LoRA run's version: its adapter
+            self.store.publish(initial_weights, initial_version)
+            return self.store
         model = load_model(self.model_path)
         if initial_weights is not None:
             model.load_state_dict(initial_weights)

@@ -243,12 +243,14 @@ def test_full_weights_gathers_on_every_worker_in_step(ray_session):
 
 @pytest.mark.timeout(600)
 def test_a_run_resumed_from_a_sharded_checkpoint_equals_the_uninterrupted_run(ray_session, tmp_path):
-    """ewma on 2 sharded workers (its EWMA is sharded state too), checkpoint every 2 steps."""
+    """ewma on 2 sharded workers (its EWMA is sharded state too), checkpoint every 2 steps, under
+    a linear lr schedule with warm-up (its position: the optimizer's step count in the shards)."""
     from trajflow.engines import checkpoint as ckpt
     from trajflow.engines.models import load_model
     from trajflow.jobs.recorder import RunRecorder
 
-    config = PipelineConfig(**dict(SYNC, steps=4, strategy="ewma"), trainer=FSDP2)
+    schedule = {"minibatches_per_step": 2, "schedule": "linear", "warmup_steps": 3}
+    config = PipelineConfig(**dict(SYNC, steps=4, strategy="ewma", optimizer=schedule), trainer=FSDP2)
 
     def recorder(run_dir, resume_from=None) -> RunRecorder:
         return RunRecorder(run_dir=str(run_dir), steps=4, checkpoint_every=2, keep_checkpoints=5,
@@ -269,6 +271,8 @@ def test_a_run_resumed_from_a_sharded_checkpoint_equals_the_uninterrupted_run(ra
           f"losses {resumed['loss'].to_list()} vs {whole['loss'].to_list()[2:]}")
     assert resumed["loss"].to_list() == pytest.approx(whole["loss"].to_list()[2:], abs=1e-7)
     assert resumed["optimizer_steps"].to_list() == whole["optimizer_steps"].to_list()[2:]
+    assert len(set(whole["optimizer/lr"].to_list())) == 4  # the lr moved every step
+    assert resumed["optimizer/lr"].to_list() == whole["optimizer/lr"].to_list()[2:]
     assert resumed["ewma/age"].to_list() == whole["ewma/age"].to_list()[2:]
     assert max_abs_difference(resumed_weights, whole_weights) < 1e-7
     # the last checkpoint is a plain Hugging Face model directory with the final weights
