@@ -24,6 +24,7 @@ from trajflow.engines.factory import VllmOptions
 from trajflow.engines.lora import LoraSettings
 from trajflow.engines.sampling import SamplingParams
 from trajflow.operators.recovery import RecoveryConfig
+from trajflow.operators.weight_sync import WeightSyncConfig
 from trajflow.settings import check_setting, field_types
 from trajflow.tasks.dataset import DataConfig
 from trajflow.tasks.workload import Workload
@@ -147,6 +148,7 @@ OptimizerSection = settings_section(OptimizerConfig, "OptimizerSection")
 VllmSection = settings_section(VllmOptions, "VllmSection")
 RecoverySection = settings_section(RecoveryConfig, "RecoverySection")
 LoraSection = settings_section(LoraSettings, "LoraSection")
+WeightSyncSection = settings_section(WeightSyncConfig, "WeightSyncSection")
 
 
 class ResourceConfig(_Strict):
@@ -243,6 +245,7 @@ class PipelineConfig(_Strict):
     scorer: ResourceConfig = Field(default_factory=lambda: ResourceConfig(num_cpus=0.25))
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     recovery: RecoverySection = Field(default_factory=RecoverySection)
+    weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
     light_stage_cpus: float = Field(0.1, gt=0.0, description="CPUs of reward/advantage/filter tasks")
     colocate: Literal["auto", "off"] = Field(
         "auto", description="auto: consecutive stages share an actor process where that does not serialise "
