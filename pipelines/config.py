@@ -299,6 +299,11 @@ class PipelineConfig(_Strict):
             raise ValueError("lora: an adapter is trained by a replicated trainer; use trainer.sharding: none")
         if self.lora.r > 0 and self.engine != "torch":
             raise ValueError("lora: the vllm engine does not apply adapter versions yet; use engine: torch")
+        if self.weight_sync.method == "collective":
+            # the channel exists (operators/weight_sync.py); readers do not join it yet, and a run
+            # must not silently fall back to the object store
+            raise ValueError("weight_sync.method: collective is not wired into the pipeline's readers yet; "
+                             "use object_store")
         min_group = MIN_GROUP_SIZE.get(self.advantage.estimator, 1)
         if self.group_size < min_group:
             raise ValueError(

@@ -33,7 +33,9 @@ def test_config_section_defaults_and_bounds():
     config = PipelineConfig()
     assert config.weight_sync.spec() == WeightSyncConfig()
     assert config.weight_sync.method == "object_store"
-    assert PipelineConfig(weight_sync={"method": "collective", "bucket_mb": 1}).weight_sync.spec().bucket_mb == 1.0
+    assert PipelineConfig(weight_sync={"bucket_mb": 1}).weight_sync.spec().bucket_mb == 1.0
+    with pytest.raises(ValueError, match="weight_sync.method: collective is not wired"):
+        PipelineConfig(weight_sync={"method": "collective"})
     with pytest.raises(ValueError, match="bucket_mb"):
         PipelineConfig(weight_sync={"bucket_mb": 0})
     with pytest.raises(ValueError, match="method"):
