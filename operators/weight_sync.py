@@ -106,10 +106,7 @@ def unpack(flat: Tensor, bucket: Bucket) -> dict[str, Tensor]:
 
 def payload_bytes(weights: Mapping[str, Tensor], dtype: torch.dtype) -> int:
     """Bytes one version occupies in `dtype` (what a reader holds per version of history)."""
-    import torch
-
-    element = torch.empty((), dtype=dtype).element_size()
-    return sum(t.numel() for t in weights.values()) * element
+    return sum(t.numel() for t in weights.values()) * _element_size(dtype)
 
 
 class WeightChannel(Protocol):
