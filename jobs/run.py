@@ -472,11 +472,10 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
                 save_all_versions=config.save_all_versions,
                 trajectory_log=config.trajectory_log,
                 resume_from=str(checkpoint.path) if checkpoint is not None else None,
+                checkpoint_start=config.recovery.max_restarts > 0,
                 data_state=pipeline.data_state(),
             )
-            pipeline.hooks.on_start, pipeline.hooks.on_step = recorder.on_start, recorder.on_step
-            pipeline.hooks.source = recorder  # a trainer that dies is rebuilt from the run dir
-            pipeline.hooks.on_lost = recorder.on_lost
+            recorder.install(pipeline.hooks)  # also the source a trainer that dies is rebuilt from
             weights = checkpoint.model_state() if checkpoint is not None else None
             pipeline.start_store(initial_version=first_step, initial_weights=weights)
             print(wrap(pipeline.describe()), flush=True)
