@@ -7,6 +7,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 FILTER_REASON = "filter_reason"  # null = kept for training; otherwise why the row is not trained
+# the filter reason of a row whose reward failed, and the column saying why (schemas: OPTIONAL_COLUMNS)
+REWARD_ERROR = "reward_error"
 # pi_old as the train step's loss used it (every strategy; -inf: a token outside the sampling
 # support). `old_logprobs` keeps its one meaning: what an upstream operator supplied (exact strategies).
 PROXIMAL_COLUMN = "proximal_logprobs"
@@ -91,7 +93,8 @@ def apply_staleness_bound(batch: pa.Table, trainer_version: int, max_staleness: 
 
 
 def step_metrics(batch: pa.Table, step: int, rollout_step: int, trained: np.ndarray, stale_tokens: int) -> dict:
-    """The accounting every train (or diagnose) step reports: rows in, trained, filtered per reason."""
+    """The accounting every train (or diagnose) step reports: rows in, trained, filtered per reason,
+    the rows whose reward failed and (when some did) the first one's error."""
     metrics: dict = {
         "step": step,
         "rollout_step": rollout_step,
@@ -103,5 +106,8 @@ def step_metrics(batch: pa.Table, step: int, rollout_step: int, trained: np.ndar
     reasons = filter_reasons(batch)
     for reason in sorted({r for r in reasons if r is not None}):
         metrics[f"filtered/{reason}"] = int((reasons == reason).sum())
-    metrics["reward/errors"] = int((reasons == "reward_error").sum())  # always present: plottable
+    metrics["reward/errors"] = int((reasons == REWARD_ERROR).sum())  # always present: plottable
+    errors = batch[REWARD_ERROR].drop_null() if metrics["reward/errors"] and REWARD_ERROR in batch.column_names else []
+    if len(errors):
+        metrics["reward/first_error"] = errors[0].as_py()
     return metrics

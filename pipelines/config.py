@@ -211,6 +211,9 @@ class PipelineConfig(_Strict):
     reward: str | None = Field(None, description="exact, math, package.module:function or path/to/file.py:function "
                                "(default: the task's own verifier)")
     reward_timeout_seconds: float = Field(30.0, gt=0.0, description="per item; over it the row is a reward_error")
+    reward_max_failed_steps: int = Field(
+        3, ge=0, description="stop the run after this many consecutive steps whose reward failed on every row "
+        "(or returned the wrong number of values); 0: never")
     env: str | None = Field(None, description="package.module:Class (or file.py:Class) of a multi-turn Environment")
     strategy: str = Field("snapshot", description="a built-in name (operators/strategies/registry.py) or an "
                           "import path module:Class / file.py:Class")

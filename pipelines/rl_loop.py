@@ -46,7 +46,7 @@ from trajflow.operators.data_parallel import remove_placement_group_named
 from trajflow.operators.filter import Filter
 from trajflow.operators.generate import Generate
 from trajflow.operators.reference import ReferenceLogprobs
-from trajflow.operators.reward import Reward
+from trajflow.operators.reward import FailedRewardSteps, Reward
 from trajflow.operators.stage import Placement, Stage, place, stage_index
 from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
@@ -314,16 +314,21 @@ class RLPipeline:
         )
 
     def iter_metrics(self, first_step: int = 0):
-        """Run the pipeline, yielding one metrics dict per train step as it completes."""
+        """Run the pipeline, yielding one metrics dict per train step as it completes. Raises
+        RewardFailed (one line) once the reward has failed on every row of
+        `reward_max_failed_steps` consecutive steps."""
         log.info("trajflow pipeline\n%s\n%s\nall strategies:\n%s", self.describe(), self.layout(),
                  format_strategies())
+        failed_rewards = FailedRewardSteps(self.workload.reward_name(), self.config.reward_max_failed_steps)
         try:
             # Not iter_rows(): it prefetches one block, so row b would surface only once step b+1
             # has finished (measured: the status line, the progress bar and the end of the first
             # step were one step late).
             for batch in self.build(first_step).iter_batches(batch_size=None, batch_format="pyarrow",
                                                              prefetch_batches=0):
-                yield from batch.to_pylist()
+                for row in batch.to_pylist():
+                    yield row
+                    failed_rewards.check(row)  # after the caller has shown the step: RewardFailed
         finally:
             self.shutdown()
 

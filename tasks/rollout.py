@@ -226,6 +226,6 @@ def heldout_accuracy(
         gens = engine.generate(tokens[start:start + batch_size])
         completions = decode_responses(tokenizer, [g.response_tokens for g in gens], stop_ids, stop)
         chunk = {c: rows[c].slice(start, len(gens)).to_pylist() for c in columns}
-        scores = runner(prompts[start:start + len(gens)], completions, chunk)
+        scores = runner(prompts[start:start + len(gens)], completions, chunk).scores
         rewards += [0.0 if s is None else s for s in scores]
     return float(np.mean(rewards)) if rewards else 0.0

@@ -200,10 +200,11 @@ class Workload:
             return None
         if self.reward is None:
             return task_reward_runner(task, self.reward_timeout_seconds)
-        from trajflow.tasks.rewards import BUILTIN_REWARDS
+        return RewardRunner(resolve_reward(self.reward), self.reward_timeout_seconds)
 
-        return RewardRunner(resolve_reward(self.reward), self.reward_timeout_seconds,
-                            isolate=self.reward not in BUILTIN_REWARDS)
+    def reward_name(self) -> str:
+        """What scores the rows, as the user named it (for messages)."""
+        return f"reward {self.reward}" if self.reward is not None else f"the {self.task_object().name} task's verifier"
 
     def fingerprint(self, model_dir: str | Path | None, seed: int, prompts_per_step: int) -> str | None:
         """What a resume checks: the dataset's bytes, tokenizer and mapping settings (None: no dataset)."""
@@ -219,7 +220,7 @@ def task_reward_runner(task: Task, timeout: float = 30.0) -> RewardRunner:
     """A task's own verifier as a batched reward: the vectorised exact match for the built-in
     tasks (which use it), else the task's `reward` item by item."""
     if type(task).reward is SyntheticTask.reward:
-        return RewardRunner(exact_match, timeout, isolate=False)
+        return RewardRunner(exact_match, timeout)
     return RewardRunner(TaskVerifier(task), timeout)
 
 
