@@ -467,6 +467,7 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
     from tqdm.auto import tqdm
 
     from trajflow.jobs.console import filtered_stderr
+    from trajflow.pipelines import ray_patches
 
     started = time.time()
     _begin_session(paths, first_step, config.steps)
@@ -479,6 +480,9 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
     step_seconds: list[float] = []
     try:
         start_ray(config, verbose)  # before the filter: Ray's own processes keep the real stderr
+        # the workers' lines: to workers.log for the rest of the process (a worker's last lines
+        # can reach the driver after the pipeline has ended), printed as Ray does with --verbose
+        ray_patches.worker_output.to(None if verbose else paths.workers_log)
         with filtered_stderr(enabled=not verbose):
             from trajflow.pipelines.rl_loop import RLPipeline
 

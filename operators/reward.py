@@ -66,15 +66,15 @@ class RewardFailed(RuntimeError):
 
 
 class FailedRewardSteps:
-    """Consecutive train steps whose reward failed on every row; `check(metrics)` (each step's
-    metrics row, in step order) raises RewardFailed at the `limit`-th (0: never)."""
+    """Consecutive train steps whose reward failed on every row, counted from each step's metrics
+    row (in step order): `check(metrics)` raises RewardFailed at the `limit`-th (0: never)."""
 
     def __init__(self, reward_name: str, limit: int) -> None:
         self.reward_name, self.limit = reward_name, limit
         self.steps: list[int] = []
         self.first_error: str | None = None
 
-    def check(self, metrics: dict) -> None:
+    def observe(self, metrics: dict) -> None:
         rows = int(metrics.get("rows") or 0)
         if not rows or metrics.get("reward/errors") != rows:
             self.steps, self.first_error = [], None
@@ -82,6 +82,16 @@ class FailedRewardSteps:
         if not self.steps:
             self.first_error = metrics.get("reward/first_error")
         self.steps.append(int(metrics["step"]))
-        if self.limit and len(self.steps) >= self.limit:
-            raise RewardFailed(f"{self.reward_name} failed on every row of steps {self.steps[0]}-{self.steps[-1]} "
-                               f"(reward_max_failed_steps: {self.limit}); first error: {self.first_error}")
+
+    def stop_line(self) -> str | None:
+        """The one line to stop with, once `limit` failed steps are counted."""
+        if not self.limit or len(self.steps) < self.limit:
+            return None
+        return (f"{self.reward_name} failed on every row of steps {self.steps[0]}-{self.steps[-1]} "
+                f"(reward_max_failed_steps: {self.limit}); first error: {self.first_error}")
+
+    def check(self, metrics: dict) -> None:
+        self.observe(metrics)
+        line = self.stop_line()
+        if line is not None:
+            raise RewardFailed(line)

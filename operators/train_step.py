@@ -60,6 +60,7 @@ from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.after_step import AfterStep
 from trajflow.operators.columns import PROXIMAL_COLUMN, apply_staleness_bound, replace_column, step_metrics
+from trajflow.operators.reward import FailedRewardSteps
 from trajflow.operators.correction import (
     PolicyHolder,
     StepBatch,
@@ -474,8 +475,9 @@ class TrainStep(TrainerReplica):
 
     def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, max_staleness: int,
                  after_step: Sequence[AfterStep], hooks: StepHooks,
-                 recovery: RecoveryConfig = RecoveryConfig()) -> None:
+                 recovery: RecoveryConfig = RecoveryConfig(), failed_rewards: FailedRewardSteps | None = None) -> None:
         data_parallel = spec.data_parallel
+        self.failed_rewards = failed_rewards
         # One train step per store: a second one means this process replaced a trainer that died
         # (Ray Data restarts actors and retries the step), and that trainer's optimizer and
         # strategy state died with it (its published weights too). Rebuild it at the first step
@@ -619,6 +621,11 @@ class TrainStep(TrainerReplica):
         steps = np.unique(batch["rollout_step"].to_numpy())
         if len(steps) != 1:
             raise RuntimeError(f"a train batch must hold exactly one rollout step, got steps {steps.tolist()}")
+        if self.failed_rewards is not None and self.failed_rewards.stop_line() is not None:
+            # reward_max_failed_steps is reached: the driver stops the run at the metrics row of the
+            # last failed step (RLPipeline.iter_metrics); the steps already on their way train and
+            # log nothing (raising here would race the driver's one line with Ray's error report)
+            return pa.table({})
         try:
             if self.lost is not None:
                 raise self.lost
@@ -642,6 +649,8 @@ class TrainStep(TrainerReplica):
         metrics["trainer_busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
         if self.on_step is not None:
             self.on_step(self, conform(batch), metrics)
+        if self.failed_rewards is not None:
+            self.failed_rewards.observe(metrics)
         return pa.Table.from_pylist([metrics])
 
     def _train(self, batch: pa.Table, step: int) -> tuple[pa.Table, dict]:

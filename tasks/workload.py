@@ -204,7 +204,10 @@ class Workload:
 
     def reward_name(self) -> str:
         """What scores the rows, as the user named it (for messages)."""
-        return f"reward {self.reward}" if self.reward is not None else f"the {self.task_object().name} task's verifier"
+        if self.reward is not None:
+            return f"reward {self.reward}"
+        task = self.task_object()
+        return f"the {task.name} task's verifier" if task is not None else "the reward"
 
     def fingerprint(self, model_dir: str | Path | None, seed: int, prompts_per_step: int) -> str | None:
         """What a resume checks: the dataset's bytes, tokenizer and mapping settings (None: no dataset)."""
