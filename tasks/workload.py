@@ -182,9 +182,10 @@ class Workload:
         dataset = PromptDataset.load(self.data, self.train_files(), tokenizer, with_ray=True)
         return DatasetPrompts(dataset, seed, prompts_per_step, self.data.shuffle)
 
-    def heldout_rows(self, tokenizer, n: int) -> pa.Table:
-        """The first n held-out prompt rows (a task's test split, or data.test_files in file order);
-        read without Ray Data (this runs inside the trainer actor)."""
+    def heldout_rows(self, tokenizer, n: int | None) -> pa.Table:
+        """The first n held-out prompt rows (a task's test split, or data.test_files in file order;
+        n None: every row of data.test_files); read without Ray Data (this runs inside the trainer
+        actor)."""
         if self.data is None:
             return rows_of_prompts(0, self.task_object().heldout(n), tokenizer)
         if not self.data.test_files:
