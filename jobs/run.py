@@ -300,10 +300,11 @@ def reward_errors_line(metrics) -> str | None:
 
 
 def summary_table(paths: RunPaths, steps: int, first_step: int, session_seconds: float,
-                  step_seconds: list[float], heldout_prompts: int = 0) -> str:
+                  step_seconds: list[float], heldout_prompts: int = 0, replay: str | None = None) -> str:
     """Every step of a short run, or about 10 evenly spaced ones and the last; then the reward
-    at both ends, the rows whose reward failed (if any), held-out accuracy before and after (over `heldout_prompts`), the time per step,
-    the checkpoints and the run dir."""
+    at both ends, the rows whose reward failed (if any), held-out accuracy before and after
+    (over `heldout_prompts`), the time per step, the checkpoints, whether the run can be replayed
+    (`replay`: pipelines.replay.replay_support) and the run dir."""
     metrics = read_metrics(paths)
     if metrics.is_empty():
         return "no steps were trained"
@@ -334,6 +335,7 @@ def summary_table(paths: RunPaths, steps: int, first_step: int, session_seconds:
     lines += [
         timing,
         f"checkpoints kept: {', '.join(checkpoints) or 'none'}",
+        *([wrap(replay)] if replay else []),
         f"run dir: {paths.root}",
     ]
     return "\n".join(lines)
@@ -568,8 +570,12 @@ def _finish(config: JobConfig, paths: RunPaths, first_step: int, started: float,
     metrics = read_metrics(paths)
     if not metrics.is_empty():
         write_table_atomic(metrics.to_arrow(), paths.metrics)
+    from trajflow.pipelines.replay import replay_support
+
+    kept = [c.version for c in ckpt.list_checkpoints(paths.checkpoints)]
     summary = summary_table(paths, config.steps, first_step, time.time() - started, step_seconds,
-                            heldout_prompts=config.eval_prompts if config.eval_every else 0)
+                            heldout_prompts=config.eval_prompts if config.eval_every else 0,
+                            replay=replay_support(config.trajectory_log, config.save_all_versions, kept))
     ckpt.atomic_write_text(paths.summary, summary + "\n")
     print(summary, flush=True)
     missing = sorted(set(range(config.steps)) - set(metrics["step"].to_list() if not metrics.is_empty() else []))
