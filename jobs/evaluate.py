@@ -44,7 +44,10 @@ class EvalModel:
 def resolve_model(model: str | os.PathLike | None, config: PipelineConfig) -> EvalModel:
     """The model `--model` names (default: the config's), checked before torch loads."""
     if model is None:
-        check_model_dir(config.model_path)
+        try:
+            check_model_dir(config.model_path)
+        except ValueError as e:
+            raise EvalModelError(f"model (of the config): {e}") from None
         return EvalModel(config.model_path, label=str(config.model_path))
     path = Path(model)
     if not path.is_dir():
