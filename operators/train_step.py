@@ -60,7 +60,6 @@ from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.after_step import AfterStep
 from trajflow.operators.columns import PROXIMAL_COLUMN, apply_staleness_bound, replace_column, step_metrics
-from trajflow.operators.reward import FailedRewardSteps
 from trajflow.operators.correction import (
     PolicyHolder,
     StepBatch,
@@ -90,6 +89,7 @@ from trajflow.operators.recovery import (
     refusal,
     replay_plan,
 )
+from trajflow.operators.reward import FailedRewardSteps
 from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies.base import Strategy
 from trajflow.schemas import conform
