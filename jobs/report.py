@@ -30,7 +30,8 @@ from trajflow.jobs.recorder import RunPaths, read_metrics, read_state
 # (metrics key, panel title, y-axis label)
 CURVES = [
     ("reward_mean", "mean reward of the train batch", "reward"),
-    ("heldout_accuracy", "held-out greedy accuracy", "accuracy (fraction)"),
+    # heldout_accuracy is the mean reward of greedy responses: an accuracy only for a 0/1 reward
+    ("heldout_accuracy", "held-out greedy mean reward", "mean reward (0/1: accuracy)"),
     ("mask/token_kept_frac", "train-infer mask: tokens kept", "fraction of tokens"),
     ("clip/frac", "PPO clip fraction", "fraction of tokens"),
     ("staleness/mean", "staleness (mean per token)", "versions behind"),
