@@ -6,7 +6,8 @@ tokenizer of test_byo_pipeline.py, chat-message prompts in JSONL, a reward from 
   computed by hand on greedy completions generated here with Hugging Face's own `generate`, over
   every row of data.test_files, and no accuracy is claimed;
 - with a 0/1 reward on a model directory: the accuracy is the count of exact answers;
-- a run dir stands for its latest checkpoint; a directory that is neither is one line, exit 2.
+- a run dir stands for its latest checkpoint; a directory that is neither, or a config without
+  data.test_files, is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def test_eval_with_a_binary_reward_reports_the_accuracy(workload, bpe, bpe_model
     assert f"(accuracy {exact}/8 = {exact / 8:.1%})" in result.line("data.test_files", model.label)
 
 
-def test_eval_of_a_directory_that_is_no_model_is_one_line(workload, bpe_model_dir, tmp_path):
+def test_eval_without_a_model_or_held_out_data_is_one_line(workload, bpe_model_dir, tmp_path):
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job(workload, bpe_model_dir, "graded")))
     (tmp_path / "empty").mkdir()
@@ -138,3 +139,11 @@ def test_eval_of_a_directory_that_is_no_model_is_one_line(workload, bpe_model_di
     assert proc.stderr.splitlines() == [f"trajflow: eval: --model {tmp_path / 'empty'}: neither a model directory "
                                         "(no config.json) nor a run's checkpoint (checkpoints/step-N with "
                                         "meta.json) or run dir with one"]
+
+    no_test = job(workload, bpe_model_dir, "graded")
+    no_test["data"].pop("test_files")
+    config.write_text(yaml.safe_dump(no_test))
+    proc = run_cli(["eval", "--config", config], timeout=120)
+    assert proc.returncode == 2, _explain(proc)
+    assert proc.stderr.splitlines() == [f"trajflow: eval: --config {config}: data.test_files is empty (nothing "
+                                        "held out to evaluate on)"]
