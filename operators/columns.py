@@ -108,8 +108,12 @@ def step_metrics(batch: pa.Table, step: int, rollout_step: int, trained: np.ndar
     reasons = filter_reasons(batch)
     for reason in sorted({r for r in reasons if r is not None}):
         metrics[f"filtered/{reason}"] = int((reasons == reason).sum())
-    metrics["reward/errors"] = int((reasons == REWARD_ERROR).sum())  # always present: plottable
-    errors = batch[REWARD_ERROR].drop_null() if metrics["reward/errors"] and REWARD_ERROR in batch.column_names else []
-    if len(errors):
-        metrics["reward/first_error"] = errors[0].as_py()
+    # always present (plottable): the rows the reward failed on, whatever else filtered them
+    if REWARD_ERROR in batch.column_names:
+        errors = batch[REWARD_ERROR].drop_null()
+        metrics["reward/errors"] = len(errors)
+        if len(errors):
+            metrics["reward/first_error"] = errors[0].as_py()
+    else:  # a log from before the column, or an environment's episodes
+        metrics["reward/errors"] = int((reasons == REWARD_ERROR).sum())
     return metrics

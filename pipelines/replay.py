@@ -362,6 +362,7 @@ class Replay:
             return chain + [Stage("diagnose", Diagnose, diagnose, c.trainer)]
         train = live.train_stage(self.strategies[0])
         train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones
+        train.kwargs["failed_rewards"] = None  # every logged step is trained, whatever its rewards were
         self._trainer_group_name = train.kwargs["spec"].data_parallel.group_name  # removed when the replay ends
         return chain + [train]
 

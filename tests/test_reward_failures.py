@@ -7,7 +7,9 @@ on real Ray; the tiny Qwen2 and BPE tokenizer of test_byo_pipeline.py):
   `reward_max_failed_steps` (2) such steps with one line naming the function and the first
   error, and exit status 1;
 - a normal run whose reward warns and writes to stderr in the Ray worker prints trajflow's own
-  lines only: the worker's lines are in RUN/workers.log.
+  lines only: the worker's lines are in RUN/workers.log;
+- (no Ray) a step's metrics count the rows the reward failed on from the `reward_error` column,
+  whatever else filtered them; the count of failed steps resets on a step that scored.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ import yaml
 
 from test_byo_pipeline import logged  # the trajectory log of a run dir
 from test_jobs_run import _explain, run_cli  # the CLI as a subprocess
-
-pytestmark = pytest.mark.slow
 
 PER_STEP, GROUP = 4, 2
 REWARDS = textwrap.dedent("""
@@ -73,6 +73,7 @@ def job(workload_dir: Path, model_dir: Path, reward: str, **overrides) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_failed_rewards_are_logged_per_row_and_the_run_stops_with_one_line(workload_dir, bpe_model_dir, tmp_path):
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job(workload_dir, bpe_model_dir, "broken", reward_max_failed_steps=2)))
@@ -106,6 +107,7 @@ def test_failed_rewards_are_logged_per_row_and_the_run_stops_with_one_line(workl
     assert json.loads((run_dir / "run.json").read_text())["state"] == "failed"
 
 
+@pytest.mark.slow
 def test_a_run_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(workload_dir, bpe_model_dir,
                                                                               tmp_path):
     config = tmp_path / "job.yaml"
@@ -123,3 +125,36 @@ def test_a_run_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(wo
     workers = (run_dir / "workers.log").read_text()
     assert "noisy_math: a warning from the reward" in workers and "noisy_math: a line on stderr" in workers
     assert "Timeout is disabled" not in workers  # math-verify's own timeouts are off for a reason: not a warning
+
+
+def test_step_metrics_count_reward_errors_and_failed_steps_reset():
+    import pyarrow as pa
+
+    from trajflow.operators.columns import step_metrics
+    from trajflow.operators.reward import FailedRewardSteps, RewardFailed
+
+    batch = pa.table({"reward": pa.array([None, 1.0, None, None], pa.float32()),
+                      "filter_reason": ["over_stale", None, "reward_error", "reward_error"],
+                      "reward_error": [None, None, "ValueError: a", "ValueError: b"]})
+    metrics = step_metrics(batch, 0, 0, np.array([1]), 0)
+    assert metrics["reward/errors"] == 2 and metrics["reward/first_error"] == "ValueError: a"
+    assert metrics["reward_mean"] == 1.0
+    earlier = batch.set_column(1, "filter_reason", pa.array(["over_stale"] * 4))  # filtered before the reward
+    none_scored = earlier.set_column(0, "reward", pa.nulls(4, pa.float32())).set_column(
+        2, "reward_error", pa.array(["E: x"] * 4))
+    metrics = step_metrics(none_scored, 0, 0, np.array([], int), 0)
+    assert metrics["reward/errors"] == 4 and np.isnan(metrics["reward_mean"])
+
+    failed = FailedRewardSteps("reward f.py:r", 2)
+    all_failed = {"rows": 4, "reward/errors": 4}
+    failed.check({**all_failed, "step": 0, "reward/first_error": "E: first"})
+    failed.check({"step": 1, "rows": 4, "reward/errors": 3})  # one row scored: the count starts over
+    failed.check({**all_failed, "step": 2, "reward/first_error": "E: third"})
+    assert failed.stop_line() is None
+    with pytest.raises(RewardFailed) as raised:
+        failed.check({**all_failed, "step": 3, "reward/first_error": "E: fourth"})
+    assert str(raised.value) == ("reward f.py:r failed on every row of steps 2-3 (reward_max_failed_steps: 2); "
+                                 "first error: E: third")
+    never = FailedRewardSteps("r", 0)
+    for step in range(5):
+        never.check({**all_failed, "step": step})
