@@ -321,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = command("eval", "greedy mean reward (accuracy for a 0/1 reward) on held-out prompts (no Ray)")
     ev.add_argument("--config", help="a job config: its data.test_files (or task), reward and model")
-    ev.add_argument("--model", help="a local HF model dir, a run's checkpoints/step-N or a run dir (its latest "
-                    "checkpoint); default: the config's model (the built-in warm start)")
+    ev.add_argument("--model", help="a local HF model dir, a run's checkpoints/step-N, a run dir (its latest "
+                    "checkpoint) or a run's versions/vNNNNNN.safetensors; default: the config's model")
     ev.add_argument("--task", help="a built-in task instead of --config (default: addition)")
     ev.add_argument("--n", type=_positive_int, help="the first N held-out prompts (default: every row of "
                     "data.test_files; eval_prompts of a task config; 1000 of --task)")

@@ -2,6 +2,7 @@
 
     trajflow eval --config byo.yaml --model RUN/checkpoints/step-000060    a run's checkpoint
     trajflow eval --config byo.yaml --model RUN                            its latest checkpoint
+    trajflow eval --config byo.yaml --model RUN/versions/v000012.safetensors  a kept version
     trajflow eval --config byo.yaml --model path/to/hf_model               any local HF directory
     trajflow eval --task addition                                          a built-in task
 
@@ -9,8 +10,9 @@ With `--config`, the prompts are the config's held-out ones (`data.test_files`, 
 `--n`; for a task, its test split, `eval_prompts` of them) and the responses are scored by the
 config's reward, under its per-item timeout (tasks/rollout.py `heldout_rewards`, the code of the
 run's `eval_every`). The model defaults to the config's. A checkpoint that is not a complete
-Hugging Face directory (every checkpoint but a run's last) is loaded onto the architecture of the
-model its run started from (the run's config.yaml beside `checkpoints/`, else the config's).
+Hugging Face directory (every checkpoint but a run's last), or a version's weights (kept with
+`save_all_versions`), is loaded onto the architecture of the model its run started from (the
+run's config.yaml, else the config's).
 
 One line: the mean reward over the prompts (a failed reward counts as 0, and the failures are
 counted), and an accuracy only when every reward is 0 or 1; a continuous reward is a mean reward.
@@ -33,11 +35,11 @@ class EvalModelError(ValueError):
 
 @dataclass(frozen=True)
 class EvalModel:
-    """What `--model` names: a Hugging Face directory (`weights` None), or a checkpoint's weights
-    on the architecture and tokenizer of `base`."""
+    """What `--model` names: a Hugging Face directory (`weights` None), or a checkpoint's or a
+    version file's weights on the architecture and tokenizer of `base`."""
 
     base: Path
-    weights: ckpt.Checkpoint | None = None
+    weights: ckpt.Checkpoint | Path | None = None
     label: str = ""
 
 
@@ -50,8 +52,10 @@ def resolve_model(model: str | os.PathLike | None, config: PipelineConfig) -> Ev
             raise EvalModelError(f"model (of the config): {e}") from None
         return EvalModel(config.model_path, label=str(config.model_path))
     path = Path(model)
+    if path.is_file() and path.suffix == ".safetensors" and path.parent.name == "versions":
+        return EvalModel(_run_model(path.parent.parent, config, path), path, label=str(path))
     if not path.is_dir():
-        raise EvalModelError(f"--model {path}: no such directory")
+        raise EvalModelError(f"--model {path}: no such directory (nor a run's versions/vNNNNNN.safetensors)")
     if (path / "config.json").is_file():  # a Hugging Face directory (a run's last checkpoint is one too)
         try:
             check_model_dir(path)
@@ -64,6 +68,11 @@ def resolve_model(model: str | os.PathLike | None, config: PipelineConfig) -> Ev
     if checkpoint is None:
         raise EvalModelError(f"--model {path}: neither a model directory (no config.json) nor a run's "
                              "checkpoint (checkpoints/step-N with meta.json) or run dir with one")
+    return EvalModel(_run_model(run_root, config, path), checkpoint, label=str(checkpoint.path))
+
+
+def _run_model(run_root: Path, config: PipelineConfig, given: Path) -> Path:
+    """The model a run started from: its config.yaml's, else `config`'s."""
     base = config.model_path
     if (run_root / "config.yaml").is_file():
         from trajflow.jobs.config import load_job_config
@@ -72,8 +81,8 @@ def resolve_model(model: str | os.PathLike | None, config: PipelineConfig) -> Ev
     try:
         check_model_dir(base)
     except ValueError as e:
-        raise EvalModelError(f"--model {path}: the model its run started from: {e}") from None
-    return EvalModel(base, checkpoint, label=str(checkpoint.path))
+        raise EvalModelError(f"--model {given}: the model its run started from: {e}") from None
+    return base
 
 
 def load(model: EvalModel):
@@ -83,7 +92,8 @@ def load(model: EvalModel):
 
     net = load_model(model.base)
     if model.weights is not None:
-        state = model.weights.model_state()
+        weights = model.weights
+        state = ckpt.load_weights(weights) if isinstance(weights, Path) else weights.model_state()
         net.load_state_dict(merged(net.state_dict(), state) if is_adapter(state) else state)
     return net, load_tokenizer(model.base)
 

@@ -6,7 +6,7 @@ tokenizer of test_byo_pipeline.py, chat-message prompts in JSONL, a reward from 
   computed by hand on greedy completions generated here with Hugging Face's own `generate`, over
   every row of data.test_files, and no accuracy is claimed;
 - with a 0/1 reward on a model directory: the accuracy is the count of exact answers;
-- a run dir stands for its latest checkpoint; a directory that is neither, or a config without
+- a run dir stands for its latest checkpoint, and a kept version's file for that version; a directory that is neither, or a config without
   data.test_files, is one line, exit 2.
 """
 
@@ -110,10 +110,17 @@ def test_eval_of_a_checkpoint_is_the_mean_reward_computed_by_hand(workload, bpe,
 
     # a run dir stands for its latest checkpoint, on the model the run started from
     from trajflow.jobs.config import load_job_config
-    from trajflow.jobs.evaluate import resolve_model
+    from trajflow.jobs.evaluate import evaluate, resolve_model
 
     model = resolve_model(run_dir, load_job_config(config))
     assert model.weights.path == checkpoint and model.base == bpe_model_dir.resolve()
+    # a version kept with save_all_versions: its weights, on the run's model
+    version = run_dir / "versions" / "v000003.safetensors"
+    ckpt.save_weights(ckpt.load_weights(checkpoint / "model.safetensors"), version)
+    model = resolve_model(version, load_job_config(config))
+    assert model.weights == version and model.base == bpe_model_dir.resolve()
+    assert evaluate(load_job_config(config).workload(), model, None, MAX_NEW_TOKENS).mean == pytest.approx(mean,
+                                                                                                           abs=5e-5)
 
 
 def test_eval_with_a_binary_reward_reports_the_accuracy(workload, bpe, bpe_model_dir, tmp_path):
