@@ -240,7 +240,8 @@ class PipelineConfig(_Strict):
     drop_zero_variance_groups: bool = True
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     lora: LoraSection = Field(default_factory=LoraSection)
-    eval_every: int = Field(0, ge=0, description="held-out greedy mean reward (accuracy for a 0/1 reward) every k steps (0: off)")
+    eval_every: int = Field(0, ge=0, description="held-out greedy mean reward (accuracy for a 0/1 reward) every "
+                            "k steps (0: off)")
     eval_prompts: int = Field(200, ge=1)
     seed: int = 0
     num_generators: int = Field(1, ge=1)

@@ -6,8 +6,8 @@ tokenizer of test_byo_pipeline.py, chat-message prompts in JSONL, a reward from 
   computed by hand on greedy completions generated here with Hugging Face's own `generate`, over
   every row of data.test_files, and no accuracy is claimed;
 - with a 0/1 reward on a model directory: the accuracy is the count of exact answers;
-- a run dir stands for its latest checkpoint, and a kept version's file for that version; a directory that is neither, or a config without
-  data.test_files, is one line, exit 2.
+- a run dir stands for its latest checkpoint, and a kept version's file for that version; a
+  directory that is neither, or a config without data.test_files, is one line, exit 2.
 """
 
 from __future__ import annotations
