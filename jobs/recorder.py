@@ -18,6 +18,8 @@
       versions/v000012.safetensors      every version's weights (save_all_versions only)
       tensorboard/                      event files (when tensorboard is installed)
       summary.txt                       the final summary table
+      workers.log                       what the Ray worker processes printed (warnings, notices);
+                                        `--verbose` prints it instead
 
 Step s is trained by the trainer at version s and produces version s + 1. `RunRecorder.on_step`
 runs in the trainer actor after version s + 1 is published, and writes, in this order: the
@@ -105,6 +107,10 @@ class RunPaths:
     @property
     def summary(self) -> Path:
         return self.root / "summary.txt"
+
+    @property
+    def workers_log(self) -> Path:
+        return self.root / "workers.log"
 
     @property
     def trainer_lost(self) -> Path:

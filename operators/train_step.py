@@ -89,6 +89,7 @@ from trajflow.operators.recovery import (
     refusal,
     replay_plan,
 )
+from trajflow.operators.reward import FailedRewardSteps
 from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies.base import Strategy
 from trajflow.schemas import conform
@@ -477,8 +478,9 @@ class TrainStep(TrainerReplica):
 
     def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, max_staleness: int,
                  after_step: Sequence[AfterStep], hooks: StepHooks,
-                 recovery: RecoveryConfig = RecoveryConfig()) -> None:
+                 recovery: RecoveryConfig = RecoveryConfig(), failed_rewards: FailedRewardSteps | None = None) -> None:
         data_parallel = spec.data_parallel
+        self.failed_rewards = failed_rewards
         # One train step per store: a second one means this process replaced a trainer that died
         # (Ray Data restarts actors and retries the step), and that trainer's optimizer and
         # strategy state died with it (its published weights too). Rebuild it at the first step
@@ -625,6 +627,11 @@ class TrainStep(TrainerReplica):
         if len(steps) != 1:
             raise RuntimeError(f"a train batch must hold exactly one rollout step, got steps {steps.tolist()}")
         step = int(steps[0])
+        if self.failed_rewards is not None and self.failed_rewards.stop_line() is not None:
+            # reward_max_failed_steps is reached: the driver stops the run at the metrics row of the
+            # last failed step (RLPipeline.iter_metrics); the steps already on their way train and
+            # log nothing (raising here would race the driver's one line with Ray's error report)
+            return pa.table({})
         try:
             if self.lost is not None:
                 raise self.lost
@@ -638,7 +645,7 @@ class TrainStep(TrainerReplica):
                 self.on_lost(str(lost))
             raise
         if trained is None:  # trained and logged by the trainer this one replaced: no second metrics row
-            return pa.table({"step": pa.array([], pa.int64())})
+            return pa.table({})
         batch, metrics = trained
         metrics.update(self.recovered)
         self.recovered = {}
@@ -652,6 +659,8 @@ class TrainStep(TrainerReplica):
         metrics["trainer_busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
         if self.on_step is not None:
             self.on_step(self, conform(batch), metrics)
+        if self.failed_rewards is not None:
+            self.failed_rewards.observe(metrics)
         return pa.Table.from_pylist([metrics])
 
     def _step(self, batch: pa.Table, step: int) -> tuple[pa.Table, dict] | None:
