@@ -119,7 +119,7 @@ def store_lost(error: BaseException) -> str | None:
     from trajflow.pipelines.policy_store import PolicyStoreActor
 
     for _, text in _chain_texts(error):
-        if "ActorDiedError" in text and f"class_name: {PolicyStoreActor.__name__}" in text:
+        if f"class_name: {PolicyStoreActor.__name__}" in text and ("actor died" in text or "actor is dead" in text):
             return f"the policy store's process died; the run stops: {RESUME_HINT}"
     return None
 
