@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 KINDS = {"trainer_worker": "TrainerRank", "train_step": "TrainStep", "generator": "Generate",
-         "scorer": "OldLogprobs"}
+         "scorer": "OldLogprobs", "store": "PolicyStoreActor"}
 CLI = [sys.executable, "-m", "trajflow.jobs.cli"]
 
 
