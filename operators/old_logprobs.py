@@ -35,6 +35,7 @@ from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.columns import filter_reasons, mark_filtered, replace_column
 from trajflow.operators.store import PolicyStoreClient, VersionNotHeld
+from trajflow.operators.weight_sync import WeightSyncConfig, version_source
 
 
 class OldLogprobsAtBehaviourVersion:
@@ -48,9 +49,12 @@ class OldLogprobsAtBehaviourVersion:
         skip_filtered: bool,
         numerics: TrainingNumerics,
         torch_threads: int,
+        weight_sync: WeightSyncConfig,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
+        # the training numerics' weights, the staleness window of them (collective: in this process)
+        self.source = version_source(store, weight_sync, "float32", history=True)
         self.numerics = numerics
         self.model = numerics.prepare(load_model(model_path))
         self.versions = VersionWeights(model_path)  # a LoRA run's versions are adapters
@@ -60,8 +64,7 @@ class OldLogprobsAtBehaviourVersion:
 
     def _ensure(self, version: int) -> None:
         if version != self.resident_version:
-            _, weights = self.store.weights(version)
-            self.model.load_state_dict(self.versions.full(weights))
+            self.model.load_state_dict(self.versions.full(self.source.weights(version)))
             self.resident_version = version
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -162,7 +162,8 @@ class RLPipeline:
     # -- the default stage list ----------------------------------------------------------------
     def stage_context(self) -> StageContext:
         """What a strategy's operator stages are built from."""
-        return StageContext(self.model_path, self.sampling, self.config.training_numerics(), self.config.scorer)
+        return StageContext(self.model_path, self.sampling, self.config.training_numerics(), self.config.scorer,
+                            self.config.weight_sync.spec())
 
     def train_stage(self, strategy: Strategy) -> Stage:
         """The train step under `strategy`, with the services that run in its process after each
@@ -179,7 +180,8 @@ class RLPipeline:
                            torch_threads=c.trainer.torch_threads,
                            total_updates=c.steps * c.optimizer.minibatches_per_step, lora=c.lora.spec())
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
-                     recovery=c.recovery.spec())
+                     recovery=c.recovery.spec(), weight_sync=c.weight_sync.spec(),
+                     reader_dtypes=c.reader_dtypes(strategy))
         return Stage("train", TrainStep, train, c.trainer)
 
     def _default_stages(self) -> list[Stage]:
@@ -201,6 +203,7 @@ class RLPipeline:
                 engine=c.engine,
                 vllm=c.vllm.spec(),
                 numerics=c.training_numerics(),
+                weight_sync=c.weight_sync.spec(),
             ),
             c.generator,
             pool_size=c.num_generators,
