@@ -31,6 +31,7 @@ Torch is imported inside functions: validating a job config must not import it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import queue
 import threading
@@ -431,7 +432,10 @@ class WeightServer:
                                         timeout_seconds=self.config.timeout_seconds, device=self.device)
             self.readers.append((channel, dtype))
             if self.version is not None:  # a late joiner gets the current version at once
+                started = time.perf_counter()
                 channel.send_packed(self.version, self.buffers[dtype])
+                self.store.add_counters({"weight_sync_seconds": time.perf_counter() - started,
+                                         "weight_sync_bytes": float(self.version_bytes(dtype))})
 
     def close(self) -> None:
         self._closed.set()
@@ -454,6 +458,9 @@ class WeightReceiver:
         self._channel: CollectiveChannel | None = None
         self._thread = threading.Thread(target=self._receive, name="trajflow-weight-receiver", daemon=True)
         self._thread.start()
+        # a thread still inside a native wait when the interpreter finalises aborts the process
+        # (Ray Data ends its actors by a normal exit): end it first
+        atexit.register(self.close)
 
     def _line(self, what: str) -> str:
         return f"trajflow: weight_sync (reader side): {what} (weight_sync.timeout_seconds={self.config.timeout_seconds:g})"
@@ -536,4 +543,4 @@ class WeightReceiver:
                 dist.PrefixStore(prefix, client).set(f"announce/{self._channel.transfers}", "-1")
             except (RuntimeError, dist.DistError):
                 pass  # the trainer is gone: the thread's wait fails and it ends anyway
-        self._thread.join(timeout=self.config.timeout_seconds)
+        self._thread.join(timeout=5)
