@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import json
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -157,7 +158,7 @@ class CollectiveChannel:
 
     Each transfer is announced on the store (key `announce/<n>`: the version), then sent: the
     version number as a header (a reader that expected another version fails instead of loading
-    the wrong weights), then the buckets."""
+    the wrong weights), the buckets, and the reader's receipt (the version back)."""
 
     def __init__(self, *, rank: int, store, prefix: str, dtype: torch.dtype, bucket_mb: float,
                  timeout_seconds: float, device: str = "cpu") -> None:
@@ -187,11 +188,11 @@ class CollectiveChannel:
         return (f"trajflow: weight_sync ({self.prefix}, {side} side): {what} "
                 f"(weight_sync.timeout_seconds={self.timeout.total_seconds():g})")
 
-    def _broadcast(self, tensor: Tensor, what: str) -> None:
+    def _broadcast(self, tensor: Tensor, what: str, root: int = 0) -> None:
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
-        options.rootRank = 0
+        options.rootRank = root
         options.timeout = self.timeout
         try:
             if not self._group.broadcast([tensor], options).wait(self.timeout):
@@ -210,6 +211,11 @@ class CollectiveChannel:
         self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device), "version header")
         for i, flat in enumerate(buffers):
             self._broadcast(flat.to(self.device), f"bucket {i} of version {version}")
+        # a send completes once in the socket's buffers: the reader confirms it holds the version
+        receipt = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._broadcast(receipt, f"receipt of version {version}", root=1)
+        if int(receipt.item()) != version:
+            raise WeightSyncError(self._line(f"the reader confirmed version {int(receipt.item())}, not {version}"))
 
     def next_version(self, stop: threading.Event) -> int | None:
         """Reader side: wait for the next announced version (None once `stop` is set). Waiting
@@ -243,12 +249,14 @@ class CollectiveChannel:
             flat = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
             self._broadcast(flat, f"bucket {i} of version {version}")
             out.update(unpack(flat, bucket))
+        self._broadcast(header, f"receipt of version {version}", root=1)
         return out
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    """The error's first sentence, without a leading `[file.cc:123]` source location."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
+    return text.splitlines()[0].split(". ")[0] if text else type(error).__name__
 
 
 # -- the readers' view of versions ----------------------------------------------------------------
