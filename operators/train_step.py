@@ -516,10 +516,9 @@ class TrainStep(TrainerReplica):
         if weight_sync.method == "collective":  # versions go to the readers from here (operators/weight_sync.py)
             self.weight_server = WeightServer(store, weight_sync, self.model.state_dict(), reader_dtypes,
                                               device=str(self.numerics.torch_device()))
-            # gathered once in float32 if any reader takes it (each cast from it), else in the one dtype
+            # gathered once in float32 if any reader takes it (each cast from it), else in the one dtype;
+            # the version it started from is the store's (readers take it there, not waiting for this process)
             self.gather_dtype = torch.float32 if "float32" in reader_dtypes else getattr(torch, reader_dtypes[0])
-            # the version it started from, for readers that join before the first publish
-            self.weight_server.offer(self.version, self.full_weights(self.gather_dtype), register=False)
 
     def publish(self) -> None:
         """Make the trainer's current weights version `self.version` in the policy store (the

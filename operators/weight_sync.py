@@ -14,7 +14,9 @@ gathers the full tensors (under FSDP one tensor at a time, every worker in step)
 flat buckets per reader dtype, kept until the next version, so a reader that joins late (Ray Data
 re-creates actors on each dataset execution; a pool holds several readers) is sent the current
 version at once. A version is registered in the policy store only once every joined reader has
-it: a reader that finds version v in the store holds v (or a newer one).
+it: a reader that finds version v in the store holds v (or a newer one). The run's starting
+version is the one the store holds (the driver published it): readers take it there, without
+waiting for the trainer to start.
 
 Reader side (`WeightReceiver`, in a generator's or scorer's process): a thread that joins and
 receives every version into memory, keeping the newest one (a generator) or the staleness window
@@ -364,11 +366,10 @@ class WeightServer:
         """Bytes of one version in `dtype` as sent (tied weights once)."""
         return sum(b.numel() * b.element_size() for b in self.buffers[dtype])
 
-    def offer(self, version: int, weights: Iterable[tuple[str, Tensor]], register: bool = True) -> None:
+    def offer(self, version: int, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Make `version` the one served: wait until the previous one reached every reader, pack
         `weights` (iterated to the end: under FSDP every worker gathers in step) into the buffers,
-        and hand it to the sending thread, which registers it in the store once delivered
-        (`register`: False for the version the trainer started from, which the store holds)."""
+        and hand it to the sending thread, which registers it in the store once delivered."""
         if not self._idle.wait(self.config.timeout_seconds):
             raise WeightSyncError(f"trajflow: weight_sync: version {self.version} still not delivered after "
                                   f"weight_sync.timeout_seconds={self.config.timeout_seconds:g}")
@@ -383,7 +384,7 @@ class WeightServer:
                     self.buffers[dtype][i][offset:offset + numel].copy_(flat)
             self.version = version
             self._idle.clear()
-            self._queue.put((version, register))
+            self._queue.put(version)
 
     def wait(self) -> None:
         """Block until the offered version reached every reader (WeightSyncError)."""
@@ -406,7 +407,7 @@ class WeightServer:
                     item = None
                 with self._lock:
                     if item is not None:
-                        self._deliver(*item)
+                        self._deliver(item)
                     self._serve_joins()
                 if item is not None:
                     self._idle.set()
@@ -415,15 +416,14 @@ class WeightServer:
                 f"trajflow: weight_sync (trainer side): {_first_line(error)}")
             self._idle.set()
 
-    def _deliver(self, version: int, register: bool) -> None:
+    def _deliver(self, version: int) -> None:
         started = time.perf_counter()
         moved = 0
         for channel, dtype in self.readers:
             channel.send_packed(version, self.buffers[dtype])
             moved += self.version_bytes(dtype)
         self.seconds, self.moved_bytes = time.perf_counter() - started, moved
-        if register:
-            self.store.register(version)
+        self.store.register(version)
         self.store.add_counters({"weight_sync_seconds": self.seconds, "weight_sync_bytes": float(moved)})
 
     def _serve_joins(self) -> None:
@@ -504,7 +504,7 @@ class WeightReceiver:
                 weights.update({alias: weights[name] for alias, name in aliases.items()})
                 with self._changed:
                     self.held[version] = weights
-                    for old in sorted(self.held)[:-self.keep]:
+                    for old in sorted(self.held)[:-self.keep]:  # (the starting version may be held too)
                         del self.held[old]
                     self._changed.notify_all()
         except Exception as error:  # noqa: BLE001 - surfaces as one line where a version is needed
@@ -514,6 +514,17 @@ class WeightReceiver:
                 self._changed.notify_all()
 
     def weights(self, version: int) -> Mapping[str, Tensor]:
+        with self._changed:
+            if version in self.held:
+                return self.held[version]
+        try:  # the run's starting version is the store's (published before the trainer started)
+            _, start = self.store.weights(version)
+        except VersionNotHeld:
+            pass
+        else:
+            with self._changed:
+                self.held.setdefault(version, dict(start))
+                return self.held[version]
         with self._changed:
             arrived = self._changed.wait_for(lambda: self.error is not None or (self.held and max(self.held) >= version),
                                              timeout=self.config.timeout_seconds)

@@ -37,6 +37,13 @@ def _unique_bytes(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
     return payload_bytes({str(id(t)): t for t in weights.values()}, dtype)
 
 
+def _wait_for_readers(server: WeightServer, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(server.readers) < n:
+        assert time.monotonic() < deadline, f"{len(server.readers)} of {n} readers joined"
+        time.sleep(0.05)
+
+
 def test_config_section_defaults_bounds_and_what_collective_refuses():
     config = PipelineConfig()
     assert config.weight_sync.spec() == WeightSyncConfig()
@@ -87,12 +94,12 @@ def test_readers_get_every_version_bitwise_in_their_dtype_and_a_late_one_the_cur
     store = InProcessStore(max_staleness=1, keep_history=True)
     store.publish(weights, 0)
     config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=60)
-    scorer = WeightReceiver(store, config, "float32", history=True)  # joins before the trainer serves
+    scorer = WeightReceiver(store, config, "float32", history=True)  # before the trainer serves
+    assert scorer.newest()[0] == 0  # the starting version: the store's
     server = WeightServer(store, config, weights, ["bfloat16", "float32"])
     late = None
     try:
-        server.offer(0, weights.items(), register=False)
-        assert scorer.newest()[0] == 0
+        _wait_for_readers(server, 1)
         versions = {0: weights}
         for v in (1, 2, 3):
             versions[v] = {k: t + v for k, t in weights.items()}
@@ -160,12 +167,11 @@ def test_a_reader_killed_mid_transfer_stops_the_trainer_with_one_line(ray_sessio
     try:
         store.publish(weights, 0)
         server = WeightServer(store, config, weights, ["float32"])
-        server.offer(0, weights.items(), register=False)
-        started = time.monotonic()
         reader = ray.remote(DyingReader).options(num_cpus=0).remote(store, config)
-        with pytest.raises(ray.exceptions.RayActorError):  # it joins, and dies in the second bucket of version 0
-            ray.get(reader.newest.remote(), timeout=120)
-        with pytest.raises(WeightSyncError) as info:
+        assert ray.get(reader.newest.remote(), timeout=120) == 0  # from the store
+        _wait_for_readers(server, 1)
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError) as info:  # the reader dies in the second bucket of version 1
             server.offer(1, weights.items())
             server.wait()
         elapsed = time.monotonic() - started
@@ -190,7 +196,9 @@ def test_a_lost_trainer_is_one_line_where_the_reader_needs_a_version(ray_session
 
         def __init__(self, store, config: WeightSyncConfig, weights: dict) -> None:
             self.server = WeightServer(store, config, weights, ["float32"])
-            self.server.offer(0, weights.items(), register=False)
+
+        def readers(self) -> int:
+            return len(self.server.readers)
 
     weights = _weights()
     config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=10)
@@ -201,6 +209,10 @@ def test_a_lost_trainer_is_one_line_where_the_reader_needs_a_version(ray_session
         trainer = ray.remote(Trainer).options(num_cpus=0).remote(store, config, weights)
         receiver = WeightReceiver(store, config, "float32", history=False)
         assert receiver.newest()[0] == 0
+        deadline = time.monotonic() + 60
+        while ray.get(trainer.readers.remote()) < 1:  # joined: now waiting for the next version
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         ray.kill(trainer)
         store.register(1)  # the store says version 1 exists; its trainer is gone
         started = time.monotonic()
@@ -231,9 +243,11 @@ def test_nccl_transfer_on_cuda():
     server = WeightServer(store, config, weights, ["bfloat16"], device="cuda")
     receiver = WeightReceiver(store, config, "bfloat16", history=False, device="cuda")
     try:
-        server.offer(0, weights.items(), register=False)
+        _wait_for_readers(server, 1)
+        server.offer(1, weights.items())
+        server.wait()
         version, got = receiver.newest()
-        assert version == 0 and all(torch.equal(got[k], t.bfloat16()) for k, t in weights.items())
+        assert version == 1 and all(torch.equal(got[k], t.bfloat16()) for k, t in weights.items())
     finally:
         server.close()
         receiver.close()
