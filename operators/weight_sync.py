@@ -318,14 +318,17 @@ class WeightServer:
         from trajflow.operators.data_parallel import listening_socket
 
         self.store, self.config, self.device = store, config, device
-        first: dict[int, str] = {}
+        from trajflow.engines.checkpoint import storage_key
+
+        first: dict[tuple, str] = {}
         self.aliases: dict[str, str] = {}
         like: dict[str, Tensor] = {}
         for name, tensor in shapes.items():
-            if id(tensor) in first:
-                self.aliases[name] = first[id(tensor)]
+            key = storage_key(tensor) if tensor.numel() else (name,)  # empty tensors share address 0
+            if key in first:
+                self.aliases[name] = first[key]
             else:
-                first[id(tensor)] = name
+                first[key] = name
                 like[name] = torch.empty(tuple(tensor.shape), device="meta")
         bucket_bytes = int(config.bucket_mb * 2**20)
         # per dtype: its buckets (one flat buffer each, reused for every version) and each tensor's slot
