@@ -82,7 +82,7 @@ class Generate:
         self.store = store
         # the newest version only, in the dtype it samples in (float32 to score prefixes at a switch)
         self.source = version_source(store, weight_sync, reader_dtype(inference_dtype, exact=scores_at_switch),
-                                     history=False)
+                                     history=False, device=str(numerics.torch_device()))
         self.environment = workload.environment()
         self.tokenizer = load_tokenizer(model_path)
         self.group_size = group_size

@@ -54,7 +54,8 @@ class OldLogprobsAtBehaviourVersion:
         torch.set_num_threads(torch_threads)
         self.store = store
         # the training numerics' weights, the staleness window of them (collective: in this process)
-        self.source = version_source(store, weight_sync, "float32", history=True)
+        self.source = version_source(store, weight_sync, "float32", history=True,
+                                     device=str(numerics.torch_device()))
         self.numerics = numerics
         self.model = numerics.prepare(load_model(model_path))
         self.versions = VersionWeights(model_path)  # a LoRA run's versions are adapters

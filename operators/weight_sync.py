@@ -154,6 +154,13 @@ def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
+def link_device(mine: str, other: str) -> str:
+    """Where a trainer -> reader link's buffers live on this end (device `mine`, the other end on
+    `other`): this GPU (NCCL) when both ends are on CUDA, else host memory (gloo; a GPU end copies
+    each bucket to or from the host)."""
+    return mine if mine.startswith("cuda") and other.startswith("cuda") else "cpu"
+
+
 class CollectiveChannel:
     """A two-member torch.distributed group (rank 0: trainer, rank 1: reader) on `store` (a TCP store
     on 127.0.0.1, under a prefix of its own: `prefix` names this join in messages).
@@ -286,12 +293,14 @@ class StoreVersions:
         return self.store.weights(version)[1]
 
 
-def version_source(store: PolicyStoreClient, config: WeightSyncConfig, dtype: str, history: bool) -> VersionSource:
-    """A reader's source of versions under `config.method`: receiving in `dtype`, keeping the
-    staleness window (`history`: an exact scorer) or only the newest version."""
+def version_source(store: PolicyStoreClient, config: WeightSyncConfig, dtype: str, history: bool,
+                   device: str = "cpu") -> VersionSource:
+    """A reader's source of versions under `config.method`: receiving in `dtype` on `device`
+    (the reader's; NCCL when the trainer's is a GPU too), keeping the staleness window
+    (`history`: an exact scorer) or only the newest version."""
     if config.method == "object_store":
         return StoreVersions(store)
-    return WeightReceiver(store, config, dtype, history)
+    return WeightReceiver(store, config, dtype, history, device)
 
 
 @dataclass(frozen=True)
@@ -349,7 +358,7 @@ class WeightServer:
         self.tcp = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=listen.fileno(),
                                  wait_for_workers=False, timeout=self.timeout)
         listen.detach()  # the store owns the descriptor now
-        self.tcp.set("layout", json.dumps({"bucket_bytes": bucket_bytes, "aliases": self.aliases,
+        self.tcp.set("layout", json.dumps({"bucket_bytes": bucket_bytes, "aliases": self.aliases, "device": device,
                                            "tensors": [[n, list(t.shape)] for n, t in like.items()]}))
         self.readers: list[tuple[CollectiveChannel, str]] = []
         self.version: int | None = None  # the version packed in the buffers
@@ -434,13 +443,14 @@ class WeightServer:
 
         while self.tcp.check([f"join/{len(self.readers)}"]):
             n = len(self.readers)
-            dtype = self.tcp.get(f"join/{n}").decode()
+            dtype, reader_device = json.loads(self.tcp.get(f"join/{n}"))
             if dtype not in self.buffers:
                 raise WeightSyncError(f"trajflow: weight_sync: reader {n} asked for {dtype} weights; the trainer "
                                       f"serves {sorted(self.buffers)}")
             channel = CollectiveChannel(rank=0, store=dist.PrefixStore(f"join/{n}/", self.tcp), prefix=f"reader {n}",
                                         dtype=_dtype(dtype), bucket_mb=self.config.bucket_mb,
-                                        timeout_seconds=self.config.timeout_seconds, device=self.device)
+                                        timeout_seconds=self.config.timeout_seconds,
+                                        device=link_device(self.device, reader_device))
             self.readers.append((channel, dtype))
             if self.version is not None:  # a late joiner gets the current version at once
                 started = time.perf_counter()
@@ -490,10 +500,11 @@ class WeightReceiver:
         like = {name: torch.empty(tuple(shape), device="meta") for name, shape in layout["tensors"]}
         n = tcp.add("joined", 1) - 1
         self._wake = (address.host, address.port, f"join/{n}/")
-        tcp.set(f"join/{n}", self.dtype)
+        tcp.set(f"join/{n}", json.dumps([self.dtype, self.device]))
         channel = CollectiveChannel(rank=1, store=dist.PrefixStore(f"join/{n}/", tcp), prefix=f"reader {n}",
                                     dtype=_dtype(self.dtype), bucket_mb=layout["bucket_bytes"] / 2**20,
-                                    timeout_seconds=self.config.timeout_seconds, device=self.device)
+                                    timeout_seconds=self.config.timeout_seconds,
+                                    device=link_device(self.device, layout["device"]))
         return channel, like, layout["aliases"]
 
     def _receive(self) -> None:
@@ -502,7 +513,7 @@ class WeightReceiver:
             self._channel = channel
             while (version := channel.next_version(self._closed)) is not None:
                 weights = channel.receive(version, like)
-                if self.history and self.device != "cpu":  # the window lives in host memory
+                if self.history:  # the window lives in host memory
                     weights = {k: v.cpu() for k, v in weights.items()}
                 weights.update({alias: weights[name] for alias, name in aliases.items()})
                 with self._changed:

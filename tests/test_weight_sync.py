@@ -11,7 +11,7 @@ import torch
 
 from trajflow.operators.store import VersionNotHeld
 from trajflow.operators.weight_sync import (WeightReceiver, WeightServer, WeightSyncConfig, WeightSyncError,
-                                            backend_for, bucket_layout, payload_bytes, reader_dtype)
+                                            backend_for, bucket_layout, link_device, payload_bytes, reader_dtype)
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.policy_store import InProcessStore
 from trajflow.settings import SettingError
@@ -230,27 +230,30 @@ def test_a_lost_trainer_is_one_line_where_the_reader_needs_a_version(ray_session
     assert elapsed <= config.timeout_seconds + 5
 
 
-def test_backend_choice_nccl_on_cuda_gloo_on_cpu_mock_named_no_gpu_needed():
-    assert backend_for("cuda:0") == "nccl"
-    assert backend_for("cuda") == "nccl"
-    assert backend_for("cpu") == "gloo"
+def test_backend_choice_nccl_between_gpus_gloo_otherwise_no_gpu_needed():
+    assert backend_for("cuda:0") == "nccl" and backend_for("cuda") == "nccl" and backend_for("cpu") == "gloo"
+    # both ends on a GPU: NCCL on device buffers; one end on the host: gloo through host memory
+    assert link_device("cuda:1", "cuda:0") == "cuda:1" and backend_for(link_device("cuda:0", "cuda")) == "nccl"
+    assert link_device("cuda", "cpu") == "cpu" and link_device("cpu", "cuda") == "cpu"
+    assert backend_for(link_device("cpu", "cpu")) == "gloo"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU: the transfer itself runs only on CUDA")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs GPUs: one per rank (trainer, reader)")
 @pytest.mark.timeout(180)
-def test_nccl_transfer_on_cuda():
-    weights = {k: t.cuda() for k, t in _weights().items()}
+def test_nccl_transfer_between_two_gpus():
+    weights = {k: t.to("cuda:0") for k, t in _weights().items()}
     store = InProcessStore(max_staleness=0, keep_history=False)
     store.publish(weights, 0)
     config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=60)
-    server = WeightServer(store, config, weights, ["bfloat16"], device="cuda")
-    receiver = WeightReceiver(store, config, "bfloat16", history=False, device="cuda")
+    server = WeightServer(store, config, weights, ["bfloat16"], device="cuda:0")
+    receiver = WeightReceiver(store, config, "bfloat16", history=False, device="cuda:1")
     try:
         _wait_for_readers(server, 1)
         server.offer(1, weights.items())
         server.wait()
         version, got = receiver.newest()
-        assert version == 1 and all(torch.equal(got[k], t.bfloat16()) for k, t in weights.items())
+        assert version == 1 and all(t.device == torch.device("cuda:1") for t in got.values())
+        assert all(torch.equal(got[k].cpu(), t.bfloat16().cpu()) for k, t in weights.items())
     finally:
         server.close()
         receiver.close()
@@ -259,21 +262,27 @@ def test_nccl_transfer_on_cuda():
 # -- the pipeline: FSDP with 2 workers, versions over gloo ----------------------------------------------
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["snapshot", "dedicated", "interrupt"])
-def test_exact_old_logprobs_with_fsdp_and_collective_sync_on_ray_data(ray_session, strategy):
+def test_exact_old_logprobs_with_fsdp_and_collective_sync_on_ray_data(ray_session, publish_inside_rollouts, strategy):
     """Async on Ray Data at max_staleness 1, float32 inference: every reader's version came over
-    the collective, and pi_old (scored from it) equals the inference log-probs within 1e-5."""
+    the collective, and pi_old (scored from it) equals the inference log-probs within 1e-5. The
+    generator waits once per rollout for the next version (conftest.py), so `interrupt` switches
+    weights mid-rollout and scores the prefix at the switch."""
     from trajflow.engines.models import WARM_START_DIR, load_model
     from trajflow.pipelines.rl_loop import RLPipeline
 
     config = PipelineConfig(steps=4, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1,
                             strategy=strategy, max_staleness=1, trainer={"sharding": "fsdp", "num_workers": 2},
                             weight_sync=COLLECTIVE, recovery=NO_RESTARTS)
-    m = RLPipeline(config).run(progress=False)
+    m = publish_inside_rollouts(RLPipeline(config)).run(progress=False)
     print(f"\n{strategy} S=1, fsdp x2, collective: max|log old - log inference| "
-          f"{m['mismatch/max_abs_log_rd'].max():.2e}, bytes sent per step {m['weight_sync_bytes'].to_list()}")
+          f"{m['mismatch/max_abs_log_rd'].max():.2e}, rows spanning versions {m['rows_spanning_versions'].sum()}, "
+          f"bytes sent per step {m['weight_sync_bytes'].to_list()}")
     assert m["step"].to_list() == list(range(4))
     assert m["mismatch/max_abs_log_rd"].max() <= 1e-5
     assert m["staleness/max"].max() == 1  # tokens one version behind the trainer were trained
+    assert m["over_stale_tokens_dropped"].sum() == 0
+    if strategy == "interrupt":
+        assert m["rows_spanning_versions"].sum() > 0, "no trajectory spanned two versions"
     # every version after the first step's went to each reader (step 0's stats may precede its delivery)
     readers = 1 if strategy == "interrupt" else 2
     version_bytes = _unique_bytes(load_model(WARM_START_DIR).state_dict(), torch.float32)
