@@ -484,7 +484,8 @@ class WeightReceiver:
         atexit.register(self.close)
 
     def _line(self, what: str) -> str:
-        return f"trajflow: weight_sync (reader side): {what} (weight_sync.timeout_seconds={self.config.timeout_seconds:g})"
+        return (f"trajflow: weight_sync (reader side): {what} "
+                f"(weight_sync.timeout_seconds={self.config.timeout_seconds:g})")
 
     def _join(self) -> tuple[CollectiveChannel, dict[str, Tensor], dict[str, str]]:
         import torch
@@ -540,8 +541,9 @@ class WeightReceiver:
                 self.held.setdefault(version, dict(start))
                 return self.held[version]
         with self._changed:
-            arrived = self._changed.wait_for(lambda: self.error is not None or (self.held and max(self.held) >= version),
-                                             timeout=self.config.timeout_seconds)
+            arrived = self._changed.wait_for(
+                lambda: self.error is not None or (self.held and max(self.held) >= version),
+                timeout=self.config.timeout_seconds)
             if version in self.held:
                 return self.held[version]
             if self.error is not None:

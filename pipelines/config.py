@@ -396,9 +396,6 @@ class PipelineConfig(_Strict):
         if self.lora.r > 0:
             raise ValueError("weight_sync.method: collective sends full weights; a lora adapter version is small: "
                              "use object_store")
-        if self.engine != "torch":
-            raise ValueError("weight_sync.method: collective reaches the torch engine only (vLLM's weight-update "
-                             "path is not wired); use object_store with engine: vllm")
         if self.recovery.max_restarts > 0:
             raise ValueError("weight_sync.method: collective keeps no trained version in the policy store, where a "
                              "rebuilt trainer would read its weights: set recovery.max_restarts: 0")

@@ -66,11 +66,9 @@ def test_config_section_defaults_bounds_and_what_collective_refuses():
 
 
 def test_each_reader_gets_the_dtype_it_computes_in():
-    from trajflow.operators.strategies import strategy_class
-
     def dtypes(strategy: str, inference_dtype: str) -> tuple[str, ...]:
         config = PipelineConfig(strategy=strategy, inference_dtype=inference_dtype)
-        return config.reader_dtypes(strategy_class(config.build_strategy()))
+        return config.reader_dtypes(config.build_strategy())
 
     assert reader_dtype("bfloat16", exact=False) == "bfloat16" and reader_dtype("fp8", exact=False) == "bfloat16"
     assert reader_dtype("float32", exact=False) == "float32" and reader_dtype("bfloat16", exact=True) == "float32"
@@ -289,3 +287,19 @@ def test_exact_old_logprobs_with_fsdp_and_collective_sync_on_ray_data(ray_sessio
     assert m["weight_sync_bytes"][1:].to_list() == [readers * version_bytes] * 3
     if "snapshot_bytes" in m.columns:  # the store keeps numbers, not tensors (the initial version aside)
         assert (m["snapshot_bytes"][1:] == 0).all()
+
+
+def test_the_gpu_config_shards_the_trainer_and_syncs_by_collective():
+    """jobs/configs/gpu_qwen_fsdp.yaml validates (its checkpoint swapped for the warm start: no GPU
+    or Qwen download here) and asks for FSDP over GPU workers and NCCL-capable collective sync."""
+    import yaml
+
+    from trajflow.engines.models import WARM_START_DIR
+    from trajflow.jobs.config import CONFIGS_DIR, build_job_config
+
+    data = yaml.safe_load((CONFIGS_DIR / "gpu_qwen_fsdp.yaml").read_text())
+    config = build_job_config(data, [f"model={WARM_START_DIR}"]).pipeline_config()
+    assert (config.trainer.sharding, config.trainer.num_workers, config.trainer.num_gpus) == ("fsdp", 2, 1)
+    assert config.weight_sync.method == "collective" and config.engine == "vllm"
+    assert config.generator.num_gpus == 1 and config.scorer.num_gpus == 1  # every end on a GPU: NCCL links
+    assert config.reader_dtypes(config.build_strategy()) == ("bfloat16", "float32")
