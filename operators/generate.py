@@ -12,7 +12,9 @@ and the extra column `turns` counts policy turns. Before every turn the generato
 newest weights, so the turns of one episode may come from different versions.
 
 Before sampling, the actor takes an admission permit from the policy store: the rollout of
-step b starts only once version b - max_staleness exists, which bounds policy lag. With
+step b starts only once version b - max_staleness exists, which bounds policy lag. The weights
+come from the store, or under `weight_sync.method: collective` straight from the trainer, in
+the dtype this generator samples in (operators/weight_sync.py). With
 `partial_rollout` it also takes newer weights between decode steps, so one trajectory can
 span versions; for a strategy that scores at a switch (`interrupt`: `scores_at_switch`) it first
 scores the prefix generated so far with the still-resident weights under the training numerics

@@ -1,7 +1,8 @@
 """Old log-probs at the behaviour version: pi_v^train for every token, exactly (Ray Data actor).
 
 For each version v carried by the batch's tokens, the operator loads the weights of v from the
-policy store into a model scored under the training numerics (engines/training_numerics.py: the
+policy store (under `weight_sync.method: collective`: from the window v-S..v the trainer sent
+this process, operators/weight_sync.py) into a model scored under the training numerics (engines/training_numerics.py: the
 trainer's device kind and autocast, dropout off), scores the responses teacher-forced and keeps
 the log-probs of the tokens stamped v. A trajectory spanning versions is thus scored under each
 token's own version. A token outside the sampling filter's support under these numerics gets

