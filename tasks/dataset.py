@@ -42,7 +42,7 @@ JSON_SUFFIXES = (".jsonl", ".json")
 RESERVED_COLUMNS = (
     "trajectory_id", "group_id", "prompt_id", "prompt_tokens", "response_tokens", "loss_mask",
     "inference_logprobs", "versions", "old_logprobs", "finish_reason", "reward", "advantage",
-    "rollout_step", "filter_reason", "trainer_version", "turns",
+    "rollout_step", "filter_reason", "trainer_version", "turns", "reward_error",
 )
 
 
