@@ -288,10 +288,14 @@ def test_exact_old_logprobs_with_fsdp_and_collective_sync_on_ray_data(ray_sessio
     assert m["over_stale_tokens_dropped"].sum() == 0
     if strategy == "interrupt":
         assert m["rows_spanning_versions"].sum() > 0, "no trajectory spanned two versions"
-    # every version after the first step's went to each reader (step 0's stats may precede its delivery)
+    # each version went to every reader still at work: all of them at step 1 (step 0's stats may
+    # precede its delivery), and at the end those Ray Data has not yet ended (a finished
+    # generator leaves; the trainer stops sending to it, the run goes on)
     readers = 1 if strategy == "interrupt" else 2
     version_bytes = _unique_bytes(load_model(WARM_START_DIR).state_dict(), torch.float32)
-    assert m["weight_sync_bytes"][1:].to_list() == [readers * version_bytes] * 3
+    sent = m["weight_sync_bytes"][1:].to_list()
+    assert sent[0] == readers * version_bytes
+    assert all(x % version_bytes == 0 and x <= readers * version_bytes for x in sent), sent
     if "snapshot_bytes" in m.columns:  # the store keeps numbers, not tensors (the initial version aside)
         assert (m["snapshot_bytes"][1:] == 0).all()
 

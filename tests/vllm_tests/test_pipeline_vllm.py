@@ -56,11 +56,13 @@ def test_collective_weight_sync_reaches_vllm_through_its_weight_update(ray_sessi
     print(f"\n[vllm collective] {strategy} {inference_dtype}: max|log r_d|={m['mismatch/max_abs_log_rd'].max():.2e} "
           f"spanning rows={m['rows_spanning_versions'].sum()} bytes per step={m['weight_sync_bytes'].to_list()}")
     assert m["staleness/max"].max() == 1
-    # per version: the generator's copy in its dtype, and snapshot's scorer's in float32
+    # per version: the generator's copy in its dtype, and snapshot's scorer's in float32 (at the
+    # end, only to the readers Ray Data has not yet ended: a finished generator leaves)
     tensors = {storage_key(t): t for t in load_model(WARM_START_DIR).state_dict().values()}  # tied: once
     params = sum(t.numel() for t in tensors.values())
     expected = {"snapshot": 2 * 4 * params, "interrupt": 4 * params, "behavior": 2 * params}[strategy]
-    assert m["weight_sync_bytes"][1:].to_list() == [expected] * (SMALL["steps"] - 1)
+    sent = m["weight_sync_bytes"][1:].to_list()
+    assert sent[0] == expected and all(x <= expected for x in sent), sent
     if inference_dtype == "float32":  # (behavior has no pi_old to compare)
         assert m["mismatch/max_abs_log_rd"].max() < TOL
     if strategy == "interrupt":
