@@ -26,7 +26,9 @@ memory, in float32: (S+1) x 4 bytes per parameter per scorer (`held_bytes()`).
 Each reader has its own two-member group (trainer rank 0, reader rank 1) under a fresh prefix per
 join, so a recreated reader joins again instead of wedging a fixed-size group. Between versions a
 reader waits on a key of the TCP store (announce, then transfer). Every collective waits at most
-`timeout_seconds`: a peer lost mid-transfer is a `WeightSyncError` (one line), never a hang.
+`timeout_seconds`: a peer lost mid-transfer is a `WeightSyncError` (one line), never a hang. A
+reader that ends (`close()`, also at its process's exit: Ray Data ends a finished stage's actors)
+leaves first, and the trainer stops sending to it; one that vanishes without leaving stops the run.
 
 Torch is imported inside functions: validating a job config must not import it.
 """

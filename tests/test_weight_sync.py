@@ -314,3 +314,23 @@ def test_the_gpu_config_shards_the_trainer_and_syncs_by_collective():
     assert config.weight_sync.method == "collective" and config.engine == "vllm"
     assert config.generator.num_gpus == 1 and config.scorer.num_gpus == 1  # every end on a GPU: NCCL links
     assert config.reader_dtypes(config.build_strategy()) == ("bfloat16", "float32")
+
+
+def test_trajflow_run_ends_a_lost_transfer_with_its_one_line():
+    """Ray Data hands the driver the train step's error wrapped, Ray's advice appended: the run
+    prints the WeightSyncError's own line (jobs/run.py, as for a lost trainer worker)."""
+    from trajflow.jobs.run import stop_line
+
+    line = ("trajflow: weight_sync (reader 1, trainer side): bucket 2 of version 5: peer lost "
+            "(Connection closed by peer) (weight_sync.timeout_seconds=120)")
+    try:
+        try:
+            raise WeightSyncError(line)
+        except WeightSyncError as cause:
+            raise RuntimeError("UserCodeException: ... To change retry attempts, configure ray.data.DataContext") \
+                from cause
+    except RuntimeError as wrapped:
+        assert stop_line(wrapped, WeightSyncError) == line
+    text = RuntimeError(f"ray::MapWorker failed\nWeightSyncError: {line}\nTo change retry attempts ...")
+    assert stop_line(text, WeightSyncError) == line  # only the text crossed the process boundary
+    assert stop_line(RuntimeError("something else"), WeightSyncError) is None
