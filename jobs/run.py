@@ -107,20 +107,41 @@ def stop_line(error: BaseException, kind: type[BaseException]) -> str | None:
     import re
 
     pattern = re.compile(rf"{kind.__name__}: ([^\n]+)")
+    for e, text in _chain_texts(error):
+        if isinstance(e, kind) and e.args and isinstance(e.args[0], str) and e.args[0].strip():
+            return e.args[0].strip().splitlines()[0]
+        found = pattern.search(text)
+        if found:
+            return found.group(1).strip()
+    return None
+
+
+def store_lost(error: BaseException) -> str | None:
+    """One line when the policy store's actor died behind `error` (Ray names its class in the
+    ActorDiedError that the operator calling it raised), else None. A lost store is not rebuilt
+    within the run: its versions (and the admission state) lived only in it."""
+    from trajflow.operators.data_parallel import RESUME_HINT
+    from trajflow.pipelines.policy_store import PolicyStoreActor
+
+    for _, text in _chain_texts(error):
+        if f"class_name: {PolicyStoreActor.__name__}" in text and ("actor died" in text or "actor is dead" in text):
+            return f"the policy store's process died; the run stops: {RESUME_HINT}"
+    return None
+
+
+def _chain_texts(error: BaseException):
+    """(exception, text) for each exception behind `error` and each of its texts (its message and,
+    for Ray's errors, the traceback of the remote process), cause chain included."""
     seen, stack = set(), [error]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, kind) and e.args and isinstance(e.args[0], str) and e.args[0].strip():
-            return e.args[0].strip().splitlines()[0]
-        for text in (getattr(e, "traceback_str", None), str(e)):
-            found = pattern.search(text) if isinstance(text, str) else None
-            if found:
-                return found.group(1).strip()
+        for text in (str(e), getattr(e, "traceback_str", None)):
+            if isinstance(text, str):
+                yield e, text
         stack += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return None
 
 
 def default_run_dir(config: JobConfig) -> Path:
@@ -520,7 +541,7 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
         if isinstance(e, RewardFailed):  # the reward is broken: say so, not Ray's traceback
             raise RunFailed(str(e)) from None
         written = paths.trainer_lost.read_text().strip() if paths.trainer_lost.is_file() else None
-        lost = None if stopped else (written or trainer_state_lost(e))
+        lost = None if stopped else (written or trainer_state_lost(e) or store_lost(e))
         if lost is not None:  # a trainer worker died: its optimizer state is gone; say how to go on
             raise RunFailed(lost.replace("RUN_DIR", str(paths.root))) from None
         from trajflow.operators.weight_sync import WeightSyncError
