@@ -19,11 +19,17 @@ SIZES: dict[str, dict] = {
     "100M": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=14, num_attention_heads=12,
                  num_key_value_heads=4, max_position_embeddings=256),
 }
+# sizes only the benchmarks that name them build (weight_sync.py): too large to be every one's default
+LARGE: dict[str, dict] = {
+    "400M": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=26, num_attention_heads=16,
+                 num_key_value_heads=4, max_position_embeddings=256),
+}
 
 
 def build_model(size: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY_CONFIG, **SIZES[size]}), dtype=torch.float32).eval()
+    config = LlamaConfig(**{**TINY_CONFIG, **{**SIZES, **LARGE}[size]})
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def model_dir(size: str, root: Path) -> Path:
@@ -35,5 +41,5 @@ def model_dir(size: str, root: Path) -> Path:
 
 
 if __name__ == "__main__":
-    for size in SIZES:
+    for size in {**SIZES, **LARGE}:
         print(f"{size}: {sum(p.numel() for p in build_model(size).parameters()):,} parameters")

@@ -32,6 +32,7 @@ from benchmarks import (  # noqa: E402
     trainer_dp,
     trainer_fsdp,
     trl_compare,
+    weight_sync,
 )
 from benchmarks.common import machine  # noqa: E402
 
@@ -39,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 SECTIONS = HERE / "results"  # one file per benchmark, so each can be refreshed on its own
 ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "hops", "store_calls", "orchestration", "compute_bound", "publish",
-         "trainer_dp", "trainer_fsdp", "startup", "end_to_end", "trl", "evidence_regime"]
+         "trainer_dp", "trainer_fsdp", "weight_sync", "startup", "end_to_end", "trl", "evidence_regime"]
 
 
 def table(rows: list[dict]) -> str:
@@ -95,6 +96,10 @@ def run_section(name: str, quick: bool, strategies: list[str] | None = None) -> 
         return ("8c. Sharded training (`trainer.sharding: fsdp`): what each worker holds of parameters, gradients and "
                 "AdamW state, vs the replica (gloo workers on one node, one step of 16 x 64 tokens)",
                 table(trainer_fsdp.run(sizes=("0.6M", "25M") if q else trainer_fsdp.SIZES)))
+    if name == "weight_sync":
+        return ("8d. One weight version from the trainer to a reader: object store vs collective (gloo, one node), "
+                f"float32 vs bf16 transfer (reader decodes {weight_sync.BUSY_SECONDS:g} s per version meanwhile)",
+                table(weight_sync.run(sizes=("25M",) if q else weight_sync.SIZES, versions=2 if q else 3)))
     if name == "startup":
         return ("9. Start-up of `trajflow run quickstart` to the end of its first step, and its process tree "
                 "(cold process, CPU seconds per process)", startup.run(steps=5 if q else 20))

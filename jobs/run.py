@@ -90,20 +90,25 @@ class RunFailed(RuntimeError):
 
 
 def trainer_state_lost(error: BaseException) -> str | None:
-    """The one-line message of a TrainerStateLost behind `error`, else None.
+    """The one-line message of a TrainerStateLost behind `error`, else None (`stop_line`)."""
+    from trajflow.operators.data_parallel import TrainerStateLost
+
+    return stop_line(error, TrainerStateLost)
+
+
+def stop_line(error: BaseException, kind: type[BaseException]) -> str | None:
+    """The one-line message of a `kind` exception behind `error`, else None.
 
     Ray Data wraps the step's error (UserCodeException, RayTaskError), appends its retry advice
     ("To change retry attempts, ... `ray.data.DataContext` ...") to the message of the exception
     it re-raises, and across processes only the text of the cause may survive. So the message is
-    taken from the first line after `TrainerStateLost: ` in any text of the chain, never from a
-    whole `str(e)` (whose last lines may be Ray's advice)."""
+    taken from the first line after `<kind>: ` in any text of the chain, never from a whole
+    `str(e)` (whose last lines may be Ray's advice)."""
     import re
 
-    from trajflow.operators.data_parallel import TrainerStateLost
-
-    pattern = re.compile(rf"{TrainerStateLost.__name__}: ([^\n]+)")
+    pattern = re.compile(rf"{kind.__name__}: ([^\n]+)")
     for e, text in _chain_texts(error):
-        if isinstance(e, TrainerStateLost) and e.args and isinstance(e.args[0], str) and e.args[0].strip():
+        if isinstance(e, kind) and e.args and isinstance(e.args[0], str) and e.args[0].strip():
             return e.args[0].strip().splitlines()[0]
         found = pattern.search(text)
         if found:
@@ -539,6 +544,11 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
         lost = None if stopped else (written or trainer_state_lost(e) or store_lost(e))
         if lost is not None:  # a trainer worker died: its optimizer state is gone; say how to go on
             raise RunFailed(lost.replace("RUN_DIR", str(paths.root))) from None
+        from trajflow.operators.weight_sync import WeightSyncError
+
+        sync = None if stopped else stop_line(e, WeightSyncError)
+        if sync is not None:  # a weight reader or the trainer was lost mid-transfer (weight_sync collective)
+            raise RunFailed(sync.removeprefix("trajflow: ")) from None
         raise
     _finish(config, paths, first_step, started, step_seconds)
 

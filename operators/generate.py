@@ -12,7 +12,9 @@ and the extra column `turns` counts policy turns. Before every turn the generato
 newest weights, so the turns of one episode may come from different versions.
 
 Before sampling, the actor takes an admission permit from the policy store: the rollout of
-step b starts only once version b - max_staleness exists, which bounds policy lag. With
+step b starts only once version b - max_staleness exists, which bounds policy lag. The weights
+come from the store, or under `weight_sync.method: collective` straight from the trainer, in
+the dtype this generator samples in (operators/weight_sync.py). With
 `partial_rollout` it also takes newer weights between decode steps, so one trajectory can
 span versions; for a strategy that scores at a switch (`interrupt`: `scores_at_switch`) it first
 scores the prefix generated so far with the still-resident weights under the training numerics
@@ -39,6 +41,7 @@ from trajflow.engines.tokenizer import stop_token_ids
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.engines.torch_engine import Generation, TorchEngine
 from trajflow.operators.store import PolicyStoreClient
+from trajflow.operators.weight_sync import WeightSyncConfig, reader_dtype, version_source
 from trajflow.schemas import SamplingSemantics, conform
 from trajflow.tasks.rollout import Episode, EpisodeBatch, EpisodeView, run_episodes
 from trajflow.tasks.workload import Workload, prompt_of
@@ -75,9 +78,13 @@ class Generate:
         engine: str,
         vllm: VllmOptions,
         numerics: TrainingNumerics,
+        weight_sync: WeightSyncConfig,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
+        # the newest version only, in the dtype it samples in (float32 to score prefixes at a switch)
+        self.source = version_source(store, weight_sync, reader_dtype(inference_dtype, exact=scores_at_switch),
+                                     history=False, device=str(numerics.torch_device()))
         self.environment = workload.environment()
         self.tokenizer = load_tokenizer(model_path)
         self.group_size = group_size
@@ -108,9 +115,11 @@ class Generate:
         self.scoring_model = numerics.prepare(model) if scores_at_switch else None
         self.versions = VersionWeights(model_path)
         self.semantics = SamplingSemantics(sampling.temperature, sampling.top_p, sampling.top_k)
+        self.weight_load_seconds = 0.0  # of the current call
 
     def _take_newest(self, pins: set[int]) -> None:
-        version, payload = self.store.weights(None, pin=True)
+        started = time.perf_counter()
+        version, payload = self.source.newest()
         if version in pins:
             self.store.release(version)  # this call already holds a pin on it
         pins.add(version)
@@ -119,6 +128,7 @@ class Generate:
             self.engine.load_weights(weights, version)
             if self.scoring_model is not None:
                 self.scoring_model.load_state_dict(weights)
+        self.weight_load_seconds += time.perf_counter() - started
 
     def _switch_if_newer(self, pins: set[int], views, old_logprobs) -> None:
         """Take the newest weights if a newer version exists; for `interrupt`, first score every
@@ -134,6 +144,8 @@ class Generate:
         self.store.admit(step)
         waited = time.perf_counter() - started
         pins: set[int] = set()
+        # the generator's idle time on new versions: waiting for, fetching and loading weights
+        self.weight_load_seconds = 0.0
         self._take_newest(pins)
 
         prompt_tokens = batch["prompt_tokens"].to_pylist()
@@ -185,7 +197,8 @@ class Generate:
         for version in pins - used:
             self.store.release(version)
         self.store.add_counters(
-            {"generate_seconds": time.perf_counter() - started - waited, "admission_wait_seconds": waited}
+            {"generate_seconds": time.perf_counter() - started - waited, "admission_wait_seconds": waited,
+             "weight_load_seconds": self.weight_load_seconds}
         )
         return self._to_table(step, batch, prompt_tokens, episodes, old_logprobs)
 

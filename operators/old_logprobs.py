@@ -1,7 +1,8 @@
 """Old log-probs at the behaviour version: pi_v^train for every token, exactly (Ray Data actor).
 
 For each version v carried by the batch's tokens, the operator loads the weights of v from the
-policy store into a model scored under the training numerics (engines/training_numerics.py: the
+policy store (under `weight_sync.method: collective`: from the window v-S..v the trainer sent
+this process, operators/weight_sync.py) into a model scored under the training numerics (engines/training_numerics.py: the
 trainer's device kind and autocast, dropout off), scores the responses teacher-forced and keeps
 the log-probs of the tokens stamped v. A trajectory spanning versions is thus scored under each
 token's own version. A token outside the sampling filter's support under these numerics gets
@@ -35,6 +36,7 @@ from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.columns import filter_reasons, mark_filtered, replace_column
 from trajflow.operators.store import PolicyStoreClient, VersionNotHeld
+from trajflow.operators.weight_sync import WeightSyncConfig, version_source
 
 
 class OldLogprobsAtBehaviourVersion:
@@ -48,9 +50,13 @@ class OldLogprobsAtBehaviourVersion:
         skip_filtered: bool,
         numerics: TrainingNumerics,
         torch_threads: int,
+        weight_sync: WeightSyncConfig,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
+        # the training numerics' weights, the staleness window of them (collective: in this process)
+        self.source = version_source(store, weight_sync, "float32", history=True,
+                                     device=str(numerics.torch_device()))
         self.numerics = numerics
         self.model = numerics.prepare(load_model(model_path))
         self.versions = VersionWeights(model_path)  # a LoRA run's versions are adapters
@@ -60,8 +66,7 @@ class OldLogprobsAtBehaviourVersion:
 
     def _ensure(self, version: int) -> None:
         if version != self.resident_version:
-            _, weights = self.store.weights(version)
-            self.model.load_state_dict(self.versions.full(weights))
+            self.model.load_state_dict(self.versions.full(self.source.weights(version)))
             self.resident_version = version
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from trajflow.operators.weight_sync import ServerAddress
+
 
 class VersionNotHeld(KeyError):
     """The store does not hold the weights of that version (never published, or freed: out of
@@ -44,6 +46,16 @@ class PolicyStoreClient(Protocol):
 
     def publish(self, weights: Mapping[str, Tensor], version: int | None = None) -> int:
         """Register new weights as `version` (default: latest + 1); returns the version."""
+
+    def register(self, version: int) -> int:
+        """Register `version` without its tensors (`weight_sync.method: collective`: the trainer
+        sends them to the readers itself); numbers and the staleness bound stay the store's."""
+
+    def set_weight_server(self, host: str, port: int) -> None:
+        """Where the trainer serves versions (collective; a rebuilt trainer's address replaces it)."""
+
+    def weight_server(self) -> ServerAddress | None:
+        """The trainer's version server and the staleness bound, or None before it started."""
 
     def weights(self, version: int | None = None, *, pin: bool = False) -> tuple[int, Mapping[str, Tensor]]:
         """(version, weights) of `version` (default: the newest). The tensors are read-only:

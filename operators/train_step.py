@@ -92,6 +92,7 @@ from trajflow.operators.recovery import (
 from trajflow.operators.reward import FailedRewardSteps
 from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies.base import Strategy
+from trajflow.operators.weight_sync import WeightServer, WeightSyncConfig
 from trajflow.schemas import conform
 
 
@@ -478,7 +479,8 @@ class TrainStep(TrainerReplica):
 
     def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, max_staleness: int,
                  after_step: Sequence[AfterStep], hooks: StepHooks,
-                 recovery: RecoveryConfig = RecoveryConfig(), failed_rewards: FailedRewardSteps | None = None) -> None:
+                 recovery: RecoveryConfig = RecoveryConfig(), failed_rewards: FailedRewardSteps | None = None,
+                 weight_sync: WeightSyncConfig = WeightSyncConfig(), reader_dtypes: Sequence[str] = ()) -> None:
         data_parallel = spec.data_parallel
         self.failed_rewards = failed_rewards
         # One train step per store: a second one means this process replaced a trainer that died
@@ -487,6 +489,7 @@ class TrainStep(TrainerReplica):
         # (operators/recovery.py), or refuse to train on.
         self.node = node_address()[0]
         self.group: TrainerGroup | None = None
+        self.weight_server: WeightServer | None = None
         self.lost: TrainerStateLost | None = None
         self.recovery, self.source, self.fault, self.on_lost = recovery, hooks.source, None, hooks.on_lost
         self.recovered: dict = {}  # a recovery's metrics, for the next step trained
@@ -517,13 +520,26 @@ class TrainStep(TrainerReplica):
             self.join_group(Collective(device=self.numerics.torch_device(), default_group=True))
         if hooks.on_start is not None and self.fault is None:  # a rebuilt trainer's state is the recovery's
             hooks.on_start(self)  # e.g. a resumed job restores every worker's optimizer and strategy state here
+        if weight_sync.method == "collective":  # versions go to the readers from here (operators/weight_sync.py)
+            self.weight_server = WeightServer(store, weight_sync, self.model.state_dict(), reader_dtypes,
+                                              device=str(self.numerics.torch_device()))
+            # gathered once in float32 if any reader takes it (each cast from it), else in the one dtype;
+            # the version it started from is the store's (readers take it there, not waiting for this process)
+            self.gather_dtype = torch.float32 if "float32" in reader_dtypes else getattr(torch, reader_dtypes[0])
 
     def publish(self) -> None:
         """Make the trainer's current weights version `self.version` in the policy store (the
         after-step service `PublishWeights` calls it): the full tensors (`full_weights()`,
         gathered from every worker when sharded) as one float32 copy in the object store; with
         LoRA, the adapter only. A version the store holds already was published by the process
-        this one replaced (recovery): the same weights, kept."""
+        this one replaced (recovery): the same weights, kept.
+
+        `weight_sync.method: collective`: the full tensors are packed into the weight server's
+        buckets in each reader's dtype and sent to every reader while the next step trains; the
+        store registers the version (its number) once every reader has it."""
+        if self.weight_server is not None:
+            self.weight_server.offer(self.version, self.full_weights(self.gather_dtype))
+            return
         if self.store.latest_version() >= self.version:
             return
         payload = self.version_payload() if self.spec.lora.enabled else dict(self.full_weights())
@@ -613,6 +629,9 @@ class TrainStep(TrainerReplica):
     def close(self) -> None:
         """End the other workers and free their placement group (they also end with this process),
         and leave the process group."""
+        if self.weight_server is not None:
+            self.weight_server.close()
+            self.weight_server = None
         if self.group is not None:
             self.group.close()
             self.group = None

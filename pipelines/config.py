@@ -304,10 +304,7 @@ class PipelineConfig(_Strict):
         if self.lora.r > 0 and self.engine != "torch":
             raise ValueError("lora: the vllm engine does not apply adapter versions yet; use engine: torch")
         if self.weight_sync.method == "collective":
-            # the channel exists (operators/weight_sync.py); readers do not join it yet, and a run
-            # must not silently fall back to the object store
-            raise ValueError("weight_sync.method: collective is not wired into the pipeline's readers yet; "
-                             "use object_store")
+            self._check_collective()
         min_group = MIN_GROUP_SIZE.get(self.advantage.estimator, 1)
         if self.group_size < min_group:
             raise ValueError(
@@ -397,6 +394,25 @@ class PipelineConfig(_Strict):
         from trajflow.operators.strategies.registry import resolve_strategy
 
         return resolve_strategy(self.strategy).from_config(self)
+
+    def _check_collective(self) -> None:
+        """What `weight_sync.method: collective` does not cover (yet), refused rather than run otherwise."""
+        if self.lora.r > 0:
+            raise ValueError("weight_sync.method: collective sends full weights; a lora adapter version is small: "
+                             "use object_store")
+        if self.recovery.max_restarts > 0:
+            raise ValueError("weight_sync.method: collective keeps no trained version in the policy store, where a "
+                             "rebuilt trainer would read its weights: set recovery.max_restarts: 0")
+
+    def reader_dtypes(self, strategy) -> tuple[str, ...]:
+        """The dtypes the trainer serves under `collective` (operators/weight_sync.py): the
+        generators' (float32 when they score prefixes), and float32 for an old-logit scorer."""
+        from trajflow.operators.weight_sync import reader_dtype
+
+        dtypes = {reader_dtype(self.inference_dtype, exact=strategy.scores_at_switch)}
+        if strategy.keep_history:
+            dtypes.add("float32")
+        return tuple(sorted(dtypes))
 
     def training_numerics(self):
         """The numerics pi_theta and every pi_old are computed in (engines/training_numerics.py)."""

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     import ray
     from torch import Tensor
 
+    from trajflow.operators.weight_sync import ServerAddress
+
 # Blocking calls (admission, waits) each hold one of the store actor's threads while they wait:
 # one per generator and per waiting test; the rest answer publishes, reads and counters.
 ACTOR_THREADS = 64
@@ -73,6 +75,7 @@ class PolicyStore:
         self.counters: dict[str, float] = defaultdict(float)
         self.changed = threading.Condition()
         self.trainers_started = 0
+        self.server: tuple[str, int] | None = None  # weight_sync collective: the trainer's version server
 
     def put(self, payload: Any, nbytes: int, version: int | None = None) -> int:
         """Register a payload as `version` (default latest + 1); returns the version."""
@@ -85,6 +88,20 @@ class PolicyStore:
             self._evict()
             self.changed.notify_all()
         return version
+
+    def register(self, version: int) -> int:
+        """A version whose tensors the trainer sends to the readers itself (weight_sync collective)."""
+        return PolicyStore.put(self, None, 0, version)  # no payload: a subclass's put would store one
+
+    def set_weight_server(self, host: str, port: int) -> None:
+        with self.changed:
+            self.server = (host, port)
+
+    def weight_server(self) -> ServerAddress | None:
+        from trajflow.operators.weight_sync import ServerAddress
+
+        with self.changed:
+            return None if self.server is None else ServerAddress(*self.server, self.max_staleness)
 
     def _evict(self) -> None:
         oldest_trainable = self.latest - self.max_staleness
@@ -125,6 +142,9 @@ class PolicyStore:
             if version not in self.versions:
                 raise VersionNotHeld(f"weights of version {version} are not held by the policy store "
                                      f"(held: {sorted(self.versions)})")
+            if self.versions[version].payload is None:
+                raise VersionNotHeld(f"weights of version {version} went from the trainer to the readers "
+                                     "(weight_sync.method: collective); the policy store holds its number only")
             if pin and self.keep_history:
                 self.versions[version].pins += 1
             return version, self.versions[version].payload
@@ -223,6 +243,15 @@ class RayStore:
 
     def latest_version(self) -> int:
         return self._call("latest_version")
+
+    def register(self, version: int) -> int:
+        return self._call("register", version)
+
+    def set_weight_server(self, host: str, port: int) -> None:
+        self._call("set_weight_server", host, port)
+
+    def weight_server(self) -> ServerAddress | None:
+        return self._call("weight_server")
 
     def wait_for_version(self, version: int) -> int:
         return self._call("wait_for_version", version)

@@ -40,6 +40,7 @@ streaming variant would publish and release versions as the steps advance).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trajflow.engines import checkpoint as ckpt
+from trajflow.operators.weight_sync import WeightSyncConfig
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.schemas import nonfinite_rows, read_parquet
 
@@ -340,7 +342,8 @@ class Replay:
         from trajflow.pipelines.rl_loop import RLPipeline
 
         live = self.pipeline or RLPipeline(self.config, model_path=self.model_path)
-        ctx = live.stage_context()
+        # logged versions are read from the replay's own stores, whatever the live run's weight_sync
+        ctx = dataclasses.replace(live.stage_context(), weight_sync=WeightSyncConfig())
         own = {p.stage.name for p in live.strategy.stages(ctx)}
         # Sentinels where generate and train were, so strategies can place relative to them.
         chain = [Stage("generate", _nothing)]
@@ -362,6 +365,7 @@ class Replay:
             return chain + [Stage("diagnose", Diagnose, diagnose, c.trainer)]
         train = live.train_stage(self.strategies[0])
         train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones
+        train.kwargs["weight_sync"] = WeightSyncConfig()  # nothing reads its versions but the end of the replay
         train.kwargs["failed_rewards"] = None  # every logged step is trained, whatever its rewards were
         self._trainer_group_name = train.kwargs["spec"].data_parallel.group_name  # removed when the replay ends
         return chain + [train]

@@ -162,7 +162,8 @@ class RLPipeline:
     # -- the default stage list ----------------------------------------------------------------
     def stage_context(self) -> StageContext:
         """What a strategy's operator stages are built from."""
-        return StageContext(self.model_path, self.sampling, self.config.training_numerics(), self.config.scorer)
+        return StageContext(self.model_path, self.sampling, self.config.training_numerics(), self.config.scorer,
+                            self.config.weight_sync.spec())
 
     def failed_reward_steps(self) -> FailedRewardSteps:
         """A count of consecutive steps whose reward failed on every row (reward_max_failed_steps)."""
@@ -183,7 +184,8 @@ class RLPipeline:
                            torch_threads=c.trainer.torch_threads,
                            total_updates=c.steps * c.optimizer.minibatches_per_step, lora=c.lora.spec())
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
-                     recovery=c.recovery.spec(), failed_rewards=self.failed_reward_steps())
+                     recovery=c.recovery.spec(), failed_rewards=self.failed_reward_steps(),
+                     weight_sync=c.weight_sync.spec(), reader_dtypes=c.reader_dtypes(strategy))
         return Stage("train", TrainStep, train, c.trainer)
 
     def _default_stages(self) -> list[Stage]:
@@ -205,6 +207,7 @@ class RLPipeline:
                 engine=c.engine,
                 vllm=c.vllm.spec(),
                 numerics=c.training_numerics(),
+                weight_sync=c.weight_sync.spec(),
             ),
             c.generator,
             pool_size=c.num_generators,

@@ -1,24 +1,23 @@
-"""weight_sync: the config section, the bucket layout, and real gloo transfers between two processes."""
+"""weight_sync: the config section, the bucket layout, the trainer's server and the readers' receivers
+(in one process, across Ray processes with one killed mid-transfer, and in the pipeline: FSDP with 2
+workers and `collective`, exact old log-probs at max_staleness 1 for snapshot, dedicated and interrupt)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
 import time
 
 import pytest
 import torch
 
-from trajflow.operators.weight_sync import (CollectiveChannel, InProcessChannel, WeightSyncConfig, WeightSyncError,
-                                            backend_for, bucket_layout, payload_bytes)
+from trajflow.operators.store import VersionNotHeld
+from trajflow.operators.weight_sync import (WeightReceiver, WeightServer, WeightSyncConfig, WeightSyncError,
+                                            backend_for, bucket_layout, link_device, reader_dtype)
 from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.policy_store import InProcessStore
 from trajflow.settings import SettingError
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+COLLECTIVE = {"method": "collective", "timeout_seconds": 60}
+NO_RESTARTS = {"max_restarts": 0}
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -29,19 +28,55 @@ def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_config_section_defaults_and_bounds():
+def _tied(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights with lm_head tied to the embedding (one tensor under two names)."""
+    return {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+
+
+def _unique_bytes(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+    """Bytes of the distinct tensors (tied weights once) in `dtype`."""
+    from trajflow.engines.checkpoint import storage_key
+
+    distinct = {storage_key(t): t for t in weights.values()}
+    return sum(t.numel() for t in distinct.values()) * torch.empty((), dtype=dtype).element_size()
+
+
+def _wait_for_readers(server: WeightServer, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(server.readers) < n:
+        assert time.monotonic() < deadline, f"{len(server.readers)} of {n} readers joined"
+        time.sleep(0.05)
+
+
+def test_config_section_defaults_bounds_and_what_collective_refuses():
     config = PipelineConfig()
     assert config.weight_sync.spec() == WeightSyncConfig()
     assert config.weight_sync.method == "object_store"
     assert PipelineConfig(weight_sync={"bucket_mb": 1}).weight_sync.spec().bucket_mb == 1.0
-    with pytest.raises(ValueError, match="weight_sync.method: collective is not wired"):
-        PipelineConfig(weight_sync={"method": "collective"})
+    assert PipelineConfig(weight_sync=COLLECTIVE, recovery=NO_RESTARTS).weight_sync.method == "collective"
+    with pytest.raises(ValueError, match="collective keeps no trained version.*recovery.max_restarts: 0"):
+        PipelineConfig(weight_sync=COLLECTIVE)
+    with pytest.raises(ValueError, match="collective sends full weights; a lora adapter"):
+        PipelineConfig(weight_sync=COLLECTIVE, recovery=NO_RESTARTS, lora={"r": 4})
     with pytest.raises(ValueError, match="bucket_mb"):
         PipelineConfig(weight_sync={"bucket_mb": 0})
     with pytest.raises(ValueError, match="method"):
         PipelineConfig(weight_sync={"method": "nixl"})
     with pytest.raises(SettingError):
         WeightSyncConfig(timeout_seconds=-1.0)
+
+
+def test_each_reader_gets_the_dtype_it_computes_in():
+    def dtypes(strategy: str, inference_dtype: str) -> tuple[str, ...]:
+        config = PipelineConfig(strategy=strategy, inference_dtype=inference_dtype)
+        return config.reader_dtypes(config.build_strategy())
+
+    assert reader_dtype("bfloat16", exact=False) == "bfloat16" and reader_dtype("fp8", exact=False) == "bfloat16"
+    assert reader_dtype("float32", exact=False) == "float32" and reader_dtype("bfloat16", exact=True) == "float32"
+    assert dtypes("behavior", "bfloat16") == ("bfloat16",)            # generators only
+    assert dtypes("snapshot", "bfloat16") == ("bfloat16", "float32")  # + the exact scorer's training numerics
+    assert dtypes("interrupt", "bfloat16") == ("float32",)            # its generator scores prefixes
+    assert dtypes("dedicated", "float32") == ("float32",)
 
 
 def test_bucket_layout_respects_size_and_order():
@@ -52,85 +87,250 @@ def test_bucket_layout_respects_size_and_order():
     assert [b.numel for b in layout] == [30, 100, 5]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_in_process_channel_equals_object_store_cast(dtype):
-    weights = _weights()
-    channel = InProcessChannel(dtype, bucket_mb=0.01)
-    channel.send(3, weights)
-    got = channel.receive(3, weights)
-    assert list(got) == list(weights)
-    for name, tensor in weights.items():
-        assert got[name].dtype == dtype
-        assert torch.equal(got[name], tensor.to(dtype)), name  # bitwise: the reader's own cast
-    assert payload_bytes(weights, torch.bfloat16) * 2 == payload_bytes(weights, torch.float32)
-
-
-def _reader(port: int, prefix: str, dtype_name: str, version: int, queue) -> None:
-    weights = _weights()
-    dtype = getattr(torch, dtype_name)
-    channel = CollectiveChannel(rank=1, port=port, prefix=prefix, dtype=dtype, bucket_mb=0.01, timeout_seconds=20)
-    got = channel.receive(version, {k: torch.empty_like(v) for k, v in weights.items()})
-    queue.put({name: bool(torch.equal(got[name], t.to(dtype))) and got[name].dtype == dtype
-               for name, t in weights.items()})
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_gloo_channel_delivers_bitwise_the_object_store_weights_in_reader_dtype(dtype_name):
-    ctx = mp.get_context("spawn")
-    port, queue = _free_port(), ctx.Queue()
-    reader = ctx.Process(target=_reader, args=(port, "reader0/0", dtype_name, 7, queue))
-    reader.start()
+@pytest.mark.timeout(180)
+def test_readers_get_every_version_bitwise_in_their_dtype_and_a_late_one_the_current():
+    """Trainer and readers in one process (their threads): the store numbers versions and holds
+    no tensor of them; a version is registered once delivered; an exact scorer keeps the
+    staleness window v-S..v in float32, a generator the newest version in bf16."""
+    weights = _tied(_weights())
+    store = InProcessStore(max_staleness=1, keep_history=True)
+    store.publish(weights, 0)
+    config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=60)
+    scorer = WeightReceiver(store, config, "float32", history=True)  # before the trainer serves
+    assert scorer.newest()[0] == 0  # the starting version: the store's
+    server = WeightServer(store, config, weights, ["bfloat16", "float32"])
+    late = None
     try:
-        channel = CollectiveChannel(rank=0, port=port, prefix="reader0/0", dtype=getattr(torch, dtype_name),
-                                    bucket_mb=0.01, timeout_seconds=20)
-        channel.send(7, _weights())
-        result = queue.get(timeout=60)
+        _wait_for_readers(server, 1)
+        versions = {0: weights}
+        for v in (1, 2, 3):
+            versions[v] = {k: t + v for k, t in weights.items()}
+            versions[v]["lm_head.weight"] = versions[v]["model.embed_tokens.weight"]
+            server.offer(v, versions[v].items())
+            server.wait()
+            assert store.latest_version() == v  # registered once delivered
+            with pytest.raises(VersionNotHeld, match="collective"):
+                store.weights(v)  # its number only
+        late = WeightReceiver(store, config, "bfloat16", history=False)
+        version, got = late.newest()
+        assert version == 3
+        assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], t.to(torch.bfloat16))
+                   for k, t in versions[3].items())
+        for v in (2, 3):  # the window S+1 = 2, bitwise the trainer's float32
+            assert all(torch.equal(scorer.weights(v)[k], t) for k, t in versions[v].items())
+        assert scorer.weights(3)["lm_head.weight"] is scorer.weights(3)["model.embed_tokens.weight"]
+        with pytest.raises(VersionNotHeld, match="version 1 are not held by this reader"):
+            scorer.weights(1)
+        # history: 2 versions in float32, the tied tensor once; per version what was sent
+        assert scorer.held_bytes() == 2 * _unique_bytes(weights, torch.float32) == 2 * server.version_bytes("float32")
+        assert server.moved_bytes == _unique_bytes(weights, torch.float32)  # version 3 went to the scorer only
+        assert store.stats().snapshot_bytes == 0 and store.stats().counters["weight_sync_bytes"] > 0
+        # a reader that ends its work (Ray Data ends a finished stage's actors) leaves; the run goes on
+        late.close()
+        server.offer(4, versions[3].items())
+        server.wait()
+        assert len(server.readers) == 1 and server.moved_bytes == _unique_bytes(weights, torch.float32)
+        assert sorted(scorer.held) == [3, 4]
     finally:
-        reader.join(timeout=30)
-    assert result and all(result.values()), [k for k, ok in result.items() if not ok]
-    assert reader.exitcode == 0
+        server.close()
+        scorer.close()
+        if late is not None:
+            late.close()
 
 
-def _dying_reader(port: int, prefix: str) -> None:
+@pytest.mark.timeout(300)
+def test_a_reader_killed_mid_transfer_stops_the_trainer_with_one_line(ray_session):
+    import ray
+
+    from trajflow.pipelines.policy_store import RayStore
+
+    # defined here, so Ray pickles it by value (the tests folder is not importable in its workers)
+    class DyingReader:
+        """A reader in its own Ray process that dies after the first bucket it receives."""
+
+        def __init__(self, store, config: WeightSyncConfig) -> None:
+            import os
+
+            from trajflow.operators import weight_sync
+
+            unpack, calls = weight_sync.unpack, []
+
+            def unpack_then_die(flat, bucket):  # the process dies mid-transfer, like a lost reader
+                calls.append(1)
+                if len(calls) > 1:
+                    os._exit(1)
+                return unpack(flat, bucket)
+
+            weight_sync.unpack = unpack_then_die
+            self.receiver = WeightReceiver(store, config, "float32", history=False)
+
+        def newest(self) -> int:
+            return self.receiver.newest()[0]
+
     weights = _weights()
-    channel = CollectiveChannel(rank=1, port=port, prefix=prefix, dtype=torch.float32, bucket_mb=0.01,
-                                timeout_seconds=20)
-    first = bucket_layout(weights, int(0.01 * 2**20), 4)[0]
-    # take the header and the first bucket only (a reader expecting just its tensors), then die
-    channel.receive(1, {t.name: weights[t.name] for t in first.tensors})
-    import os
-
-    os._exit(1)
-
-
-@pytest.mark.timeout(120)
-def test_reader_killed_mid_transfer_is_one_line_not_a_hang():
-    assert len(bucket_layout(_weights(), int(0.01 * 2**20), 4)) > 2  # the reader dies between buckets
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    reader = ctx.Process(target=_dying_reader, args=(port, "reader0/0"))
-    reader.start()
-    channel = CollectiveChannel(rank=0, port=port, prefix="reader0/0", dtype=torch.float32, bucket_mb=0.01,
-                                timeout_seconds=10)
-    start = time.monotonic()
-    with pytest.raises(WeightSyncError) as info:
-        channel.send(1, _weights())
-    reader.join(timeout=30)
+    config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=10)
+    assert len(bucket_layout(weights, int(0.05 * 2**20), 4)) > 2  # it dies between buckets
+    store = RayStore.start(max_staleness=1, keep_history=False)
+    server = None
+    try:
+        store.publish(weights, 0)
+        server = WeightServer(store, config, weights, ["float32"])
+        reader = ray.remote(DyingReader).options(num_cpus=0).remote(store, config)
+        assert ray.get(reader.newest.remote(), timeout=120) == 0  # from the store
+        _wait_for_readers(server, 1)
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError) as info:  # the reader dies in the second bucket of version 1
+            server.offer(1, weights.items())
+            server.wait()
+        elapsed = time.monotonic() - started
+    finally:
+        if server is not None:
+            server.close()
+        store.kill()
     message = str(info.value)
-    assert message.startswith("trajflow: weight_sync (reader0/0, trainer side):") and "\n" not in message
-    assert time.monotonic() - start < 60
+    print(f"\nkilled reader: {elapsed:.1f} s to {message}")
+    assert message.startswith("trajflow: weight_sync (reader 0, trainer side):") and "\n" not in message
+    assert elapsed < 2 * config.timeout_seconds + 5
 
 
-@pytest.mark.timeout(60)
-def test_reader_that_never_joins_times_out_with_one_line():
-    with pytest.raises(WeightSyncError) as info:
-        CollectiveChannel(rank=0, port=_free_port(), prefix="lost/0", dtype=torch.float32, bucket_mb=1,
-                          timeout_seconds=2).send(0, {"w": torch.zeros(4)})
-    assert str(info.value).startswith("trajflow: weight_sync (lost/0, trainer side):")
-    assert "\n" not in str(info.value)
+@pytest.mark.timeout(300)
+def test_a_lost_trainer_is_one_line_where_the_reader_needs_a_version(ray_session):
+    import ray
+
+    from trajflow.pipelines.policy_store import RayStore
+
+    class Trainer:
+        """A weight server in its own Ray process (the test kills it)."""
+
+        def __init__(self, store, config: WeightSyncConfig, weights: dict) -> None:
+            self.server = WeightServer(store, config, weights, ["float32"])
+
+        def readers(self) -> int:
+            return len(self.server.readers)
+
+    weights = _weights()
+    config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=10)
+    store = RayStore.start(max_staleness=1, keep_history=False)
+    receiver = None
+    try:
+        store.publish(weights, 0)
+        trainer = ray.remote(Trainer).options(num_cpus=0).remote(store, config, weights)
+        receiver = WeightReceiver(store, config, "float32", history=False)
+        assert receiver.newest()[0] == 0
+        deadline = time.monotonic() + 60
+        while ray.get(trainer.readers.remote()) < 1:  # joined: now waiting for the next version
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ray.kill(trainer)
+        store.register(1)  # the store says version 1 exists; its trainer is gone
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError) as info:
+            receiver.weights(1)
+        elapsed = time.monotonic() - started
+    finally:
+        if receiver is not None:
+            receiver.close()
+        store.kill()
+    assert str(info.value).startswith("trajflow: weight_sync (reader") and "\n" not in str(info.value)
+    assert elapsed <= config.timeout_seconds + 5
 
 
-def test_backend_choice_nccl_on_cuda_gloo_on_cpu_mock_named_no_gpu_needed():
-    assert backend_for("cuda:0") == "nccl"
-    assert backend_for("cpu") == "gloo"
+def test_backend_choice_nccl_between_gpus_gloo_otherwise_no_gpu_needed():
+    assert backend_for("cuda:0") == "nccl" and backend_for("cuda") == "nccl" and backend_for("cpu") == "gloo"
+    # both ends on a GPU: NCCL on device buffers; one end on the host: gloo through host memory
+    assert link_device("cuda:1", "cuda:0") == "cuda:1" and backend_for(link_device("cuda:0", "cuda")) == "nccl"
+    assert link_device("cuda", "cpu") == "cpu" and link_device("cpu", "cuda") == "cpu"
+    assert backend_for(link_device("cpu", "cpu")) == "gloo"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs GPUs: one per rank (trainer, reader)")
+@pytest.mark.timeout(180)
+def test_nccl_transfer_between_two_gpus():
+    weights = {k: t.to("cuda:0") for k, t in _weights().items()}
+    store = InProcessStore(max_staleness=0, keep_history=False)
+    store.publish(weights, 0)
+    config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=60)
+    server = WeightServer(store, config, weights, ["bfloat16"], device="cuda:0")
+    receiver = WeightReceiver(store, config, "bfloat16", history=False, device="cuda:1")
+    try:
+        _wait_for_readers(server, 1)
+        server.offer(1, weights.items())
+        server.wait()
+        version, got = receiver.newest()
+        assert version == 1 and all(t.device == torch.device("cuda:1") for t in got.values())
+        assert all(torch.equal(got[k].cpu(), t.bfloat16().cpu()) for k, t in weights.items())
+    finally:
+        server.close()
+        receiver.close()
+
+
+# -- the pipeline: FSDP with 2 workers, versions over gloo ----------------------------------------------
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["snapshot", "dedicated", "interrupt"])
+def test_exact_old_logprobs_with_fsdp_and_collective_sync_on_ray_data(ray_session, publish_inside_rollouts, strategy):
+    """Async on Ray Data at max_staleness 1, float32 inference: every reader's version came over
+    the collective, and pi_old (scored from it) equals the inference log-probs within 1e-5. The
+    generator waits once per rollout for the next version (conftest.py), so `interrupt` switches
+    weights mid-rollout and scores the prefix at the switch."""
+    from trajflow.engines.models import WARM_START_DIR, load_model
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    config = PipelineConfig(steps=4, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1,
+                            strategy=strategy, max_staleness=1, trainer={"sharding": "fsdp", "num_workers": 2},
+                            weight_sync=COLLECTIVE, recovery=NO_RESTARTS)
+    m = publish_inside_rollouts(RLPipeline(config)).run(progress=False)
+    print(f"\n{strategy} S=1, fsdp x2, collective: max|log old - log inference| "
+          f"{m['mismatch/max_abs_log_rd'].max():.2e}, rows spanning versions {m['rows_spanning_versions'].sum()}, "
+          f"bytes sent per step {m['weight_sync_bytes'].to_list()}")
+    assert m["step"].to_list() == list(range(4))
+    assert m["mismatch/max_abs_log_rd"].max() <= 1e-5
+    assert m["staleness/max"].max() == 1  # tokens one version behind the trainer were trained
+    assert m["over_stale_tokens_dropped"].sum() == 0
+    if strategy == "interrupt":
+        assert m["rows_spanning_versions"].sum() > 0, "no trajectory spanned two versions"
+    # each version went to every reader still at work: all of them at step 1 (step 0's stats may
+    # precede its delivery), and at the end those Ray Data has not yet ended (a finished
+    # generator leaves; the trainer stops sending to it, the run goes on)
+    readers = 1 if strategy == "interrupt" else 2
+    version_bytes = _unique_bytes(load_model(WARM_START_DIR).state_dict(), torch.float32)
+    sent = m["weight_sync_bytes"][1:].to_list()
+    assert sent[0] == readers * version_bytes
+    assert all(x % version_bytes == 0 and x <= readers * version_bytes for x in sent), sent
+    if "snapshot_bytes" in m.columns:  # the store keeps numbers, not tensors (the initial version aside)
+        assert (m["snapshot_bytes"][1:] == 0).all()
+
+
+def test_the_gpu_config_shards_the_trainer_and_syncs_by_collective():
+    """jobs/configs/gpu_qwen_fsdp.yaml validates (its checkpoint swapped for the warm start: no GPU
+    or Qwen download here) and asks for FSDP over GPU workers and NCCL-capable collective sync."""
+    import yaml
+
+    from trajflow.engines.models import WARM_START_DIR
+    from trajflow.jobs.config import CONFIGS_DIR, build_job_config
+
+    data = yaml.safe_load((CONFIGS_DIR / "gpu_qwen_fsdp.yaml").read_text())
+    config = build_job_config(data, [f"model={WARM_START_DIR}"]).pipeline_config()
+    assert (config.trainer.sharding, config.trainer.num_workers, config.trainer.num_gpus) == ("fsdp", 2, 1)
+    assert config.weight_sync.method == "collective" and config.engine == "vllm"
+    assert config.generator.num_gpus == 1 and config.scorer.num_gpus == 1  # every end on a GPU: NCCL links
+    assert config.reader_dtypes(config.build_strategy()) == ("bfloat16", "float32")
+
+
+def test_trajflow_run_ends_a_lost_transfer_with_its_one_line():
+    """Ray Data hands the driver the train step's error wrapped, Ray's advice appended: the run
+    prints the WeightSyncError's own line (jobs/run.py, as for a lost trainer worker)."""
+    from trajflow.jobs.run import stop_line
+
+    line = ("trajflow: weight_sync (reader 1, trainer side): bucket 2 of version 5: peer lost "
+            "(Connection closed by peer) (weight_sync.timeout_seconds=120)")
+    try:
+        try:
+            raise WeightSyncError(line)
+        except WeightSyncError as cause:
+            raise RuntimeError("UserCodeException: ... To change retry attempts, configure ray.data.DataContext") \
+                from cause
+    except RuntimeError as wrapped:
+        assert stop_line(wrapped, WeightSyncError) == line
+    text = RuntimeError(f"ray::MapWorker failed\nWeightSyncError: {line}\nTo change retry attempts ...")
+    assert stop_line(text, WeightSyncError) == line  # only the text crossed the process boundary
+    assert stop_line(RuntimeError("something else"), WeightSyncError) is None

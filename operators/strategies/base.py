@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from trajflow.operators.stage import Placement, Resources, Stage
+from trajflow.operators.weight_sync import WeightSyncConfig
 
 if TYPE_CHECKING:  # torch-free at import: `trajflow run` resolves the strategy before Ray starts,
     # and the driver imports torch while Ray starts (jobs/run.py)
@@ -69,6 +70,7 @@ class StageContext:
     sampling: SamplingParams
     numerics: TrainingNumerics
     scorer: Resources  # resources of old-logit scoring actors
+    weight_sync: WeightSyncConfig = WeightSyncConfig()  # how scorers receive versions
 
 
 class Trainer(Protocol):
@@ -188,5 +190,5 @@ def old_logprob_stage(ctx: StageContext, skip_filtered: bool) -> Stage:
     from trajflow.operators.old_logprobs import OldLogprobsAtBehaviourVersion
 
     kwargs = dict(model_path=ctx.model_path, sampling=ctx.sampling, numerics=ctx.numerics,
-                  skip_filtered=skip_filtered, torch_threads=ctx.scorer.torch_threads)
+                  skip_filtered=skip_filtered, torch_threads=ctx.scorer.torch_threads, weight_sync=ctx.weight_sync)
     return Stage("old_logprobs", OldLogprobsAtBehaviourVersion, kwargs, ctx.scorer)
