@@ -194,3 +194,30 @@ def test_async_run_heals_and_snapshot_stays_exact_after_the_recovery(tmp_path, k
     gap = max(float(np.abs(np.array(o) - np.array(i)).max(initial=0.0))
               for o, i in zip(rows["old_logprobs"].to_list(), rows["inference_logprobs"].to_list()))
     assert gap <= 1e-5, gap
+
+
+def test_a_restarted_train_step_with_recovery_off_refuses_to_train_on_fresh_state(tmp_path):
+    """`recovery.max_restarts: 0`: a train step that finds a trainer already registered in the
+    store (Ray Data restarted its process) raises the one line naming `--resume` at its first
+    step, instead of training on with a fresh optimizer. In one process, on the in-process store
+    (the run-level kill with recovery off: tests/test_trainer_dp_jobs.py)."""
+    import pyarrow as pa
+
+    from trajflow.engines.models import load_model
+    from trajflow.operators.recovery import RecoveryConfig
+    from trajflow.pipelines.config import PipelineConfig
+    from trajflow.pipelines.policy_store import InProcessStore
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    pipe = RLPipeline(PipelineConfig(steps=2, prompts_per_step=2, group_size=2, recovery={"max_restarts": 0}))
+    store = InProcessStore(pipe.config.max_staleness, pipe.strategy.keep_history)
+    store.publish(load_model(pipe.model_path).state_dict(), 0)
+    assert store.claim_trainer() == 0  # the train step whose process died
+    (train,) = [s for s in pipe.stages if s.name == "train"]
+    assert train.kwargs["recovery"] == RecoveryConfig(max_restarts=0)
+    step = train.fn(store=store, **train.kwargs)
+    with pytest.raises(TrainerStateLost) as caught:
+        step(pa.table({"rollout_step": pa.array([0, 0], pa.int64())}))
+    line = str(caught.value)
+    assert line.startswith("trainer worker 0 of 1 (node ") and " was restarted after its process died; " in line
+    assert "recovery.max_restarts (0) is spent" in line and line.endswith(RESUME_HINT)
