@@ -1,12 +1,10 @@
 """A trainer process that dies never lets a run go on with a fresh optimizer (issue #13).
 
-`trajflow run` as a subprocess on its own embedded Ray; once checkpoint 2 is written, one
-trainer process is SIGKILLed:
-
-- a data-parallel worker (`TrainerRank`, 2 workers): worker 0 sees the all-reduce fail, names
-  the worker and its node, and the job exits 1 with that one line saying `--resume`; the resumed
-  run then completes with every step logged once and no trajectory_id twice;
-With `recovery.max_restarts: 0` (the default heals: tests/test_recovery.py). The train step's
+With `recovery.max_restarts: 0` (the default heals: tests/test_recovery.py), `trajflow run` as a
+subprocess on its own embedded Ray; once checkpoint 2 is written, a data-parallel worker
+(`TrainerRank`, 2 workers) is SIGKILLed: worker 0 sees the all-reduce fail, names the worker and
+its node, and the job exits 1 with that one line saying `--resume`; the resumed run then
+completes with every step logged once and no trajectory_id twice. The train step's
 own process restarted by Ray Data stops the run the same way instead of training on with reset
 Adam moments: tests/test_recovery.py checks that in one process.
 """
