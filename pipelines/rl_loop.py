@@ -282,12 +282,10 @@ class RLPipeline:
 
     @property
     def prompts(self) -> PromptSource:
-        """The prompt rows of each step (a dataset is read with Ray Data on first use)."""
+        """The prompt rows of each step (a dataset's are checked and tokenized once per process)."""
         if self._prompts is None:
             from trajflow.engines.models import load_tokenizer
 
-            if self.workload.data is not None:  # a dataset is read with Ray Data
-                start_local_ray()
             self._prompts = self.workload.prompt_source(load_tokenizer(self.model_path), self.config.seed,
                                                         self.config.prompts_per_step)
         return self._prompts
