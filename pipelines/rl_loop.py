@@ -290,6 +290,21 @@ class RLPipeline:
                                                         self.config.prompts_per_step)
         return self._prompts
 
+    def resource_demand(self) -> list[tuple[str, int, dict[str, float]]]:
+        """What the run's actors ask of Ray, all held at once: (which, how many actors, the Ray
+        resources of each) per actor process group (map_stages), then the train step's
+        data-parallel workers 1..N-1 (one placement-group bundle each)."""
+        demand = []
+        for group in self.process_groups():
+            num_cpus, num_gpus, custom = group_resources(group, self.config.light_stage_cpus)
+            pool = max([s.pool_size for s in group if s.is_actor], default=1)
+            demand.append((group_name(group), pool, {"CPU": num_cpus, "GPU": num_gpus, **custom}))
+        t = self.config.trainer
+        if t.num_workers > 1:
+            demand.append(("trainer.num_workers", t.num_workers - 1,
+                           {"CPU": t.num_cpus, "GPU": t.num_gpus, **t.resources}))
+        return demand
+
     def data_state(self) -> dict | None:
         """The dataset's identity and size, recorded with each checkpoint (None: a built-in task)."""
         if self.workload.data is None:

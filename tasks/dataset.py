@@ -216,9 +216,9 @@ def _record_batches(path: Path, key: str) -> Iterator[_Batch]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line.rstrip(b"\r\n"))
                 except ValueError as e:  # UnicodeDecodeError included
-                    reason = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+                    reason = f"{e.msg}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
                     raise DataError(f"{key}: {path.name}: line {number}: not valid JSON ({reason})") from None
                 if not isinstance(record, dict):
                     raise DataError(f"{key}: {path.name}: line {number}: not a JSON object")
