@@ -341,3 +341,28 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, results):
     assert ray == ("ray: started" if case.starts_ray else "ray: not started"), explain
     if case.starts_ray:  # not a hang: Ray's start, the CLI's imports and the check, on a loaded machine
         assert proc.seconds < 2 * RAY_CASE_SECONDS, f"{proc.seconds:.0f}s\n{explain}"
+
+
+def test_reserved_columns_cover_every_column_trajflow_writes():
+    """A dataset column named like one trajflow writes would be silently overwritten or misread, so
+    each name the pipeline puts on a trajectory is reserved: the record's schema, every name that
+    an operator, the generator, the recorder or replay sets (a literal or a module constant in the
+    source, found here, so a new column cannot be forgotten), the log's `step=` partition key and
+    the reward function's own arguments. `prompt` is reserved unless it is the prompt column."""
+    import re
+
+    from trajflow.schemas.trajectory import COLUMNS
+    from trajflow.tasks.dataset import RESERVED_COLUMNS, reserved_columns
+
+    setter = re.compile(r"(?:replace_column\(\s*\w+,|\.append_column\(|\.add_column\(\s*\d+,)\s*"
+                        r"(?:\"(\w+)\"|([A-Z_]+)\b)|columns\[\"(\w+)\"\]")
+    sources = [path.read_text() for folder in ("operators", "jobs", "pipelines", "tasks", "schemas")
+               for path in sorted((REPO / folder).glob("*.py"))]
+    constants = dict(m for text in sources for m in re.findall(r'^([A-Z_]+) = "(\w+)"', text, re.M))
+    written = set(COLUMNS) | {"step", "prompts", "completions"}
+    for text in sources:
+        for literal, constant, key in setter.findall(text):
+            written.add(constants[constant] if constant else literal or key)
+    assert {"filter_reason", "trainer_version", "turns", "proximal_logprobs", "kl_penalty", "rollout_step"} <= written
+    assert sorted(written - set(RESERVED_COLUMNS) - {"prompt"}) == []
+    assert "prompt" in reserved_columns("question") and "prompt" not in reserved_columns("prompt")
