@@ -250,6 +250,15 @@ def _parquet_batches(path: Path, key: str) -> Iterator[_Batch]:
         raise DataError(f"{key}: {path.name}: row {first}..: not a readable Parquet file ({e})") from None
 
 
+def concat(tables: list[pa.Table], where: str) -> pa.Table:
+    """Batches (or files) as one table; nested types that do not agree (e.g. a message field that
+    is a number in one batch, a string in another) are a DataError."""
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        raise DataError(f"{where}: the rows' column types do not agree ({' '.join(str(e).split())[:200]})") from None
+
+
 def _kind(value: object) -> str | None:
     """The JSON kind of a value (None for null): what must agree down a column and across files."""
     if value is None:
@@ -327,7 +336,7 @@ class _Scan:
             self._progress(name)
         if not tables:
             raise DataError(f"{self.key}: {name}: no rows (the file is empty)")
-        return pa.concat_tables(tables, promote_options="permissive")
+        return concat(tables, f"{self.key}: {name}")
 
     def _file_columns(self, path: Path, names: list[str]) -> None:
         check_columns(names, self.config.prompt_key, self.key, path.name)
@@ -437,8 +446,7 @@ class PromptDataset:
         column. Rows with more than `max_prompt_tokens` tokens are dropped and counted."""
         labels = file_labels(files)
         scan = _Scan(config, tokenizer, key)
-        raw = pa.concat_tables([scan.file(path, label) for path, label in zip(files, labels)],
-                               promote_options="permissive")
+        raw = concat([scan.file(path, label) for path, label in zip(files, labels)], key)
         columns = [c for c in scan.columns if c != config.prompt_key]
         lengths = pc.list_value_length(raw["prompt_tokens"]).to_numpy(zero_copy_only=False)
         keep = lengths <= config.max_prompt_tokens if config.max_prompt_tokens else np.ones(len(lengths), bool)
