@@ -135,6 +135,33 @@ def test_parquet_and_jsonl_give_the_same_rows_and_long_prompts_are_dropped_and_c
     assert both[-3:] == ["a.jsonl:000011", "sub/a.jsonl:000000", "sub/a.jsonl:000001"]
 
 
+def test_one_pass_tokenizes_every_row_once_keeps_the_tokens_and_reports_progress(bpe_model_dir, bpe, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """Rows past the first batch are checked and tokenized like the first (the same tokens as
+    tokenizing each prompt alone); a long check says how far it got; a second look at unchanged
+    files and tokenizer in the same process is the first one's rows (nothing read again), and a
+    changed file is read again."""
+    from trajflow.engines.models import load_tokenizer
+    from trajflow.engines.tokenizer import encode_prompt
+    from trajflow.tasks import dataset
+
+    tokenizer = load_tokenizer(bpe_model_dir)
+    rows = (bpe[1] * 100)[:dataset.BATCH_ROWS * 2 + 5]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    config = DataConfig(train_files=[str(path)])
+    monkeypatch.setattr(dataset, "PROGRESS_AFTER_SECONDS", 0.0)
+    monkeypatch.setattr(dataset, "PROGRESS_EVERY_SECONDS", 0.0)
+    first = dataset.checked_dataset(config, [path], tokenizer)
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("trajflow: checking")]
+    assert [line.split(": ")[2].split(" rows")[0] for line in progress] == ["2048", "4096", "4101"], progress
+    assert first.epoch_size == len(rows)
+    for i in (0, dataset.BATCH_ROWS, len(rows) - 1):  # a row of each batch
+        assert first.table["prompt_tokens"][i].as_py() == encode_prompt(tokenizer, rows[i]["prompt"])
+    assert dataset.checked_dataset(config, [path], load_tokenizer(bpe_model_dir)) is first
+    write_jsonl(path, rows[:10])
+    assert dataset.checked_dataset(config, [path], tokenizer).epoch_size == 10
+
+
 def test_built_in_tasks_give_the_same_rows():
     from trajflow.tasks import get_task
 
