@@ -82,6 +82,11 @@ def in_order_pool(size: int) -> ActorPoolStrategy:
     return ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1)
 
 
+def group_pool_size(group: list[Stage]) -> int:
+    """Actors in a group's pool: its largest stage pool (e.g. num_generators)."""
+    return max([s.pool_size for s in group if s.is_actor], default=1)
+
+
 def map_stages(ds: ray.data.Dataset, groups: list[list[Stage]], *, store: PolicyStoreClient, rows: int,
                first_rows: int, light_stage_cpus: float) -> ray.data.Dataset:
     """Apply the stages of `groups` to `ds`, one actor pool per group (pipelines/colocation.py).
@@ -101,7 +106,7 @@ def map_stages(ds: ray.data.Dataset, groups: list[list[Stage]], *, store: Policy
             ),
             batch_size=first_rows if i == 0 else rows,
             batch_format="pyarrow",
-            compute=in_order_pool(max([s.pool_size for s in group if s.is_actor], default=1)),
+            compute=in_order_pool(group_pool_size(group)),
             num_cpus=num_cpus,
             num_gpus=num_gpus or None,
             **({"resources": custom} if custom else {}),
@@ -297,8 +302,7 @@ class RLPipeline:
         demand = []
         for group in self.process_groups():
             num_cpus, num_gpus, custom = group_resources(group, self.config.light_stage_cpus)
-            pool = max([s.pool_size for s in group if s.is_actor], default=1)
-            demand.append((group_name(group), pool, {"CPU": num_cpus, "GPU": num_gpus, **custom}))
+            demand.append((group_name(group), group_pool_size(group), {"CPU": num_cpus, "GPU": num_gpus, **custom}))
         t = self.config.trainer
         if t.num_workers > 1:
             demand.append(("trainer.num_workers", t.num_workers - 1,

@@ -486,7 +486,8 @@ _CHECKED: dict[tuple, PromptDataset] = {}
 _CHECKED_KEEP = 4  # datasets kept per process (train and test files of a config or two)
 
 
-def checked_dataset(config: DataConfig, files: Sequence[Path], tokenizer, key: str = "data.train_files") -> PromptDataset:
+def checked_dataset(config: DataConfig, files: Sequence[Path], tokenizer,
+                    key: str = "data.train_files") -> PromptDataset:
     """`PromptDataset.load`, once per process for the same files (path, size, mtime), tokenizer
     (loaded from the same directory, unchanged) and settings: the config's validation reads and
     tokenizes every row before Ray starts, and the run's prompt source takes those rows and tokens

@@ -195,7 +195,8 @@ CASES = [
          {"train.jsonl": _jsonl([{"question": r["prompt"], **r} for r in _rows(4)])}),
     # -- run: the model, its tokenizer, the engine
     Case("run-model-no-weights", [*RUN, "model=m"], ("model: m has no weights",),
-         {"m/config.json": (WARM / "config.json").read_text(), "m/tokenizer.json": (WARM / "tokenizer.json").read_text()}),
+         {"m/config.json": (WARM / "config.json").read_text(),
+          "m/tokenizer.json": (WARM / "tokenizer.json").read_text()}),
     Case("run-model-unknown-architecture", [*RUN, "model=m"], ("model_type 'frobnicator'", "does not know"),
          {"m/config.json": json.dumps({"model_type": "frobnicator"}), "m/tokenizer.json": "{}"}),
     Case("run-tokenizer-json-corrupt", [*RUN, "model=m"], ("model:", "m/tokenizer.json: not valid JSON"),
