@@ -289,9 +289,10 @@ class RLPipeline:
     def prompts(self) -> PromptSource:
         """The prompt rows of each step (a dataset's are checked and tokenized once per process)."""
         if self._prompts is None:
-            from trajflow.engines.models import load_tokenizer
+            from trajflow.pipelines.config import checked_tokenizer
 
-            self._prompts = self.workload.prompt_source(load_tokenizer(self.model_path), self.config.seed,
+            # the tokenizer the config's validation loaded (a 128k-token one takes seconds to load)
+            self._prompts = self.workload.prompt_source(checked_tokenizer(self.model_path), self.config.seed,
                                                         self.config.prompts_per_step)
         return self._prompts
 
