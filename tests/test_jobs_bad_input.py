@@ -7,7 +7,7 @@ directory that must still be empty afterwards, except for the inputs the case wa
 them starts Ray (the runner says whether Ray was initialised when the command returned): every
 name, every row of a dataset and every file of a model is checked before Ray starts. Only what
 only Ray can know (a request the cluster cannot hold) starts it, and ends in one line within
-RAY_CASE_SECONDS.
+RAY_CASE_SECONDS, before anything is written.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ ray = sys.modules.get("ray")
 print("ray: started" if ray is not None and ray.is_initialized() else "ray: not started", flush=True)
 sys.exit(code)
 """
-RAY_CASE_SECONDS = 30.0  # a case that must start Ray ends within this (plus the CLI's imports)
+# a case that must start Ray ends within this: the CLI's imports, the config's checks, Ray's start
+# (2-5 s here) and the check against it take ~20 s on an idle 2-core machine; without the check it
+# would wait forever for resources that never come
+RAY_CASE_SECONDS = 90.0
 
 
 @dataclass
@@ -308,8 +311,10 @@ def _run_case(case: Case, root: Path) -> tuple[subprocess.CompletedProcess, dict
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_input")
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {case.id: pool.submit(_run_case, case, root) for case in CASES}
-        return {name: future.result() for name, future in futures.items()}
+        futures = {case.id: pool.submit(_run_case, case, root) for case in CASES if not case.starts_ray}
+        done = {name: future.result() for name, future in futures.items()}
+    # one at a time, after the others: the time they take is Ray's start and the check
+    return {**done, **{case.id: _run_case(case, root) for case in CASES if case.starts_ray}}
 
 
 def test_the_table_covers_every_subcommand():
@@ -340,8 +345,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, results):
     assert after == before, f"the case wrote or changed files: {sorted(set(after) ^ set(before))}"
     ray = proc.stdout.splitlines()[-1] if proc.stdout.strip() else ""
     assert ray == ("ray: started" if case.starts_ray else "ray: not started"), explain
-    if case.starts_ray:  # not a hang: Ray's start, the CLI's imports and the check, on a loaded machine
-        assert proc.seconds < 2 * RAY_CASE_SECONDS, f"{proc.seconds:.0f}s\n{explain}"
+    if case.starts_ray:
+        assert proc.seconds < RAY_CASE_SECONDS, f"{proc.seconds:.0f}s\n{explain}"
 
 
 def test_reserved_columns_cover_every_column_trajflow_writes():
