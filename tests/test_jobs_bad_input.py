@@ -56,7 +56,7 @@ class Case:
     args: list[str]
     expect: tuple[str, ...]  # fragments of the one error line
     files: dict[str, bytes | str] | None = None  # inputs written into the case's working dir first
-    starts_ray: bool = False  # only Ray can tell: one line within RAY_CASE_SECONDS of Ray's start
+    starts_ray: bool = False  # only Ray can tell: one line within RAY_CASE_SECONDS
 
 
 def _config(**keys) -> str:
