@@ -54,7 +54,7 @@ calls = {"start_ray": 0, "status_line": 0}
 
 def timed_start_ray(*args, **kwargs):
     calls["start_ray"] += 1
-    if calls["start_ray"] > 1:  # _execute's call: Ray is up; what follows is the pipeline import
+    if calls["start_ray"] > 1:  # a later call (older versions call it again in _execute): Ray is up
         return start_ray(*args, **kwargs)
     mark("ray.init start")
     start_ray(*args, **kwargs)
