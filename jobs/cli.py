@@ -73,22 +73,36 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    """Greedy accuracy of a model on the task's held-out prompts."""
-    from trajflow.engines.paths import WARM_START_DIR
+    """Greedy mean reward of a model on held-out prompts: a config's (its data.test_files and
+    reward) or a built-in task's (jobs/evaluate.py)."""
+    from trajflow.jobs.evaluate import EvalModelError, evaluate, resolve_model
 
-    model_dir = _checked_model_dir(args.model, WARM_START_DIR)  # checked before torch loads
-    task_name = _checked_task(args.task)
-    import torch
+    if args.config:
+        if args.task:
+            raise UsageError("give either --config or --task, not both")
+        from trajflow.jobs.config import load_job_config
 
-    from trajflow.engines.models import load_model, load_tokenizer
-    from trajflow.tasks import get_task
-    from trajflow.tasks.rollout import heldout_accuracy
+        config = load_job_config(args.config, args.set)
+        workload = config.workload()
+        if workload.data is not None and not workload.data.test_files:
+            raise UsageError(f"--config {args.config}: data.test_files is empty (nothing held out to evaluate on)")
+        n = args.n if args.n else (None if workload.data is not None else config.eval_prompts)
+        what = "data.test_files" if workload.data is not None else f"the {workload.task_object().name} task"
+        max_new_tokens, stop = args.max_new_tokens or config.sampling.max_new_tokens, tuple(config.sampling.stop)
+    else:
+        if args.set:
+            raise UsageError("--set applies to --config")
+        from trajflow.jobs.config import build_job_config
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    accuracy = heldout_accuracy(load_model(model_dir), load_tokenizer(model_dir), get_task(task_name), args.n,
-                                args.max_new_tokens)
-    print(f"{task_name}: greedy accuracy {accuracy:.1%} on {args.n} held-out prompts")
-    print(f"model {model_dir}")
+        config = build_job_config({"task": _checked_task(args.task or "addition")})
+        workload, n, what = config.workload(), args.n or 1000, f"the {config.task} task"
+        max_new_tokens, stop = args.max_new_tokens or 6, ()
+    try:
+        model = resolve_model(args.model, config)  # checked before torch loads
+    except EvalModelError as e:
+        raise UsageError(str(e)) from None
+    result = evaluate(workload, model, n, max_new_tokens, stop)
+    print(result.line(what, model.label))
     return 0
 
 
@@ -301,16 +315,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_cmd_generate)
 
-    ev = command("eval", "greedy accuracy on held-out prompts (no Ray)")
-    ev.add_argument("--model", help="local model dir (default: the built-in warm start)")
-    ev.add_argument("--task", default="addition")
-    ev.add_argument("--n", type=_positive_int, default=1000)
-    ev.add_argument("--max-new-tokens", type=_positive_int, default=6)
-    ev.set_defaults(func=_cmd_eval)
-
     def add_set(p: argparse.ArgumentParser) -> None:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key (dotted path; the value is parsed as YAML), repeatable")
+
+    ev = command("eval", "greedy mean reward (accuracy for a 0/1 reward) on held-out prompts (no Ray)")
+    ev.add_argument("--config", help="a job config: its data.test_files (or task), reward and model")
+    ev.add_argument("--model", help="a local HF model dir, a run's checkpoints/step-N, a run dir (its latest "
+                    "checkpoint) or a run's versions/vNNNNNN.safetensors; default: the config's model")
+    ev.add_argument("--task", help="a built-in task instead of --config (default: addition)")
+    ev.add_argument("--n", type=_positive_int, help="the first N held-out prompts (default: every row of "
+                    "data.test_files; eval_prompts of a task config; 1000 of --task)")
+    ev.add_argument("--max-new-tokens", type=_positive_int, help="default: the config's sampling.max_new_tokens (6)")
+    add_set(ev)
+    ev.set_defaults(func=_cmd_eval)
 
     run = command("run", "run a job on an embedded Ray (or continue one with --resume)")
     run.add_argument("config", nargs="?", help="YAML job config, or a bundled name (quickstart, snapshot, ...)")

@@ -18,11 +18,14 @@
       versions/v000012.safetensors      every version's weights (save_all_versions only)
       tensorboard/                      event files (when tensorboard is installed)
       summary.txt                       the final summary table
+      workers.log                       what the Ray worker processes printed (warnings, notices);
+                                        `--verbose` prints it instead
 
 Step s is trained by the trainer at version s and produces version s + 1. `RunRecorder.on_step`
 runs in the trainer actor after version s + 1 is published, and writes, in this order: the
 trajectory partition of step s, the metrics row of step s, the version file s + 1, then (every
-`checkpoint_every` steps, and at the end) checkpoint s + 1. Each file is written atomically, so a
+`checkpoint_every` steps, and at the end) checkpoint s + 1. With recovery on, `on_start` also
+writes checkpoint 0 (the starting version) of a new run. Each file is written atomically, so a
 kill at any point leaves complete files; a complete checkpoint k implies complete logs of steps
 < k. Resuming from checkpoint k deletes whatever exists of steps >= k (`truncate_after`) and
 re-runs them, so no step is repeated or skipped in the logs.
@@ -104,6 +107,10 @@ class RunPaths:
     @property
     def summary(self) -> Path:
         return self.root / "summary.txt"
+
+    @property
+    def workers_log(self) -> Path:
+        return self.root / "workers.log"
 
     @property
     def trainer_lost(self) -> Path:
@@ -208,8 +215,8 @@ class RunRecorder:
     """The trainer-side hooks of a job run (picklable: shipped to the trainer actor).
 
     on_start: restores optimizer and strategy state when resuming, and saves the starting
-    version's weights when every version is kept. on_step: writes the logs and checkpoints of each
-    step. Both use only the train step's public methods: version, strategy, full_weights(),
+    version's weights when every version is kept. on_rows: writes each step's trajectory log
+    (before its version is published); on_step: its metrics, version file and checkpoints. Both use only the train step's public methods: version, strategy, full_weights(),
     save_checkpoint(), restore() (the last three drive every worker of a sharded trainer).
     """
 
@@ -220,11 +227,20 @@ class RunRecorder:
     save_all_versions: bool
     trajectory_log: bool
     resume_from: str | None = None  # checkpoint dir whose optimizer/strategy state the trainer restores
+    # checkpoint the starting version too (recovery on): a trainer lost before the first periodic
+    # checkpoint is then rebuilt from it instead of stopping the run
+    checkpoint_start: bool = False
     data_state: dict | None = None  # a dataset run: fingerprint, epoch_size, ... (RLPipeline.data_state)
 
     @property
     def paths(self) -> RunPaths:
         return RunPaths(Path(self.run_dir))
+
+    def install(self, hooks) -> None:
+        """Make this recorder the train step's hooks (operators/train_step.py StepHooks) and its
+        source after a fault."""
+        hooks.on_start, hooks.on_rows, hooks.on_step = self.on_start, self.on_rows, self.on_step
+        hooks.source, hooks.on_lost = self, self.on_lost
 
     # -- hooks (called inside the TrainStep actor) ------------------------------------------
     def on_start(self, trainstep) -> None:
@@ -237,6 +253,8 @@ class RunRecorder:
                     f"checkpoint {checkpoint.path} holds version {meta['version']}"
                 )
             trainstep.restore(checkpoint.path)
+        elif self.checkpoint_start and self.last_checkpoint(trainstep.version) is None:
+            self._checkpoint(trainstep, trainstep.version, final=False)
         if self.save_all_versions:
             path = ckpt.version_file(self.paths.versions, trainstep.version)
             if not path.is_file():
@@ -253,21 +271,27 @@ class RunRecorder:
         if self.data_state is not None:
             metrics["data/epoch"] = step * self.data_state["prompts_per_step"] // self.data_state["epoch_size"]
             metrics["data/prompts_too_long"] = self.data_state["prompts_dropped_too_long"]
-        if self.trajectory_log:
-            self._log_trajectories(paths, step, batch)
         write_table_atomic(pa.Table.from_pylist([_plain(metrics)]), paths.metrics_file(step))
         if self.save_all_versions:
             ckpt.save_weights(trainstep.full_weights(), ckpt.version_file(paths.versions, version))
         final = version >= self.steps
         if final or (self.checkpoint_every and version % self.checkpoint_every == 0):
-            trainstep.save_checkpoint(
-                paths.checkpoints,
-                meta={"steps_done": version, "time": time.time(), "strategy": trainstep.strategy.name,
-                      **({"data": data_position(self.data_state, version)} if self.data_state else {})},
-                export=final,
-            )
-            ckpt.prune_checkpoints(paths.checkpoints, self.keep_checkpoints)
+            self._checkpoint(trainstep, version, final)
             metrics["checkpoint"] = version
+
+    def _checkpoint(self, trainstep, version: int, final: bool) -> None:
+        paths = self.paths
+        trainstep.save_checkpoint(
+            paths.checkpoints,
+            meta={"steps_done": version, "time": time.time(), "strategy": trainstep.strategy.name,
+                  **({"data": data_position(self.data_state, version)} if self.data_state else {})},
+            export=final,
+        )
+        ckpt.prune_checkpoints(paths.checkpoints, self.keep_checkpoints)
+
+    def on_rows(self, trainstep, batch: pa.Table, step: int) -> None:
+        if self.trajectory_log:
+            self._log_trajectories(self.paths, step, batch)
 
     def on_lost(self, line: str) -> None:
         ckpt.atomic_write_text(self.paths.trainer_lost, line + "\n")
@@ -279,6 +303,14 @@ class RunRecorder:
     def last_checkpoint(self, at_most: int) -> tuple[str, int] | None:
         found = [c for c in ckpt.list_checkpoints(self.paths.checkpoints) if c.version <= at_most]
         return (str(found[-1].path), found[-1].version) if found else None
+
+    def last_logged_step(self) -> int:
+        root = self.paths.trajectories
+        found = (step_of(p.name) for p in root.glob("step=*") if p.is_dir()) if root.is_dir() else ()
+        return max((s for s in found if s is not None and self.paths.trajectory_file(s).is_file()), default=-1)
+
+    def metrics_logged(self, step: int) -> bool:
+        return self.paths.metrics_file(step).is_file()
 
     def logged_rows(self, step: int) -> pa.Table | None:
         """Step `step`'s rows as the train step received them (None: not logged, or some rows were

@@ -30,7 +30,8 @@ from trajflow.jobs.recorder import RunPaths, read_metrics, read_state
 # (metrics key, panel title, y-axis label)
 CURVES = [
     ("reward_mean", "mean reward of the train batch", "reward"),
-    ("heldout_accuracy", "held-out greedy accuracy", "accuracy (fraction)"),
+    # heldout_accuracy is the mean reward of greedy responses: an accuracy only for a 0/1 reward
+    ("heldout_accuracy", "held-out greedy mean reward", "mean reward (0/1: accuracy)"),
     ("mask/token_kept_frac", "train-infer mask: tokens kept", "fraction of tokens"),
     ("clip/frac", "PPO clip fraction", "fraction of tokens"),
     ("staleness/mean", "staleness (mean per token)", "versions behind"),
@@ -142,6 +143,7 @@ def summarize(label: str, run: Run | pl.DataFrame) -> dict:
         "steps": m.height,
         "final_reward": round(float(tail["reward_mean"].mean()), 3),
         "final_reward_steps": tail.height,
+        "reward_errors": int(col("reward/errors").sum()) if "reward/errors" in m.columns else None,
         "start_heldout_accuracy": round(float(start[0]), 3) if len(start) else None,
         "best_heldout_accuracy": round(float(acc.max()), 3) if len(acc) else None,
         "final_heldout_accuracy": round(float(acc[-1]), 3) if len(acc) else None,
@@ -167,6 +169,7 @@ PRINTED = [
     ("steps", "steps", "{:d}"),
     ("final reward", "final_reward", "{:.3f}"),
     ("  = mean of last N steps, N", "final_reward_steps", "{:d}"),
+    ("reward errors (rows)", "reward_errors", "{:d}"),
     ("held-out accuracy, version 0", "start_heldout_accuracy", "{:.3f}"),
     ("held-out accuracy, best", "best_heldout_accuracy", "{:.3f}"),
     ("held-out accuracy, final", "final_heldout_accuracy", "{:.3f}"),

@@ -68,6 +68,7 @@ SUMMARY_COLUMNS = (
     ("step", "step", "{:d}"),
     ("reward", "reward_mean", "{:.3f}"),
     ("trained", "rows_trained", "{:d}"),
+    ("reward errors", "reward/errors", "{:d}"),  # shown when the reward failed on some row
     ("mask", "mask/token_kept_frac", "{:.3f}"),
     ("clip", "clip/frac", "{:.3f}"),
     ("k3", "mismatch/k3", "{:.1e}"),
@@ -83,8 +84,9 @@ class RunError(RuntimeError):
 
 
 class RunFailed(RuntimeError):
-    """A started run stopped and can only go on with `--resume` (e.g. a trainer worker died);
-    the message is one line (the CLI prints it and exits 1)."""
+    """A started run stopped and can only go on with `--resume` (e.g. a trainer worker died, or
+    the reward failed on every row of too many steps); the message is one line (the CLI prints
+    it and exits 1)."""
 
 
 def trainer_state_lost(error: BaseException) -> str | None:
@@ -100,20 +102,41 @@ def trainer_state_lost(error: BaseException) -> str | None:
     from trajflow.operators.data_parallel import TrainerStateLost
 
     pattern = re.compile(rf"{TrainerStateLost.__name__}: ([^\n]+)")
+    for e, text in _chain_texts(error):
+        if isinstance(e, TrainerStateLost) and e.args and isinstance(e.args[0], str) and e.args[0].strip():
+            return e.args[0].strip().splitlines()[0]
+        found = pattern.search(text)
+        if found:
+            return found.group(1).strip()
+    return None
+
+
+def store_lost(error: BaseException) -> str | None:
+    """One line when the policy store's actor died behind `error` (Ray names its class in the
+    ActorDiedError that the operator calling it raised), else None. A lost store is not rebuilt
+    within the run: its versions (and the admission state) lived only in it."""
+    from trajflow.operators.data_parallel import RESUME_HINT
+    from trajflow.pipelines.policy_store import PolicyStoreActor
+
+    for _, text in _chain_texts(error):
+        if f"class_name: {PolicyStoreActor.__name__}" in text and ("actor died" in text or "actor is dead" in text):
+            return f"the policy store's process died; the run stops: {RESUME_HINT}"
+    return None
+
+
+def _chain_texts(error: BaseException):
+    """(exception, text) for each exception behind `error` and each of its texts (its message and,
+    for Ray's errors, the traceback of the remote process), cause chain included."""
     seen, stack = set(), [error]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, TrainerStateLost) and e.args and isinstance(e.args[0], str) and e.args[0].strip():
-            return e.args[0].strip().splitlines()[0]
-        for text in (getattr(e, "traceback_str", None), str(e)):
-            found = pattern.search(text) if isinstance(text, str) else None
-            if found:
-                return found.group(1).strip()
+        for text in (str(e), getattr(e, "traceback_str", None)):
+            if isinstance(text, str):
+                yield e, text
         stack += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return None
 
 
 def default_run_dir(config: JobConfig) -> Path:
@@ -241,13 +264,16 @@ def check_version_space(config: JobConfig, model_path: Path, root: Path) -> str:
 
 
 def status_line(row: dict, steps: int, seconds: float | None = None) -> str:
-    """`step 4 (25%) | reward 0.219 | rows 16/32 | mask ... | 1.2s` within WIDTH columns: the
-    step index, the share of the run done, the step's numbers, the wall time since the previous
-    line (for the first line: since the run started, so it shows the start-up)."""
+    """`step 4 (25%) | reward 0.219 | 1.2s | rows 16/32 | mask ...` within WIDTH columns: the
+    step index, the share of the run done, the step's numbers (`reward errors N` when the reward
+    failed on N rows), the wall time since the previous line (for the first line: since the run
+    started, so it shows the start-up)."""
     step = int(row["step"])
     parts = [f"step {step:>{len(str(steps - 1))}} ({100 * (step + 1) // steps:>3}%)"]
     fields = [f"reward {row['reward_mean']:.3f}"] if row.get("reward_mean") is not None else []
     fields.append(f"rows {row.get('rows_trained', 0)}/{row.get('rows', 0)}")
+    if row.get("reward/errors"):
+        fields.append(f"reward errors {row['reward/errors']}")
     fields += [f"{label} {fmt.format(row[key])}" for label, key, fmt in STATUS_KEYS[1:] if row.get(key) is not None]
     if seconds is not None:
         fields.insert(2, f"{seconds:.1f}s")
@@ -342,11 +368,23 @@ def heldout_line(metrics, prompts: int) -> str | None:
     return f"held-out accuracy on {prompts} prompts: {text}"
 
 
+def reward_errors_line(metrics) -> str | None:
+    """`reward errors: 12 of 96 rows, in 3 of 6 steps; first: ValueError: ...`, or None when the
+    reward never failed. `metrics`: polars, by step."""
+    if "reward/errors" not in metrics.columns or not metrics["reward/errors"].sum():
+        return None
+    errors = metrics["reward/errors"].fill_null(0)
+    first = metrics["reward/first_error"].drop_nulls() if "reward/first_error" in metrics.columns else []
+    return (f"reward errors: {int(errors.sum())} of {int(metrics['rows'].sum())} rows, in {int((errors > 0).sum())} "
+            f"of {metrics.height} steps" + (f"; first: {first[0]}" if len(first) else ""))
+
+
 def summary_table(paths: RunPaths, steps: int, first_step: int, session_seconds: float,
-                  step_seconds: list[float], heldout_prompts: int = 0) -> str:
+                  step_seconds: list[float], heldout_prompts: int = 0, replay: str | None = None) -> str:
     """Every step of a short run, or about 10 evenly spaced ones and the last; then the reward
-    at both ends, held-out accuracy before and after (over `heldout_prompts`), the time per step,
-    the checkpoints and the run dir."""
+    at both ends, the rows whose reward failed (if any), held-out accuracy before and after
+    (over `heldout_prompts`), the time per step, the checkpoints, whether the run can be replayed
+    (`replay`: pipelines.replay.replay_support) and the run dir."""
     metrics = read_metrics(paths)
     if metrics.is_empty():
         return "no steps were trained"
@@ -362,17 +400,22 @@ def summary_table(paths: RunPaths, steps: int, first_step: int, session_seconds:
             rest = step_seconds[1:]
             timing += f", then {sum(rest) / len(rest):.2f}s per step"
         timing += ")"
+    errors = reward_errors_line(metrics)
+    columns = [c for c in SUMMARY_COLUMNS if errors or c[1] != "reward/errors"]
     lines = [
-        format_table(shown, list(SUMMARY_COLUMNS)),
+        format_table(shown, columns),
         f"steps logged: {metrics.height} of {steps} | reward: mean of the first {n} steps "
         f"{rewards.head(n).mean():.3f}, of the last {n} {rewards.tail(n).mean():.3f}",
     ]
+    if errors:
+        lines.append(wrap(errors))
     heldout = heldout_line(metrics, heldout_prompts) if heldout_prompts else None
     if heldout is not None:
         lines.append(wrap(heldout))
     lines += [
         timing,
         f"checkpoints kept: {', '.join(checkpoints) or 'none'}",
+        *([wrap(replay)] if replay else []),
         f"run dir: {paths.root}",
     ]
     return "\n".join(lines)
@@ -530,6 +573,7 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
     from tqdm.auto import tqdm
 
     from trajflow.jobs.console import filtered_stderr
+    from trajflow.pipelines import ray_patches
 
     started = time.time()
     _begin_session(paths, first_step, config.steps)
@@ -541,6 +585,9 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
     interactive = progress and sys.stderr.isatty()
     step_seconds: list[float] = []
     try:
+        # the workers' lines: to workers.log for the rest of the process (a worker's last lines
+        # can reach the driver after the pipeline has ended), printed as Ray does with --verbose
+        ray_patches.worker_output.to(None if verbose else paths.workers_log)
         with filtered_stderr(enabled=not verbose):
             recorder = RunRecorder(
                 run_dir=str(paths.root),
@@ -550,21 +597,24 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
                 save_all_versions=config.save_all_versions,
                 trajectory_log=config.trajectory_log,
                 resume_from=str(checkpoint.path) if checkpoint is not None else None,
+                checkpoint_start=config.recovery.max_restarts > 0,
                 data_state=pipeline.data_state(),
             )
-            pipeline.hooks.on_start, pipeline.hooks.on_step = recorder.on_start, recorder.on_step
-            pipeline.hooks.source = recorder  # a trainer that dies is rebuilt from the run dir
-            pipeline.hooks.on_lost = recorder.on_lost
+            recorder.install(pipeline.hooks)  # also the source a trainer that dies is rebuilt from
             weights = checkpoint.model_state() if checkpoint is not None else None
             pipeline.start_store(initial_version=first_step, initial_weights=weights)
             print(wrap(pipeline.describe()), flush=True)
             print(f"trajflow: run dir {paths.root}", flush=True)
             _stream(config, paths, pipeline, first_step, started, interactive, step_seconds, tqdm)
     except BaseException as e:
+        from trajflow.operators.reward import RewardFailed
+
         stopped = isinstance(e, (KeyboardInterrupt, SystemExit))
         _end_session(paths, "stopped" if stopped else "failed", f"{type(e).__name__}: {e}"[:500])
+        if isinstance(e, RewardFailed):  # the reward is broken: say so, not Ray's traceback
+            raise RunFailed(str(e)) from None
         written = paths.trainer_lost.read_text().strip() if paths.trainer_lost.is_file() else None
-        lost = None if stopped else (written or trainer_state_lost(e))
+        lost = None if stopped else (written or trainer_state_lost(e) or store_lost(e))
         if lost is not None:  # a trainer worker died: its optimizer state is gone; say how to go on
             raise RunFailed(lost.replace("RUN_DIR", str(paths.root))) from None
         raise
@@ -618,8 +668,12 @@ def _finish(config: JobConfig, paths: RunPaths, first_step: int, started: float,
     metrics = read_metrics(paths)
     if not metrics.is_empty():
         write_table_atomic(metrics.to_arrow(), paths.metrics)
+    from trajflow.pipelines.replay import replay_support
+
+    kept = [c.version for c in ckpt.list_checkpoints(paths.checkpoints)]
     summary = summary_table(paths, config.steps, first_step, time.time() - started, step_seconds,
-                            heldout_prompts=config.eval_prompts if config.eval_every else 0)
+                            heldout_prompts=config.eval_prompts if config.eval_every else 0,
+                            replay=replay_support(config.trajectory_log, config.save_all_versions, kept))
     ckpt.atomic_write_text(paths.summary, summary + "\n")
     print(summary, flush=True)
     missing = sorted(set(range(config.steps)) - set(metrics["step"].to_list() if not metrics.is_empty() else []))

@@ -7,6 +7,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 FILTER_REASON = "filter_reason"  # null = kept for training; otherwise why the row is not trained
+# the filter reason of a row whose reward failed, and the column saying why (schemas: OPTIONAL_COLUMNS)
+REWARD_ERROR = "reward_error"
 # pi_old as the train step's loss used it (every strategy; -inf: a token outside the sampling
 # support). `old_logprobs` keeps its one meaning: what an upstream operator supplied (exact strategies).
 PROXIMAL_COLUMN = "proximal_logprobs"
@@ -91,17 +93,27 @@ def apply_staleness_bound(batch: pa.Table, trainer_version: int, max_staleness: 
 
 
 def step_metrics(batch: pa.Table, step: int, rollout_step: int, trained: np.ndarray, stale_tokens: int) -> dict:
-    """The accounting every train (or diagnose) step reports: rows in, trained, filtered per reason."""
+    """The accounting every train (or diagnose) step reports: rows in, trained, filtered per reason,
+    the rows whose reward failed and (when some did) the first one's error."""
     metrics: dict = {
         "step": step,
         "rollout_step": rollout_step,
         "rows": batch.num_rows,
         "rows_trained": len(trained),
         "over_stale_tokens_dropped": stale_tokens,
-        "reward_mean": float(np.nanmean(batch["reward"].to_numpy(zero_copy_only=False))),
+        "reward_mean": pc.mean(batch["reward"]).as_py(),  # over the rows that scored
     }
+    if metrics["reward_mean"] is None:  # none did (numpy's nanmean would warn in the worker)
+        metrics["reward_mean"] = float("nan")
     reasons = filter_reasons(batch)
     for reason in sorted({r for r in reasons if r is not None}):
         metrics[f"filtered/{reason}"] = int((reasons == reason).sum())
-    metrics["reward/errors"] = int((reasons == "reward_error").sum())  # always present: plottable
+    # always present (plottable): the rows the reward failed on, whatever else filtered them
+    if REWARD_ERROR in batch.column_names:
+        errors = batch[REWARD_ERROR].drop_null()
+        metrics["reward/errors"] = len(errors)
+        if len(errors):
+            metrics["reward/first_error"] = errors[0].as_py()
+    else:  # a log from before the column, or an environment's episodes
+        metrics["reward/errors"] = int((reasons == REWARD_ERROR).sum())
     return metrics

@@ -48,6 +48,13 @@ class TrainerSource(Protocol):
     def last_checkpoint(self, at_most: int) -> tuple[str, int] | None:
         """(directory, version) of the newest complete checkpoint of a version <= `at_most`, or None."""
 
+    def last_logged_step(self) -> int:
+        """The newest step whose rows the log holds (-1: none): the trainer that died trained it
+        (and may have published its version: rows are logged before the version is published)."""
+
+    def metrics_logged(self, step: int) -> bool:
+        """Whether step `step`'s metrics row was written (the trainer may die between rows and metrics)."""
+
     def logged_rows(self, step: int) -> pa.Table | None:
         """Step `step`'s rows as the train step received them, in order (None: not all logged)."""
 
@@ -73,14 +80,20 @@ def refusal(config: RecoveryConfig, source: TrainerSource | None, restarts: int)
 
 
 def replay_plan(source: TrainerSource, step: int) -> tuple[str, int, list[pa.Table]]:
-    """The checkpoint to load and the logged rows of its version .. `step`-1, in step order;
-    RuntimeError (one line) when the checkpoint or a step's rows are missing."""
-    found = source.last_checkpoint(at_most=step)
+    """The checkpoint to load and the logged rows of its version up to the step at hand, in step
+    order; RuntimeError (one line) when the checkpoint or a step's rows are missing.
+
+    The step at hand (`step`, the first batch the rebuilt trainer receives) may be one the trainer
+    that died had already trained and logged: Ray Data retries a lost task whole, and one task can
+    hold several steps. Every logged step is retrained from the log, so the plan runs through the
+    newest logged step, and the train step skips live batches of the steps it covers."""
+    end = max(step, source.last_logged_step() + 1)
+    found = source.last_checkpoint(at_most=end)
     if found is None:
         raise RuntimeError("no checkpoint to rebuild the trainer from yet (checkpoint_every)")
     directory, version = found
     batches = []
-    for k in range(version, step):
+    for k in range(version, end):
         rows = source.logged_rows(k)
         if rows is None:
             raise RuntimeError(f"the trajectory log lacks rows of step {k} (trajectory_log)")
@@ -89,8 +102,8 @@ def replay_plan(source: TrainerSource, step: int) -> tuple[str, int, list[pa.Tab
 
 
 def event_metrics(fault: Fault, step: int, version: int, replayed: int, seconds: float, restarts: int) -> dict:
-    """The `recovery/*` entries of the metrics row of the step a recovery ends at."""
-    steps = f"steps {version}-{step - 1}" if replayed else "no steps"
+    """The `recovery/*` entries of the metrics row of `step`, the first trained after a recovery."""
+    steps = f"steps {version}-{version + replayed - 1}" if replayed else "no steps"
     return {f"{RECOVERY_PREFIX}restarts": restarts, f"{RECOVERY_PREFIX}seconds": seconds,
             f"{RECOVERY_PREFIX}replayed_steps": replayed,
             f"{RECOVERY_PREFIX}event": f"{fault.what} at step {step}; rebuilt from checkpoint {version}, retrained "

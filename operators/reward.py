@@ -3,9 +3,15 @@
 Completions are decoded in one vectorised call (engines.tokenizer.decode_responses); the reward
 function gets TRL's arguments: `prompts` (the `prompt` column as in the dataset), `completions`,
 and every passthrough column (`answer`, ...) as a keyword list. A row whose reward failed (raised,
-timed out, None/NaN — see tasks.rewards.RewardRunner) keeps a null reward and the filter reason
-`reward_error`: it stays in the trajectory log, is counted in the step's metrics, and is never
-trained on. Multi-turn episodes arrive already scored by their environment.
+timed out, None/NaN, a result of the wrong length — see tasks.rewards.RewardRunner) keeps a null
+reward, the filter reason `reward_error` and, in the column `reward_error`, why ("ValueError:
+...", at most 200 characters; null on the rows that scored): it stays in the trajectory log, is
+counted in the step's metrics (`reward/errors`, `reward/first_error`), and is never trained on.
+Multi-turn episodes arrive already scored by their environment.
+
+`FailedRewardSteps` stops a run whose reward fails on every row of `reward_max_failed_steps`
+consecutive steps (the pipeline checks each step's metrics row): one line naming the reward and
+the first error, instead of a run that trains on nothing.
 
 The reward function is resolved on the driver and shipped with this object, so a user's module
 that is not installed reaches the Ray worker by value.
@@ -20,10 +26,8 @@ import numpy as np
 import pyarrow as pa
 
 from trajflow.engines.tokenizer import decode_responses, stop_token_ids
-from trajflow.operators.columns import mark_filtered, replace_column
+from trajflow.operators.columns import REWARD_ERROR, mark_filtered, replace_column
 from trajflow.tasks.workload import Workload
-
-REWARD_ERROR = "reward_error"
 
 
 class Reward:
@@ -50,7 +54,44 @@ class Reward:
         completions = self.completions(batch)
         prompts = batch["prompt"].to_pylist()
         columns = {c: batch[c].to_pylist() for c in self.columns}
-        scores = self.runner(prompts, completions, columns)
+        scores, errors = self.runner(prompts, completions, columns)
         batch = replace_column(batch, "reward", pa.array(scores, pa.float32()))
-        errors = np.fromiter((s is None for s in scores), bool, len(scores))
-        return mark_filtered(batch, errors, REWARD_ERROR) if errors.any() else batch
+        batch = replace_column(batch, REWARD_ERROR, pa.array(errors, pa.string()))
+        failed = np.fromiter((e is not None for e in errors), bool, len(errors))
+        return mark_filtered(batch, failed, REWARD_ERROR) if failed.any() else batch
+
+
+class RewardFailed(RuntimeError):
+    """The reward failed on every row of too many consecutive steps; the message is one line."""
+
+
+class FailedRewardSteps:
+    """Consecutive train steps whose reward failed on every row, counted from each step's metrics
+    row (in step order): `check(metrics)` raises RewardFailed at the `limit`-th (0: never)."""
+
+    def __init__(self, reward_name: str, limit: int) -> None:
+        self.reward_name, self.limit = reward_name, limit
+        self.steps: list[int] = []
+        self.first_error: str | None = None
+
+    def observe(self, metrics: dict) -> None:
+        rows = int(metrics.get("rows") or 0)
+        if not rows or metrics.get("reward/errors") != rows:
+            self.steps, self.first_error = [], None
+            return
+        if not self.steps:
+            self.first_error = metrics.get("reward/first_error")
+        self.steps.append(int(metrics["step"]))
+
+    def stop_line(self) -> str | None:
+        """The one line to stop with, once `limit` failed steps are counted."""
+        if not self.limit or len(self.steps) < self.limit:
+            return None
+        return (f"{self.reward_name} failed on every row of steps {self.steps[0]}-{self.steps[-1]} "
+                f"(reward_max_failed_steps: {self.limit}); first error: {self.first_error}")
+
+    def check(self, metrics: dict) -> None:
+        self.observe(metrics)
+        line = self.stop_line()
+        if line is not None:
+            raise RewardFailed(line)

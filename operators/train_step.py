@@ -89,6 +89,7 @@ from trajflow.operators.recovery import (
     refusal,
     replay_plan,
 )
+from trajflow.operators.reward import FailedRewardSteps
 from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies.base import Strategy
 from trajflow.schemas import conform
@@ -121,6 +122,9 @@ class StepHooks:
 
     on_start: Callable[["TrainStep"], None] | None = None
     on_step: Callable[["TrainStep", pa.Table, dict], None] | None = None
+    # the step's rows as trained, before its version is published: a version a reader may hold
+    # always has its rows in the log, so a rebuilt trainer can reproduce it (operators/recovery.py)
+    on_rows: Callable[["TrainStep", pa.Table, int], None] | None = None
     source: TrainerSource | None = None
     on_lost: Callable[[str], None] | None = None  # the TrainerStateLost line, as the step raises it
 
@@ -474,8 +478,9 @@ class TrainStep(TrainerReplica):
 
     def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, max_staleness: int,
                  after_step: Sequence[AfterStep], hooks: StepHooks,
-                 recovery: RecoveryConfig = RecoveryConfig()) -> None:
+                 recovery: RecoveryConfig = RecoveryConfig(), failed_rewards: FailedRewardSteps | None = None) -> None:
         data_parallel = spec.data_parallel
+        self.failed_rewards = failed_rewards
         # One train step per store: a second one means this process replaced a trainer that died
         # (Ray Data restarts actors and retries the step), and that trainer's optimizer and
         # strategy state died with it (its published weights too). Rebuild it at the first step
@@ -484,6 +489,7 @@ class TrainStep(TrainerReplica):
         self.group: TrainerGroup | None = None
         self.lost: TrainerStateLost | None = None
         self.recovery, self.source, self.fault, self.on_lost = recovery, hooks.source, None, hooks.on_lost
+        self.recovered: dict = {}  # a recovery's metrics, for the next step trained
         self.restarts = store.claim_trainer()
         if self.restarts > 0:
             what = (f"trainer worker 0 of {data_parallel.num_workers} (node {self.node[:12]}) was restarted after "
@@ -499,7 +505,8 @@ class TrainStep(TrainerReplica):
         self.max_staleness = max_staleness
         self.data_parallel = data_parallel
         self.after_step = list(after_step)
-        self.on_step = hooks.on_step  # the job's hook (trajectory log, metrics file, checkpoints), after the services
+        self.on_step = hooks.on_step  # the job's hook (metrics file, checkpoints), after the services
+        self.on_rows = hooks.on_rows  # the job's trajectory log, before them
         self.busy_seconds = 0.0
         self.started = time.perf_counter()
         if data_parallel.num_workers > 1:
@@ -619,21 +626,31 @@ class TrainStep(TrainerReplica):
         steps = np.unique(batch["rollout_step"].to_numpy())
         if len(steps) != 1:
             raise RuntimeError(f"a train batch must hold exactly one rollout step, got steps {steps.tolist()}")
+        step = int(steps[0])
+        if self.failed_rewards is not None and self.failed_rewards.stop_line() is not None:
+            # reward_max_failed_steps is reached: the driver stops the run at the metrics row of the
+            # last failed step (RLPipeline.iter_metrics); the steps already on their way train and
+            # log nothing (raising here would race the driver's one line with Ray's error report)
+            return pa.table({})
         try:
             if self.lost is not None:
                 raise self.lost
             try:
-                recovered = self._recover(int(steps[0])) if self.fault is not None else {}
-                batch, metrics = self._train(batch, int(steps[0]))
+                trained = self._step(batch, step)
             except TrainerStateLost as lost:  # a worker died: rebuild the group, roll back, train the step again
                 self._rebuild_group(lost)
-                recovered = self._recover(int(steps[0]))
-                batch, metrics = self._train(batch, int(steps[0]))
+                trained = self._step(batch, step)
         except TrainerStateLost as lost:
             if self.on_lost is not None:
                 self.on_lost(str(lost))
             raise
-        metrics.update(recovered)
+        if trained is None:  # trained and logged by the trainer this one replaced: no second metrics row
+            return pa.table({})
+        batch, metrics = trained
+        metrics.update(self.recovered)
+        self.recovered = {}
+        if self.on_rows is not None:
+            self.on_rows(self, conform(batch), step)
         metrics[f"{RECOVERY_PREFIX}restarts"] = self.restarts
         for hook in self.after_step:
             hook(self, batch, metrics)
@@ -642,7 +659,18 @@ class TrainStep(TrainerReplica):
         metrics["trainer_busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
         if self.on_step is not None:
             self.on_step(self, conform(batch), metrics)
+        if self.failed_rewards is not None:
+            self.failed_rewards.observe(metrics)
         return pa.Table.from_pylist([metrics])
+
+    def _step(self, batch: pa.Table, step: int) -> tuple[pa.Table, dict] | None:
+        """Recover first when a fault is pending; then train the step, or None for a step the
+        rebuilt trainer has already retrained from the log (a retried task's earlier steps)."""
+        if self.fault is not None:
+            self.recovered = self._recover(step)
+        if step < self.version:
+            return None
+        return self._train(batch, step)
 
     def _train(self, batch: pa.Table, step: int) -> tuple[pa.Table, dict]:
         """Train one step's rows: the batch as trained (its pi_old column) and the step's metrics."""
@@ -693,8 +721,11 @@ class TrainStep(TrainerReplica):
             raise TrainerStateLost(f"{fault.what}; the trainer's state cannot be rebuilt ({e}): {RESUME_HINT}") from None
         self._on_every_worker("load_checkpoint", directory, version)
         for k, rows in enumerate(batches, start=version):
-            self._train(rows, k)
-        return event_metrics(fault, step, version, len(batches), time.time() - fault.noticed, self.restarts)
+            rows, metrics = self._train(rows, k)
+            if not self.source.metrics_logged(k) and self.on_step is not None:
+                self.on_step(self, conform(rows), metrics)  # it died between the step's rows and its metrics
+        # `self.version`: the step the run goes on from (past `step` when it retrained later logged steps)
+        return event_metrics(fault, self.version, version, len(batches), time.time() - fault.noticed, self.restarts)
 
     def _finish_step(self, diagnostics: dict) -> dict:
         """Every worker's strategy after-step hook on the same (global) diagnostics."""

@@ -281,6 +281,9 @@ class PipelineConfig(_Strict):
     reward: str | None = Field(None, description="exact, math, package.module:function or path/to/file.py:function "
                                "(default: the task's own verifier)")
     reward_timeout_seconds: float = Field(30.0, gt=0.0, description="per item; over it the row is a reward_error")
+    reward_max_failed_steps: int = Field(
+        3, ge=0, description="stop the run after this many consecutive steps whose reward failed on every row "
+        "(or returned the wrong number of values); 0: never")
     env: str | None = Field(None, description="package.module:Class (or file.py:Class) of a multi-turn Environment")
     strategy: str = Field("snapshot", description="a built-in name (operators/strategies/registry.py) or an "
                           "import path module:Class / file.py:Class")
@@ -307,7 +310,8 @@ class PipelineConfig(_Strict):
     drop_zero_variance_groups: bool = True
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     lora: LoraSection = Field(default_factory=LoraSection)
-    eval_every: int = Field(0, ge=0, description="held-out greedy accuracy every k steps (0: off)")
+    eval_every: int = Field(0, ge=0, description="held-out greedy mean reward (accuracy for a 0/1 reward) every "
+                            "k steps (0: off)")
     eval_prompts: int = Field(200, ge=1)
     seed: int = Field(0, ge=0, description="seeds sampling, shuffling and initialisation (numpy needs >= 0)")
     num_generators: int = Field(1, ge=1)

@@ -1,6 +1,6 @@
 """Every patch trajflow applies to a third-party library's internals, behind one version check.
 
-All four patch Ray 2.60 (`RAY_SERIES`), whose source they were written against. pyproject.toml
+All five patch Ray 2.60 (`RAY_SERIES`), whose source they were written against. pyproject.toml
 pins `ray[data]` (and the extras' `ray[default]`) to that series; tests/test_ray_patches.py fails
 CI when the installed Ray is outside it or the pin and `RAY_SERIES` disagree.
 
@@ -74,11 +74,23 @@ The patches (measured figures: benchmarks/results/, on this 2-core machine, load
    (100 ms gaps between tasks, open) are fixed: `python -m benchmarks.run_all --only
    orchestration` then shows "Ray Data as shipped" within noise of "event-driven executor".
 
+5. `worker_output`: the lines Ray forwards from its worker processes to the driver (their
+   stdout and stderr: Python warnings, transformers' and math-verify's notices, numpy's
+   RuntimeWarnings) go to a file instead of the driver's terminal. Ray prints them through a
+   handler ("ray_print_logs") of `ray._private.ray_logging.global_worker_stdstream_dispatcher`,
+   which `ray.init(log_to_driver=True)` registers; `worker_output.to(path)` swaps that handler
+   for one appending each line, prefixed like Ray's ("(ActorName pid=N) ..."), to `path`, and
+   `to(None)` puts Ray's back. Buys: a run's output is trajflow's own lines, the workers' in
+   RUN/workers.log (`--verbose` prints them as Ray does). `log_to_driver=False` would silence
+   them too, but leave them only in Ray's session dir under /tmp/ray, one file per worker
+   process. Drop: when `ray.init` can send worker output to a file or a callback (no upstream
+   issue found).
+
 Each patch has `apply()`/`revert()`/`active()` (the executor's `revert()` serves side-by-side
 benchmarks) or is a context manager around the `ray.init` that starts the embedded Ray.
 
-Not here, on purpose (they change no third-party internals): loggers set to a level
-(`local_ray.quiet_ray`, math-verify's in tasks/rewards.py), Ray Data's public `DataContext`
+Not here, on purpose (they change no third-party internals): loggers set to a level or
+filtered (`local_ray.quiet_ray`, math-verify's timeout notice in tasks/rewards.py), Ray Data's public `DataContext`
 settings, the filter of Ray's C++ notices on fd 2 (jobs/console.py), operators/data_parallel.py
 filling the underscored fields of torch's process-group options (an object it builds, as
 torch.distributed does), and engines/vllm_engine.py putting back `torch.set_num_threads` after
@@ -94,7 +106,8 @@ import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 import ray
 
@@ -381,3 +394,58 @@ class ExecutorWakeups:
 
 
 executor = ExecutorWakeups()
+
+
+# -- 5. worker output to a file --------------------------------------------------------------
+
+
+class WorkerOutput:
+    """Where the lines Ray forwards from its workers go (patch 5 of the module docstring)."""
+
+    PRINTER = "ray_print_logs"  # Ray's handler: prints to the driver's stdout/stderr
+    HANDLER = "trajflow_worker_output"
+
+    def __init__(self) -> None:
+        self._printer: Any = None  # Ray's handler while ours replaces it
+        self._file: TextIO | None = None
+
+    def to(self, path: str | os.PathLike | None) -> None:
+        """From now on (for this process's Ray connections), append the workers' lines to `path`;
+        None: print them as Ray does. A Ray that forwards nothing (`log_to_driver=False`) is left
+        as it is."""
+        if not patches_apply():
+            return
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        previous, self._file = self._file, None
+        printers = [handler for name, handler in dispatcher.handlers if name == self.PRINTER]
+        dispatcher.remove_handler(self.HANDLER)
+        if path is None:
+            if self._printer is not None and not printers:
+                dispatcher.add_handler(self.PRINTER, self._printer)
+            self._printer = None
+        elif printers or self._printer is not None:
+            self._printer = printers[0] if printers else self._printer
+            dispatcher.remove_handler(self.PRINTER)
+            self._file = open(Path(path), "a", buffering=1, encoding="utf-8", errors="replace")
+            dispatcher.add_handler(self.HANDLER, self._write)
+        if previous is not None:
+            previous.close()
+
+    def _write(self, data: dict) -> None:
+        """Ray's dispatcher calls this (under its lock) with one batch of a worker's lines."""
+        file = self._file
+        if file is None:
+            return
+        name = data.get("actor_name") or data.get("task_name")
+        prefix = f"({name + ' ' if name else ''}pid={data.get('pid')}{' stderr' if data.get('is_err') else ''}) "
+        try:
+            file.write("".join(prefix + line + "\n" for line in data.get("lines", [])))
+        except ValueError:  # closed by a concurrent to(): the line is dropped
+            pass
+
+    def active(self) -> bool:
+        return self._file is not None
+
+
+worker_output = WorkerOutput()

@@ -223,6 +223,21 @@ def locate_versions(checkpoints: str | Path, versions: Iterable[int]) -> tuple[d
     return found, missing
 
 
+def replay_support(trajectory_log: bool, save_all_versions: bool, kept: Iterable[int]) -> str:
+    """One line for a run's summary: whether `trajflow replay` can replay the run exactly and, if
+    not, which replays need which versions the run did not keep (`kept`: its checkpoints')."""
+    from trajflow.operators.strategies.registry import BUILTIN
+
+    if not trajectory_log:
+        return "replay: not possible (trajectory_log: false, so no trajectories were logged)"
+    if save_all_versions:
+        return "replay: exact under any strategy (--diagnose, --train): every version's weights are in versions/"
+    exact = ", ".join(name for name, cls in BUILTIN.items() if cls.old_from_column)
+    return (f"replay: not possible, save_all_versions is false (versions kept: {format_versions(kept) or 'none'}): "
+            f"--diagnose needs every version; --train the first logged step's, plus, under {exact}, "
+            "each token's behaviour version")
+
+
 # -- the pinned reward ---------------------------------------------------------------------------
 def keep_logged(before: pa.Table, after: pa.Table, column: str = PINNED) -> pa.Table:
     """`after` with `column` put back to its value in `before` (rows matched by trajectory_id)."""
@@ -354,6 +369,7 @@ class Replay:
             return chain + [Stage("diagnose", Diagnose, diagnose, c.trainer)]
         train = live.train_stage(self.strategies[0])
         train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones
+        train.kwargs["failed_rewards"] = None  # every logged step is trained, whatever its rewards were
         self._trainer_group_name = train.kwargs["spec"].data_parallel.group_name  # removed when the replay ends
         return chain + [train]
 

@@ -46,7 +46,7 @@ from trajflow.operators.data_parallel import remove_placement_group_named
 from trajflow.operators.filter import Filter
 from trajflow.operators.generate import Generate
 from trajflow.operators.reference import ReferenceLogprobs
-from trajflow.operators.reward import Reward
+from trajflow.operators.reward import FailedRewardSteps, Reward
 from trajflow.operators.stage import Placement, Stage, place, stage_index
 from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
@@ -169,6 +169,10 @@ class RLPipeline:
         """What a strategy's operator stages are built from."""
         return StageContext(self.model_path, self.sampling, self.config.training_numerics(), self.config.scorer)
 
+    def failed_reward_steps(self) -> FailedRewardSteps:
+        """A count of consecutive steps whose reward failed on every row (reward_max_failed_steps)."""
+        return FailedRewardSteps(self.workload.reward_name(), self.config.reward_max_failed_steps)
+
     def train_stage(self, strategy: Strategy) -> Stage:
         """The train step under `strategy`, with the services that run in its process after each
         step: publish, held-out evaluation (every eval_every versions), store statistics."""
@@ -184,7 +188,7 @@ class RLPipeline:
                            torch_threads=c.trainer.torch_threads,
                            total_updates=c.steps * c.optimizer.minibatches_per_step, lora=c.lora.spec())
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
-                     recovery=c.recovery.spec())
+                     recovery=c.recovery.spec(), failed_rewards=self.failed_reward_steps())
         return Stage("train", TrainStep, train, c.trainer)
 
     def _default_stages(self) -> list[Stage]:
@@ -332,16 +336,21 @@ class RLPipeline:
         )
 
     def iter_metrics(self, first_step: int = 0):
-        """Run the pipeline, yielding one metrics dict per train step as it completes."""
+        """Run the pipeline, yielding one metrics dict per train step as it completes. Raises
+        RewardFailed (one line) once the reward has failed on every row of
+        `reward_max_failed_steps` consecutive steps."""
         log.info("trajflow pipeline\n%s\n%s\nall strategies:\n%s", self.describe(), self.layout(),
                  format_strategies())
+        failed_rewards = self.failed_reward_steps()
         try:
             # Not iter_rows(): it prefetches one block, so row b would surface only once step b+1
             # has finished (measured: the status line, the progress bar and the end of the first
             # step were one step late).
             for batch in self.build(first_step).iter_batches(batch_size=None, batch_format="pyarrow",
                                                              prefetch_batches=0):
-                yield from batch.to_pylist()
+                for row in batch.to_pylist():
+                    yield row
+                    failed_rewards.check(row)  # after the caller has shown the step: RewardFailed
         finally:
             self.shutdown()
 

@@ -35,7 +35,15 @@ _V1: dict[str, tuple[pa.DataType, bool]] = {
     "advantage": (pa.float32(), True),
 }
 
+# Optional columns of v1: nullable, checked and conformed when present, absent from logs written
+# before they were added (which still read back).
+_OPTIONAL: dict[str, pa.DataType] = {
+    # why the reward failed on the row: "Type: message", at most 200 characters (null: it scored)
+    "reward_error": pa.string(),
+}
+
 COLUMNS: list[str] = list(_V1)
+OPTIONAL_COLUMNS: tuple[str, ...] = tuple(_OPTIONAL)
 NULLABLE_COLUMNS: frozenset[str] = frozenset(c for c, (_, nullable) in _V1.items() if nullable)
 LIST_COLUMNS: tuple[str, ...] = tuple(c for c, (t, _) in _V1.items() if pa.types.is_list(t))
 # per-token columns: aligned element-wise with response_tokens
@@ -138,7 +146,8 @@ def _types_match(actual: pa.DataType, expected: pa.DataType) -> bool:
 def validate(table: pa.Table, *, allow_nonfinite: bool = False) -> None:
     """Raise SchemaError naming the column (and row) if `table` is not a valid v1 table.
 
-    Extra columns are allowed. Missing schema metadata is allowed; a different version is not.
+    Extra columns are allowed; an optional column (OPTIONAL_COLUMNS) may be missing. Missing schema
+    metadata is allowed; a different version is not.
     """
     _check_version(table.schema)
     sampling_semantics(table.schema)
@@ -160,6 +169,11 @@ def validate(table: pa.Table, *, allow_nonfinite: bool = False) -> None:
                 bad = _first_true(pc.is_null(flat))
                 row = pc.list_parent_indices(col)[bad].as_py()
                 raise _error(name, row, "null element inside list")
+
+    for name, expected in _OPTIONAL.items():
+        if name in names and not _types_match(table.schema.field(name).type, expected):
+            raise _error(name, None, f"type {table.schema.field(name).type} != {expected}; call "
+                         "trajflow.schemas.conform() to cast")
 
     n_resp = pc.list_value_length(table.column("response_tokens"))
     for name in PER_TOKEN_COLUMNS:
@@ -229,8 +243,9 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
 
 
 def conform(table: pa.Table, sampling: SamplingSemantics | None = None) -> pa.Table:
-    """Cast v1 columns back to their canonical types (large_list, large_string, float64, ...),
-    put v1 columns first in canonical order then extras, and attach v1 metadata.
+    """Cast v1 columns (and the optional ones present) back to their canonical types (large_list,
+    large_string, float64, ...), put them first in canonical order then extras, and attach v1
+    metadata.
 
     Existing sampling metadata is kept when `sampling` is None. Missing columns are not
     invented (validate() reports them). Raises SchemaError for a cast that would change meaning
@@ -243,7 +258,8 @@ def conform(table: pa.Table, sampling: SamplingSemantics | None = None) -> pa.Ta
     if sampling is None:
         sampling = sampling_semantics(table.schema)
     fields, arrays = [], []
-    for name, (expected, nullable) in _V1.items():
+    canonical = {**_V1, **{name: (t, True) for name, t in _OPTIONAL.items()}}
+    for name, (expected, nullable) in canonical.items():
         if name not in table.column_names:
             continue
         col = table.column(name)
@@ -257,7 +273,7 @@ def conform(table: pa.Table, sampling: SamplingSemantics | None = None) -> pa.Ta
         fields.append(pa.field(name, expected, nullable=nullable))
         arrays.append(col)
     for name in table.column_names:
-        if name not in _V1:
+        if name not in canonical:
             fields.append(table.schema.field(name))
             arrays.append(table.column(name))
     meta = {**old_meta, **_metadata(sampling)}
@@ -275,8 +291,9 @@ def from_rows(
 ) -> pa.Table:
     """Build a v1 table from dicts (for tests and operators).
 
-    Missing nullable keys (old_logprobs, reward, advantage) become null; keys outside v1 become
-    extra columns with inferred types. Validates unless check=False.
+    Missing nullable keys (old_logprobs, reward, advantage) become null; an optional column takes
+    its type; other keys outside v1 become extra columns with inferred types. Validates unless
+    check=False.
     """
     schema = trajectory_schema(sampling)
     extras = list(dict.fromkeys(k for r in rows for k in r if k not in _V1))
@@ -287,7 +304,7 @@ def from_rows(
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
             raise _error(f.name, None, f"cannot build {f.type}: {e}") from e
     for name in extras:
-        arr = pa.array([r.get(name) for r in rows])
+        arr = pa.array([r.get(name) for r in rows], type=_OPTIONAL.get(name))
         arrays.append(arr)
         fields.append(pa.field(name, arr.type))
     table = pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=schema.metadata))

@@ -57,8 +57,8 @@ JSON_SUFFIXES = (".jsonl", ".json")
 RESERVED_COLUMNS = (
     "trajectory_id", "group_id", "prompt_id", "prompt_tokens", "response_tokens", "loss_mask",
     "inference_logprobs", "versions", "old_logprobs", "finish_reason", "reward", "advantage",
-    "rollout_step", "filter_reason", "trainer_version", "turns", "step", "proximal_logprobs",
-    "reference_logprobs", "kl_penalty", "prompts", "completions",
+    "rollout_step", "filter_reason", "trainer_version", "turns", "reward_error", "step",
+    "proximal_logprobs", "reference_logprobs", "kl_penalty", "prompts", "completions",
 )
 BATCH_ROWS = 2048  # rows read, checked and tokenized at a time: validation's memory bound
 PROGRESS_AFTER_SECONDS = 3.0  # a longer check prints a progress line ...

@@ -14,10 +14,13 @@ too. Names (the `reward:` key):
     package.module:function     a function in an importable module
     path/to/file.py:function    a function in a file (shipped to Ray workers by value)
 
-`RewardRunner` calls the function and turns failure into per-item errors: the batch is called
-once with `timeout` seconds; if it raises, runs over, or returns the wrong number of values, every
-item is called alone (concurrently, `timeout` seconds each). An item whose call raises, runs over,
-or gives None / NaN / inf / a non-number is an error (`None` in the result); the others score.
+`RewardRunner` calls the function, built-in or not, under the per-item timeout and turns failure
+into per-item errors: the batch is called once with `timeout` seconds; if it raises or runs over,
+every item is called alone (concurrently, `timeout` seconds each). An item whose call raises, runs
+over, or gives None / NaN / inf / a non-number is an error: no score, and a one-line reason
+(`ValueError: ...`, at most ERROR_CHARS characters) that the trajectory log keeps. A batch that
+returns the wrong number of values is not retried item by item (the length is the function's
+bug, not one item's): every item gets that as its error.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import inspect
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -39,6 +43,9 @@ from trajflow.user_code import UserCodeError, load_object
 BUILTIN_REWARDS = ("exact", "math")
 # How many items of a failed batch are retried at once (each in its own thread or coroutine).
 FALLBACK_CONCURRENCY = 64
+ERROR_CHARS = 200  # an item's error as logged: "Type: message", cut to this length
+# math-verify's notice when its own (SIGALRM) timeouts are off; RewardRunner's timeout covers them
+MATH_VERIFY_TIMEOUT_NOTICE = "Timeout is disabled"
 
 
 class RewardSpecError(UserCodeError):
@@ -59,6 +66,11 @@ class MathVerify:
 
     Batched: a completion that equals its answer as a string scores without parsing, and each
     distinct answer and completion is parsed once per batch (a group's samples share an answer).
+
+    Timeouts: math-verify's own use SIGALRM, which works on the main thread only. In a run the
+    call comes from RewardRunner's thread, under its per-item timeout, so math-verify's are off
+    there and its notice that they are (logged once per process) is dropped; on the main thread
+    (a direct call) math-verify's 5 s apply.
     """
 
     def __init__(self) -> None:
@@ -66,14 +78,14 @@ class MathVerify:
             import math_verify  # noqa: F401
         except ImportError:
             raise RewardSpecError("reward: math needs the math extra: pip install 'trajflow[math]'") from None
-        logging.getLogger("math_verify").setLevel(logging.ERROR)
 
     def __call__(self, prompts: Sequence, completions: Sequence[str], answer: Sequence, **_: Any) -> list[float]:
         from math_verify import parse, verify
 
-        # math-verify's own timeouts use SIGALRM, which works on the main thread only
         on_main = threading.current_thread() is threading.main_thread()
         timeout = 5 if on_main else None
+        if not on_main:
+            _drop_timeout_notice()
         answers = ["" if a is None else str(a) for a in answer]
         parsed: dict[str, Any] = {}
 
@@ -91,6 +103,20 @@ class MathVerify:
             ok = bool(gold_parsed) and bool(target) and verify(gold_parsed, target, timeout_seconds=timeout)
             scores.append(1.0 if ok else 0.0)
         return scores
+
+
+class _NotTheTimeoutNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(MATH_VERIFY_TIMEOUT_NOTICE)
+
+
+def _drop_timeout_notice() -> None:
+    """Drop math-verify's "timeouts are off" notice in this process (idempotent): the caller
+    enforces the timeout. Its other warnings (e.g. a parse that timed out) are kept."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NotTheTimeoutNotice) for f in logger.filters):
+            logger.addFilter(_NotTheTimeoutNotice())
 
 
 # -- import paths ----------------------------------------------------------------------------------
@@ -137,44 +163,55 @@ def check_reward_signature(fn: Any, spec: str, columns: Sequence[str] | None = N
 
 
 # -- the runner ------------------------------------------------------------------------------------
+class RewardScores(NamedTuple):
+    """Per item: the score (None when the reward failed) and why it failed (None when it scored)."""
+
+    scores: list[float | None]
+    errors: list[str | None]
+
+
+def error_text(error: BaseException | str) -> str:
+    """One line, at most ERROR_CHARS characters: "Type: message" (or the text given)."""
+    if isinstance(error, BaseException):
+        error = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    text = " ".join(error.split())
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
+
+
 class RewardRunner:
-    """Call a reward function on a batch; one failing item never fails the batch.
+    """Call a reward function on a batch under the per-item timeout; one failing item never
+    fails the batch (see the module docstring)."""
 
-    `isolate=False` (the built-in verifiers) calls inline without threads or timeouts; results are
-    still checked item by item.
-    """
-
-    def __init__(self, fn: Callable, timeout: float = 30.0, isolate: bool = True) -> None:
+    def __init__(self, fn: Callable, timeout: float = 30.0) -> None:
         self.fn = fn
         self.timeout = timeout
-        self.isolate = isolate
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
-    def __call__(self, prompts: list, completions: list[str], columns: dict[str, list]) -> list[float | None]:
+    def __call__(self, prompts: list, completions: list[str], columns: dict[str, list]) -> RewardScores:
         n = len(completions)
         if n == 0:
-            return []
-        if not self.isolate:
-            return _checked(self.fn(prompts, completions, **columns), n) or [None] * n
+            return RewardScores([], [])
         batch = self._run([(prompts, completions, columns)])[0]
-        result = _checked(batch, n) if not isinstance(batch, BaseException) else None
-        if result is not None:
-            return result
+        if not isinstance(batch, BaseException):
+            return _checked(batch, n)
         scores: list[float | None] = []
+        errors: list[str | None] = []
         for start in range(0, n, FALLBACK_CONCURRENCY):
             items = [([prompts[i]], [completions[i]], {k: [v[i]] for k, v in columns.items()})
                      for i in range(start, min(n, start + FALLBACK_CONCURRENCY))]
             for out in self._run(items):
-                single = _checked(out, 1) if not isinstance(out, BaseException) else None
-                scores.append(single[0] if single else None)
-        return scores
+                single = RewardScores([None], [error_text(out)]) if isinstance(out, BaseException) else _checked(out, 1)
+                scores += single.scores
+                errors += single.errors
+        return RewardScores(scores, errors)
 
     def _run(self, calls: list[tuple[list, list, dict]]) -> list[Any]:
         """Each call with `timeout` seconds, concurrently; a result or the exception per call."""
+        over = TimeoutError(f"the reward took longer than reward_timeout_seconds ({self.timeout:g} s)")
         if self.is_async:
-            return _in_thread(lambda: asyncio.run(self._gather(calls)), self.timeout + 5.0) or \
-                [TimeoutError()] * len(calls)
-        results: list[Any] = [TimeoutError(f"reward took longer than {self.timeout}s")] * len(calls)
+            results = _in_thread(lambda: asyncio.run(self._gather(calls)), self.timeout + 5.0) or [over] * len(calls)
+            return [over if isinstance(r, TimeoutError) and not str(r) else r for r in results]  # wait_for's
+        results: list[Any] = [over] * len(calls)
 
         def run_one(i: int, call) -> None:
             try:
@@ -185,22 +222,16 @@ class RewardRunner:
         threads = [threading.Thread(target=run_one, args=(i, c), daemon=True) for i, c in enumerate(calls)]
         for t in threads:
             t.start()
-        deadline = _now() + self.timeout
+        deadline = time.monotonic() + self.timeout
         for t in threads:
-            t.join(max(0.0, deadline - _now()))  # a thread still running is abandoned (daemon)
-        return [r if not t.is_alive() else TimeoutError() for r, t in zip(results, threads)]
+            t.join(max(0.0, deadline - time.monotonic()))  # a thread still running is abandoned (daemon)
+        return [r if not t.is_alive() else over for r, t in zip(results, threads)]
 
     async def _gather(self, calls):
         async def one(call):
             return await asyncio.wait_for(self.fn(call[0], call[1], **call[2]), self.timeout)
 
         return await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
 
 
 def _in_thread(fn: Callable[[], Any], timeout: float) -> Any:
@@ -211,18 +242,28 @@ def _in_thread(fn: Callable[[], Any], timeout: float) -> Any:
     return box[0] if box else None
 
 
-def _checked(values: Any, n: int) -> list[float | None] | None:
-    """The n scores as floats (None for a non-finite or non-numeric item), or None if `values` is
-    not a sequence of n items."""
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _checked(values: Any, n: int) -> RewardScores:
+    """The n scores as floats, or per item why not: a non-finite or non-numeric item is that
+    item's error; a result that is not a sequence of n items is every item's."""
     if isinstance(values, np.ndarray):
         values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != n:
-        return None
-    out: list[float | None] = []
+        got = _count(len(values), "value") if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+        error = error_text(f"the reward returned {got} for {_count(n, 'completion')} (one score per completion)")
+        return RewardScores([None] * n, [error] * n)
+    scores: list[float | None] = []
+    errors: list[str | None] = []
     for v in values:
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-            out.append(float(v) if isinstance(v, (bool, np.bool_)) else None)
+        number = float(v) if isinstance(v, (int, float, np.bool_, np.integer, np.floating)) else None
+        if number is not None and math.isfinite(number):
+            scores.append(number)
+            errors.append(None)
             continue
-        v = float(v)
-        out.append(v if math.isfinite(v) else None)
-    return out
+        what = repr(v) if number is not None or v is None else f"{v!r} ({type(v).__name__}), not a number"
+        scores.append(None)
+        errors.append(error_text(f"the reward returned {what}"))
+    return RewardScores(scores, errors)

@@ -18,10 +18,11 @@ Two hooks let the caller move weights (operators/generate.py): `before_turn(engi
 before every turn, `between_steps(engine, batch)` after every decode step; both see the episodes
 with the in-flight turn included (`EpisodeBatch.current`).
 
-`heldout_accuracy`: greedy decoding on the workload's held-out prompts, float32, no Ray (the
-trainer's evaluation hook and `trajflow eval`). The held-out prompts are a task's test split, or a
-dataset's `data.test_files`; responses are scored by the workload's reward (an item whose reward
-fails counts as 0); an environment's held-out score is its greedy episodes' mean reward.
+`heldout_rewards` / `heldout_accuracy`: greedy decoding on the workload's held-out prompts,
+float32, no Ray (the trainer's evaluation hook and `trajflow eval`). The held-out prompts are a
+task's test split, or a dataset's `data.test_files`; responses are scored by the workload's reward
+(in the mean, an item whose reward fails counts as 0); an environment's held-out score is its
+greedy episodes' mean reward.
 """
 
 from __future__ import annotations
@@ -187,13 +188,18 @@ def heldout_success_rate(
     For the built-in 0/1 environments this is the success rate. `max_new_tokens` is the per-turn
     limit, as in training.
     """
+    rewards = _episode_rewards(model, tokenizer, env, n, max_new_tokens, batch_size)
+    return float(np.mean(rewards)) if rewards else 0.0
+
+
+def _episode_rewards(model, tokenizer, env: Environment, n: int, max_new_tokens: int, batch_size: int) -> list[float]:
     engine = greedy_engine(model, tokenizer, max_new_tokens)
     prompts = env.heldout(n)
     rewards: list[float] = []
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
             rewards += [e.reward for e in run_episodes(engine, env, tokenizer, prompts[start:start + batch_size])]
-    return float(np.mean(rewards)) if rewards else 0.0
+    return rewards
 
 
 def heldout_accuracy(
@@ -205,14 +211,30 @@ def heldout_accuracy(
     batch_size: int = 256,
     stop: Sequence[str] = (),
 ) -> float:
-    """Mean reward of greedy responses on the first n held-out prompts (= accuracy for 0/1 rewards).
+    """Mean reward of greedy responses on the first n held-out prompts (= accuracy for 0/1
+    rewards; an item whose reward fails counts as 0). See `heldout_rewards`."""
+    rewards = heldout_rewards(model, tokenizer, task, n, max_new_tokens, batch_size, stop)
+    return float(np.mean([0.0 if r is None else r for r in rewards])) if rewards else 0.0
 
-    For an environment: the mean reward of greedy multi-turn episodes (max_new_tokens per turn).
+
+def heldout_rewards(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task | Workload,
+    n: int | None,
+    max_new_tokens: int,
+    batch_size: int = 256,
+    stop: Sequence[str] = (),
+) -> list[float | None]:
+    """The reward of the greedy response to each of the first n held-out prompts (None where the
+    reward failed; n None: every row of a dataset's data.test_files).
+
+    For an environment: the reward of each greedy multi-turn episode (max_new_tokens per turn).
     """
     workload = task if isinstance(task, Workload) else None
     env = workload.environment() if workload is not None else (task if is_environment(task) else None)
     if env is not None and (workload is None or workload.data is None):
-        return heldout_success_rate(model, tokenizer, env, n, max_new_tokens, batch_size)
+        return _episode_rewards(model, tokenizer, env, n, max_new_tokens, batch_size)
     if workload is None:  # a Task object
         rows, runner, columns = rows_of_prompts(0, task.heldout(n), tokenizer), task_reward_runner(task), ["answer"]
     else:
@@ -221,11 +243,10 @@ def heldout_accuracy(
     engine = greedy_engine(model, tokenizer, max_new_tokens, stop_token_ids=stop_ids)
     prompts = rows["prompt"].to_pylist()
     tokens = rows["prompt_tokens"].to_pylist()
-    rewards: list[float] = []
+    rewards: list[float | None] = []
     for start in range(0, rows.num_rows, batch_size):
         gens = engine.generate(tokens[start:start + batch_size])
         completions = decode_responses(tokenizer, [g.response_tokens for g in gens], stop_ids, stop)
         chunk = {c: rows[c].slice(start, len(gens)).to_pylist() for c in columns}
-        scores = runner(prompts[start:start + len(gens)], completions, chunk)
-        rewards += [0.0 if s is None else s for s in scores]
-    return float(np.mean(rewards)) if rewards else 0.0
+        rewards += runner(prompts[start:start + len(gens)], completions, chunk).scores
+    return rewards

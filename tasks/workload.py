@@ -191,8 +191,9 @@ class Workload:
         dataset = checked_dataset(self.data, self.train_files(), tokenizer)
         return DatasetPrompts(dataset, seed, prompts_per_step, self.data.shuffle)
 
-    def heldout_rows(self, tokenizer, n: int) -> pa.Table:
-        """The first n held-out prompt rows (a task's test split, or data.test_files in file order)."""
+    def heldout_rows(self, tokenizer, n: int | None) -> pa.Table:
+        """The first n held-out prompt rows (a task's test split, or data.test_files in file order;
+        n None: every row of data.test_files)."""
         if self.data is None:
             return rows_of_prompts(0, self.task_object().heldout(n), tokenizer)
         if not self.data.test_files:
@@ -208,10 +209,14 @@ class Workload:
             return None
         if self.reward is None:
             return task_reward_runner(task, self.reward_timeout_seconds)
-        from trajflow.tasks.rewards import BUILTIN_REWARDS
+        return RewardRunner(resolve_reward(self.reward), self.reward_timeout_seconds)
 
-        return RewardRunner(resolve_reward(self.reward), self.reward_timeout_seconds,
-                            isolate=self.reward not in BUILTIN_REWARDS)
+    def reward_name(self) -> str:
+        """What scores the rows, as the user named it (for messages)."""
+        if self.reward is not None:
+            return f"reward {self.reward}"
+        task = self.task_object()
+        return f"the {task.name} task's verifier" if task is not None else "the reward"
 
     def fingerprint(self, model_dir: str | Path | None, seed: int, prompts_per_step: int) -> str | None:
         """What a resume checks: the dataset's bytes, tokenizer and mapping settings (None: no dataset)."""
@@ -227,7 +232,7 @@ def task_reward_runner(task: Task, timeout: float = 30.0) -> RewardRunner:
     """A task's own verifier as a batched reward: the vectorised exact match for the built-in
     tasks (which use it), else the task's `reward` item by item."""
     if type(task).reward is SyntheticTask.reward:
-        return RewardRunner(exact_match, timeout, isolate=False)
+        return RewardRunner(exact_match, timeout)
     return RewardRunner(TaskVerifier(task), timeout)
 
 

@@ -6,7 +6,8 @@ by the Ray workers: they receive the code by value).
   of the dataset rows, and its logged rewards equal the user's function recomputed on the decoded
   responses; each epoch trains every prompt once;
 - a reward that raises on a quarter of the items and sleeps past the timeout on others: the run
-  completes, those rows are marked `reward_error` and kept in the log, the count is in the metrics;
+  completes, those rows are marked `reward_error` and kept in the log with why (the exception,
+  the timeout), the count is in the metrics;
 - SIGKILL after checkpoint 2 and `--resume`: the steps trained over the two sessions hold exactly
   the prompts of an uninterrupted run, each once per epoch; a changed dataset refuses to resume;
 - `env: file.py:Class`: a user's environment class reaches the Ray workers and plays the episodes.
@@ -138,6 +139,10 @@ def test_failing_rewards_mark_rows_and_the_run_goes_on(workload_dir, bpe_model_d
     failed = (idx % 4 == 0) | (idx == 5)
     reasons = np.array(table["filter_reason"].to_pylist(), dtype=object)
     assert (reasons[failed] == "reward_error").all()
+    errors = np.array(table["reward_error"].to_pylist(), dtype=object)  # why, per row
+    assert set(errors[idx % 4 == 0]) == {"ValueError: this reward fails on a quarter of the items"}
+    assert set(errors[idx == 5]) == {"TimeoutError: the reward took longer than reward_timeout_seconds (1 s)"}
+    assert set(errors[~failed]) == {None}
     assert table.filter(pa.array(failed))["reward"].null_count == failed.sum()
     ok = table.filter(pa.array(~failed))
     np.testing.assert_allclose(ok["reward"].to_numpy(), 1.0 + np.array(ok["idx"].to_pylist()))

@@ -73,6 +73,7 @@ def _step(recorder: RunRecorder, trainer: SmallTrainer) -> dict:
     trainer.train()
     metrics = {"step": step, "version": trainer.version, "reward_mean": 0.5, "rows_trained": 4,
                "optimizer_steps": trainer.optimizer_steps}
+    recorder.on_rows(trainer, _batch(step), step)
     recorder.on_step(trainer, _batch(step), metrics)
     return metrics
 
@@ -108,6 +109,7 @@ def test_steps_write_logs_checkpoints_and_versions(tmp_path):
     bad = bad.set_column(bad.schema.get_field_index("inference_logprobs"), "inference_logprobs",
                          pa.array(lp, pa.list_(pa.float32())))
     trainer.train()
+    recorder.on_rows(trainer, bad, 5)
     recorder.on_step(trainer, bad, {"step": 5, "version": 6})
     assert read_parquet(paths.trajectory_file(5)).num_rows == 3
     assert (paths.quarantine / "step=000005.parquet").is_file()
@@ -180,3 +182,45 @@ def test_recorder_is_picklable_for_the_trainer_actor(tmp_path):
     assert metrics["data/prompts_too_long"].to_list() == [1, 1, 1]
     meta = json.loads((ckpt.latest_checkpoint(paths.checkpoints).path / "meta.json").read_text())
     assert meta["data"] == {**data_state, "next_step": 2, "epoch": 1, "index_in_epoch": 2}
+
+
+def test_start_checkpoint_lets_a_trainer_lost_before_the_first_checkpoint_be_rebuilt(tmp_path):
+    """With recovery on, a new run checkpoints version 0 at its start: a trainer lost at step 1
+    (before checkpoint_every) is rebuilt from it (the starting weights) plus step 0's logged rows;
+    a resumed run writes no second start checkpoint."""
+    from trajflow.operators.recovery import replay_plan
+
+    recorder, trainer = _recorder(tmp_path, checkpoint_start=True, checkpoint_every=4), SmallTrainer(seed=3)
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    recorder.on_start(trainer)
+    (zero,) = ckpt.list_checkpoints(recorder.paths.checkpoints)
+    assert zero.version == 0 and all(torch.equal(zero.model_state()[k], v) for k, v in start.items())
+    _step(recorder, trainer)
+    directory, version, batches = replay_plan(recorder, 1)
+    assert (version, [b["trajectory_id"].to_pylist() for b in batches]) == (0, [_batch(0)["trajectory_id"].to_pylist()])
+    # a resumed trainer: restores, writes nothing new at its start
+    resumed = _recorder(tmp_path, checkpoint_start=True, resume_from=directory)
+    resumed.on_start(SmallTrainer(seed=3))
+    assert [c.version for c in ckpt.list_checkpoints(recorder.paths.checkpoints)] == [0]
+    # off (recovery.max_restarts: 0): no start checkpoint
+    off = _recorder(tmp_path / "off", checkpoint_every=4)
+    off.on_start(SmallTrainer())
+    assert ckpt.list_checkpoints(off.paths.checkpoints) == []
+
+
+def test_the_source_covers_a_step_logged_before_the_trainer_died(tmp_path):
+    """Rows are logged before a version is published: a trainer that died after step 3's rows
+    but before its metrics left version 4 in the store, so the rebuilt trainer's plan retrains
+    step 3 from the log, also when the step at hand is a retried task's earlier step."""
+    from trajflow.operators.recovery import replay_plan
+
+    recorder, trainer = _recorder(tmp_path, checkpoint_every=2), SmallTrainer()
+    recorder.on_start(trainer)
+    for _ in range(3):
+        _step(recorder, trainer)  # steps 0-2; checkpoint 2
+    trainer.train()
+    recorder.on_rows(trainer, _batch(3), 3)  # ... and the process died here
+    assert (recorder.last_logged_step(), recorder.metrics_logged(2), recorder.metrics_logged(3)) == (3, True, False)
+    directory, version, batches = replay_plan(recorder, 3)  # the step at hand: 3 (or a retried 2)
+    assert version == 2 and [b["rollout_step"][0].as_py() for b in batches] == [2, 3]
+    assert replay_plan(recorder, 2)[1:] == (version, batches)

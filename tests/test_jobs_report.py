@@ -122,12 +122,12 @@ def test_plot_draws_raw_values_and_says_when_evaluation_is_off(tmp_path):
     raw, smoothed = reward.get_lines()
     assert list(raw.get_ydata()) == rewards and smoothed.get_linestyle() == "--"
     assert reward.get_ylabel() == "reward" and axes["wall time per step"].get_ylabel() == "seconds"
-    texts = [t.get_text() for t in axes["held-out greedy accuracy"].texts]
+    texts = [t.get_text() for t in axes["held-out greedy mean reward"].texts]
     assert texts == ["evaluation off (eval_every: 0)"]
     assert "config quickstart | strategy snapshot" in off._suptitle.get_text()
     assert "dashed: rolling mean over 4 steps" in off._suptitle.get_text()
     assert [t.get_text() for t in both.legends[0].get_texts()] == ["e/run", "n/run"]  # one legend, both runs
-    accuracy = {ax.get_title(): ax for ax in both.axes}["held-out greedy accuracy\nnone for: n/run"]
+    accuracy = {ax.get_title(): ax for ax in both.axes}["held-out greedy mean reward\nnone for: n/run"]
     assert [list(line.get_ydata()) for line in accuracy.get_lines()] == [[0.4, 0.6]]
 
 

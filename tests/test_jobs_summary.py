@@ -1,6 +1,7 @@
 """What a run says at its end and records of where it ran (jobs/run.py, jobs/report.py), on
 hand-written metrics rows: the held-out line of the summary (accuracy before and after with its
-standard error), the report's version-0 accuracy, and placement.json from the rows' `node/...`
+standard error), the report's version-0 accuracy, the rows whose reward failed (status line,
+summary, report), whether the run can be replayed, and placement.json from the rows' `node/...`
 columns (each stage-group actor reports its node on its first batch)."""
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ import pytest
 from trajflow.jobs.console import WIDTH
 from trajflow.jobs.recorder import RunPaths, write_table_atomic
 from trajflow.jobs.report import load_runs, summarize
-from trajflow.jobs.run import heldout_line, record_placement, summary_table
+from trajflow.jobs.run import heldout_line, record_placement, status_line, summary_table
+from trajflow.pipelines.replay import replay_support
 
 
-def write_metrics(root: Path, heldout: dict[int, float], start: float | None) -> RunPaths:
+def write_metrics(root: Path, heldout: dict[int, float], start: float | None,
+                  reward_errors: dict[int, int] | None = None) -> RunPaths:
     paths = RunPaths(root)
     for step in range(4):
-        row = {"step": step, "version": step + 1, "reward_mean": 0.5, "rows": 8, "rows_trained": 8}
+        row = {"step": step, "version": step + 1, "reward_mean": 0.5, "rows": 8, "rows_trained": 8,
+               "reward/errors": (reward_errors or {}).get(step, 0)}
+        if row["reward/errors"]:
+            row["reward/first_error"] = f"ValueError: step {step}"
         if step == 0 and start is not None:
             row["heldout_accuracy_start"] = start
         if step in heldout:
@@ -52,6 +58,33 @@ def test_heldout_line_gives_both_ends_and_the_standard_error_of_the_change(tmp_p
     summary = summary_table(paths, 4, 0, 10.0, [5.0, 1.0, 1.0, 1.0], heldout_prompts=100)
     assert line in summary.splitlines() and len(line) <= WIDTH
     assert "held-out" not in summary_table(paths, 4, 0, 10.0, [5.0, 1.0, 1.0, 1.0])  # evaluation off
+
+
+def test_reward_errors_in_the_status_line_the_summary_and_the_report(tmp_path):
+    paths = write_metrics(tmp_path / "run", {}, start=None, reward_errors={1: 3, 2: 8})
+    assert "reward errors" not in status_line({"step": 0, "reward_mean": 0.5, "rows": 8, "reward/errors": 0}, 4)
+    assert status_line({"step": 1, "reward_mean": 0.5, "rows": 8, "rows_trained": 5, "reward/errors": 3}, 4) == \
+        "step 1 ( 50%) | reward 0.500 | rows 5/8 | reward errors 3"
+    summary = summary_table(paths, 4, 0, 10.0, [5.0, 1.0, 1.0, 1.0]).splitlines()
+    assert "reward errors: 11 of 32 rows, in 2 of 4 steps; first: ValueError: step 1" in summary
+    header = summary[0].split("  ")
+    assert "reward errors" in [h.strip() for h in header]
+    (run,) = load_runs([paths.root]).values()
+    assert summarize("run", run)["reward_errors"] == 11
+    clean = write_metrics(tmp_path / "clean", {}, start=None)
+    assert "reward errors" not in summary_table(clean, 4, 0, 10.0, [5.0, 1.0, 1.0, 1.0])  # none: no column, no line
+
+
+def test_the_summary_says_whether_the_run_can_be_replayed(tmp_path):
+    paths = write_metrics(tmp_path / "run", {}, start=None)
+    line = replay_support(True, False, [2, 4])
+    assert line.startswith("replay: not possible, save_all_versions is false (versions kept: 2, 4)")
+    assert "under snapshot, dedicated, interrupt," in line  # the strategies that read each token's version
+    summary = summary_table(paths, 4, 0, 10.0, [5.0, 1.0, 1.0, 1.0], replay=line)
+    assert "replay: not possible" in summary
+    assert all(len(x) <= WIDTH for x in summary.splitlines() if not x.startswith("run dir"))  # wrapped
+    assert replay_support(True, True, []).startswith("replay: exact under any strategy")
+    assert replay_support(False, True, []).startswith("replay: not possible (trajectory_log: false")
 
 
 def test_report_shows_version_0_accuracy(tmp_path):

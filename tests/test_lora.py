@@ -60,6 +60,7 @@ def _run(config: PipelineConfig, steps: range | None = None, recorder=None, init
 
     class Hooks:
         on_start = recorder.on_start if recorder is not None else None
+        on_rows = recorder.on_rows if recorder is not None else None
 
         @staticmethod
         def on_step(trainstep, batch, metrics) -> None:

@@ -5,7 +5,9 @@
 - on another Ray (simulated: `ray.__version__` set for the test, since only one Ray can be
   installed) no patch is applied, one line says so, and an embedded Ray that would listen beyond
   127.0.0.1 is refused;
-- the patches of the embedded Ray's start hold for the start only.
+- the patches of the embedded Ray's start hold for the start only;
+- the workers' lines Ray forwards go to a file while `worker_output` points there, and are
+  printed as Ray does again after `to(None)`.
 (tests/test_executor_patch.py and tests/test_ray_data_services.py assert patches 3 and 4 are
 active; the embedded Ray's processes and sockets are checked there and in test_jobs_local_ray.py.)
 """
@@ -25,7 +27,7 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own TOML reader
     import tomli as tomllib
 
 from trajflow.pipelines import ray_patches
-from trajflow.pipelines.ray_patches import RAY_SERIES, RayVersionError, data_services, executor
+from trajflow.pipelines.ray_patches import RAY_SERIES, RayVersionError, data_services, executor, worker_output
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -61,7 +63,8 @@ def test_the_series_is_major_and_minor(version, inside):
     assert ray_patches.ray_in_series(version) is inside
 
 
-def test_on_another_ray_simulated_nothing_is_patched_and_one_line_says_so(ray_session, monkeypatch, caplog):
+def test_on_another_ray_simulated_nothing_is_patched_and_one_line_says_so(ray_session, monkeypatch, caplog,
+                                                                          tmp_path):
     ray = ray_session
     from ray._private import node, ray_constants
     from ray.data._internal.execution import streaming_executor_state
@@ -79,6 +82,8 @@ def test_on_another_ray_simulated_nothing_is_patched_and_one_line_says_so(ray_se
             assert data_services.apply() is False and not data_services.active()
             with ray_patches.lean_head(log_monitor=False):
                 assert (node.Node.__init__, node.Node.start_api_server) == shipped_node
+            worker_output.to(tmp_path / "workers.log")
+            assert not worker_output.active() and not (tmp_path / "workers.log").exists()
             refused = (r"^Ray 2\.61\.0 would listen beyond "
                        r"127\.0\.0\.1: pip install the pinned 'ray\[data\]==2\.60\.\*'$")
             with pytest.raises(RayVersionError, match=refused):
@@ -108,3 +113,28 @@ def test_the_patches_of_the_embedded_start_hold_for_the_start_only():
             assert ray_constants.ENABLE_RAY_CLUSTER is False
             raise KeyError("ray.init failed")
     assert (node.Node.__init__, node.Node.start_api_server, ray_constants.ENABLE_RAY_CLUSTER) == before
+
+
+def test_worker_output_goes_to_the_file_and_back_to_rays_printer(monkeypatch, tmp_path):
+    from ray._private import ray_logging
+
+    dispatcher = ray_logging.WorkerStandardStreamDispatcher()  # as ray.init(log_to_driver=True) leaves it
+    printed: list[dict] = []
+    dispatcher.add_handler(worker_output.PRINTER, printed.append)
+    monkeypatch.setattr(ray_logging, "global_worker_stdstream_dispatcher", dispatcher)
+    line = {"pid": 42, "is_err": True, "actor_name": "MapWorker(Reward)", "lines": ["UserWarning: careful", "x"]}
+    try:
+        worker_output.to(tmp_path / "workers.log")
+        dispatcher.emit(line)
+        dispatcher.emit({"pid": 7, "is_err": False, "task_name": "read", "lines": ["hello"]})
+        assert printed == []
+        worker_output.to(tmp_path / "second.log")  # a later run of the same process: its own file
+        dispatcher.emit({"pid": 8, "is_err": False, "lines": ["later"]})
+    finally:
+        worker_output.to(None)
+    assert (tmp_path / "workers.log").read_text() == (
+        "(MapWorker(Reward) pid=42 stderr) UserWarning: careful\n(MapWorker(Reward) pid=42 stderr) x\n"
+        "(read pid=7) hello\n")
+    assert (tmp_path / "second.log").read_text() == "(pid=8) later\n"
+    dispatcher.emit(line)
+    assert printed == [line] and [name for name, _ in dispatcher.handlers] == [worker_output.PRINTER]

@@ -142,3 +142,24 @@ def test_killed_trainer_is_rebuilt_and_the_run_matches_an_uninterrupted_one(tmp_
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
     print(f"{kill}: {result.recovery_seconds:.1f} s from the kill to step {KILL_AT}'s metrics")
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_policy_store_is_one_line_naming_resume(ray_session):
+    """The store's versions live only in its actor, so a lost store is not rebuilt in the run:
+    the ActorDiedError a caller gets (wrapped, as Ray Data re-raises it) becomes one line."""
+    import ray
+
+    from trajflow.jobs.run import store_lost
+    from trajflow.pipelines.policy_store import RayStore
+
+    store = RayStore.start(max_staleness=1, keep_history=True)
+    assert store.latest_version() == -1
+    store.kill()
+    with pytest.raises(ray.exceptions.ActorDiedError) as caught:
+        store.latest_version()
+    try:
+        raise RuntimeError("UDF failed to process a data block.") from caught.value
+    except RuntimeError as wrapped:
+        assert store_lost(wrapped) == f"the policy store's process died; the run stops: {RESUME_HINT}"
+    assert store_lost(RuntimeError("some other actor died")) is None

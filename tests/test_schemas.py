@@ -14,6 +14,7 @@ import pytest
 from trajflow.schemas import (
     COLUMNS,
     NULLABLE_COLUMNS,
+    OPTIONAL_COLUMNS,
     PER_TOKEN_COLUMNS,
     SamplingSemantics,
     SchemaError,
@@ -104,6 +105,28 @@ def test_extra_columns_pass_through():
     t = from_rows([{**r, "answer": str(i)} for i, r in enumerate(rows())])
     validate(t)
     assert t.column_names == COLUMNS + ["answer"]
+
+
+def test_reward_error_is_an_optional_string_column(tmp_path):
+    """`reward_error` (why a row's reward failed): typed when present, after the v1 columns; a log
+    written before it existed (no such column) still reads back."""
+    assert OPTIONAL_COLUMNS == ("reward_error",)
+    errors = [None, "ValueError: bad answer", None, "TimeoutError: too slow"]
+    t = from_rows([{"answer": str(i), **r, "reward_error": e} for i, (r, e) in enumerate(zip(rows(), errors))])
+    assert t.column_names == COLUMNS + ["answer", "reward_error"]
+    assert t.schema.field("reward_error").type == pa.string()
+    back = read_parquet(write_parquet(t, tmp_path / "new.parquet"))
+    assert back.column_names == COLUMNS + ["reward_error", "answer"]  # canonical order, then extras
+    assert back["reward_error"].to_pylist() == errors
+    old = read_parquet(write_parquet(from_rows(rows()), tmp_path / "old.parquet"))
+    assert "reward_error" not in old.column_names and old.num_rows == 4
+    all_null = from_rows([{**r, "reward_error": None} for r in rows()])  # typed, not Arrow's null type
+    assert all_null.schema.field("reward_error").type == pa.string()
+    wrong = from_rows(rows()).append_column("reward_error", pa.array([1, 2, 3, 4]))
+    with pytest.raises(SchemaError, match="column 'reward_error': type int64 != string"):
+        validate(wrong)
+    with pytest.raises(SchemaError, match="reward_error"):
+        conform(wrong)
 
 
 def test_missing_metadata_is_allowed(table, tmp_path):

@@ -113,7 +113,7 @@ def test_a_user_strategy_runs_live_and_in_replay_diagnose(ray_session, user_stra
     pipe = RLPipeline(config, strategy=HalfwayOld())  # live, from a Python object
     recorder = RunRecorder(run_dir=str(run_dir), steps=3, checkpoint_every=0, keep_checkpoints=1,
                            save_all_versions=True, trajectory_log=True)
-    pipe.hooks.on_start, pipe.hooks.on_step = recorder.on_start, recorder.on_step
+    recorder.install(pipe.hooks)
     live = pipe.run(progress=False)
     assert live.height == 3 and set(live["strategy"]) == {"halfway"}
     # the run's config names the strategy by import path, as a job config would

@@ -264,7 +264,8 @@ def run_with_final_weights(config: PipelineConfig, steps: range | None = None, r
     steps = steps if steps is not None else range(config.steps)
     pipe = RLPipeline(config)
     if recorder is not None:
-        pipe.hooks.on_start, pipe.hooks.on_step = recorder.on_start, recorder.on_step
+        hooks = pipe.hooks
+        hooks.on_start, hooks.on_rows, hooks.on_step = recorder.on_start, recorder.on_rows, recorder.on_step
     store = pipe.start_store(initial_version=steps.start, initial_weights=initial_weights)
     stages = [stage.fn(store=store, **stage.kwargs) if stage.is_actor else stage.fn for stage in pipe.stages]
     try:

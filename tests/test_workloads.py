@@ -23,7 +23,7 @@ from trajflow.engines.tokenizer import (
 )
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.tasks.dataset import DataConfig, DataError, PromptDataset, epoch_order
-from trajflow.tasks.rewards import MathVerify, RewardRunner, RewardSpecError, exact_match
+from trajflow.tasks.rewards import ERROR_CHARS, MathVerify, RewardRunner, RewardSpecError, exact_match
 from trajflow.tasks.workload import TaskPrompts, Workload
 from trajflow.user_code import UserCodeError, load_object
 
@@ -183,21 +183,49 @@ def trl_reward(prompts, completions, answer, **kwargs):
 def test_rewards_follow_trl_convention_and_a_failing_item_fails_only_itself():
     prompts, completions, answers = ["ab", "c", "de", "f"], ["1", "2", "3", "4"], ["1", "0", "3", "0"]
     runner = RewardRunner(trl_reward, timeout=5)
-    assert runner(prompts, completions, {"answer": answers}) == [2.0, 0.5, 2.0, 0.5]
+    assert runner(prompts, completions, {"answer": answers}) == ([2.0, 0.5, 2.0, 0.5], [None] * 4)
 
     def raises_on_a_quarter(prompts, completions, answer):
         return [1.0 if int(c) % 4 else 1 / 0 for c in completions]  # raises for "4" and "8"
 
     runner = RewardRunner(raises_on_a_quarter, timeout=5)
-    scores = runner([""] * 8, [str(i) for i in range(1, 9)], {"answer": [""] * 8})
+    scores, errors = runner([""] * 8, [str(i) for i in range(1, 9)], {"answer": [""] * 8})
     assert scores == [1.0, 1.0, 1.0, None, 1.0, 1.0, 1.0, None]
+    assert errors == [None] * 3 + ["ZeroDivisionError: division by zero"] + [None] * 3 + [
+        "ZeroDivisionError: division by zero"]
 
     def bad_values(prompts, completions, answer):
         return [{"1": 1.0, "2": None, "3": math.nan, "4": math.inf, "5": "high", "6": True}[c] for c in completions]
 
-    assert RewardRunner(bad_values, 5)([""] * 6, list("123456"), {"answer": [""] * 6}) == [
-        1.0, None, None, None, None, 1.0]
-    assert RewardRunner(lambda p, c, **k: [1.0], 5)(["", ""], ["1", "2"], {}) == [1.0, 1.0]  # wrong length
+    assert RewardRunner(bad_values, 5)([""] * 6, list("123456"), {"answer": [""] * 6}) == (
+        [1.0, None, None, None, None, 1.0],
+        [None, "the reward returned None", "the reward returned nan", "the reward returned inf",
+         "the reward returned 'high' (str), not a number", None])
+
+
+def test_a_result_of_the_wrong_length_is_every_items_error_and_not_retried_per_item():
+    calls = []
+
+    def one_score(prompts, completions, **kwargs):
+        calls.append(len(completions))
+        return [1.0]
+
+    wrong = "the reward returned 1 value for 3 completions (one score per completion)"
+    assert RewardRunner(one_score, 5)([""] * 3, ["1", "2", "3"], {}) == ([None] * 3, [wrong] * 3)
+    assert calls == [3]  # a length bug is the function's, not one item's: no per-item retry
+    scores, errors = RewardRunner(lambda p, c, **k: 1.0, 5)(["", ""], ["1", "2"], {})
+    assert scores == [None, None] and errors == ["the reward returned a float for 2 completions (one score per "
+                                                 "completion)"] * 2
+
+
+def test_a_long_error_is_one_line_of_at_most_200_characters():
+    def raises_long(prompts, completions, **kwargs):
+        raise RuntimeError("line one\n" + "x" * 500)
+
+    scores, errors = RewardRunner(raises_long, 5)([""] * 2, ["1", "2"], {})
+    assert scores == [None, None]
+    assert all(len(e) == ERROR_CHARS and "\n" not in e and e.startswith("RuntimeError: line one xxx") and
+               e.endswith("...") for e in errors)
 
 
 def test_an_item_past_the_timeout_is_an_error_and_the_batch_finishes_in_bounded_time():
@@ -206,9 +234,10 @@ def test_an_item_past_the_timeout_is_an_error_and_the_batch_finishes_in_bounded_
             time.sleep(3.0)
         return [1.0] * len(completions)
 
+    over = "TimeoutError: the reward took longer than reward_timeout_seconds (0.5 s)"
     started = time.monotonic()
-    scores = RewardRunner(sleeps_on_seven, timeout=0.5)([""] * 8, [str(i) for i in range(8)], {})
-    assert scores == [1.0] * 7 + [None]
+    scores, errors = RewardRunner(sleeps_on_seven, timeout=0.5)([""] * 8, [str(i) for i in range(8)], {})
+    assert scores == [1.0] * 7 + [None] and errors == [None] * 7 + [over]
     assert time.monotonic() - started < 2.5  # batch 0.5 s + one concurrent round of items 0.5 s
 
     async def async_reward(prompts, completions, **kwargs):
@@ -220,9 +249,51 @@ def test_an_item_past_the_timeout_is_an_error_and_the_batch_finishes_in_bounded_
         return [float(c) for c in completions]
 
     started = time.monotonic()
-    assert RewardRunner(async_reward, timeout=0.5)([""] * 8, [str(i) for i in range(8)], {}) == [
-        0.0, 1.0, 2.0, None, 4.0, 5.0, 6.0, None]
+    scores, errors = RewardRunner(async_reward, timeout=0.5)([""] * 8, [str(i) for i in range(8)], {})
+    assert scores == [0.0, 1.0, 2.0, None, 4.0, 5.0, 6.0, None]
+    assert errors == [None] * 3 + ["RuntimeError: no"] + [None] * 3 + [over]
     assert time.monotonic() - started < 2.5
+
+
+def test_a_built_in_reward_runs_under_the_per_item_timeout(monkeypatch):
+    """`reward: math` (like every reward) is called under RewardRunner's timeout: a parse that
+    hangs makes that item an error within the timeout, and math-verify's own timeouts (SIGALRM,
+    main thread only) are off in the runner's thread without their notice."""
+    import logging
+
+    import math_verify
+
+    runner = Workload(data=DataConfig(train_files=["unused.jsonl"]), reward="math",
+                      reward_timeout_seconds=0.5).reward_runner()
+    real_parse = math_verify.parse
+    timeouts = []
+
+    def parse(text, parsing_timeout=5, **kwargs):
+        timeouts.append(parsing_timeout)
+        if text == "hang":
+            time.sleep(3.0)
+        return real_parse(text, parsing_timeout=parsing_timeout, **kwargs)
+
+    monkeypatch.setattr(math_verify, "parse", parse)
+    notices = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addHandler(handler)
+    monkeypatch.setattr(math_verify.parser, "TIMEOUT_WARNING_SHOWN", False, raising=False)
+    monkeypatch.setattr(math_verify.grader, "TIMEOUT_WARNING_SHOWN", False, raising=False)
+    try:
+        started = time.monotonic()
+        scores, errors = runner([""] * 3, ["0.5", "hang", "4"], {"answer": ["\\frac{1}{2}", "1", "3"]})
+        elapsed = time.monotonic() - started
+    finally:
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).removeHandler(handler)
+    assert scores == [1.0, None, 0.0]
+    assert errors[1].startswith("TimeoutError") and errors[0] is None and errors[2] is None
+    assert elapsed < 2.5  # batch 0.5 s + one concurrent round of items 0.5 s, not the 3 s hang
+    assert set(timeouts) == {None}  # math-verify's own timeouts off: not the main thread
+    assert not [n for n in notices if n.startswith("Timeout is disabled")]
 
 
 def test_exact_match_is_vectorised_and_strips_whitespace():
