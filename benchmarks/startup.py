@@ -54,7 +54,7 @@ calls = {"start_ray": 0, "status_line": 0}
 
 def timed_start_ray(*args, **kwargs):
     calls["start_ray"] += 1
-    if calls["start_ray"] > 1:  # _execute's call: Ray is up; what follows is the pipeline import
+    if calls["start_ray"] > 1:  # a later call (older versions call it again in _execute): Ray is up
         return start_ray(*args, **kwargs)
     mark("ray.init start")
     start_ray(*args, **kwargs)
@@ -164,15 +164,17 @@ class Tree:
         return max((p for ts, p in self.pss_series if ts <= t), default=0)
 
 
-def measure(steps: int = 20, extra: tuple[str, ...] = ()) -> dict:
-    """One cold `trajflow run quickstart` (steps as given): phases, per-process CPU, memory."""
+def measure(steps: int = 20, extra: tuple[str, ...] = (), config: str = "quickstart",
+            python: str = sys.executable) -> dict:
+    """One cold `trajflow run CONFIG` (steps as given) with the trajflow `python` has installed:
+    phases, per-process CPU, memory."""
     with tempfile.TemporaryDirectory() as tmp:
         events_path = Path(tmp) / "events.jsonl"
-        argv = ["run", "quickstart", "--no-progress", "--run-dir", str(Path(tmp) / "run"),
+        argv = ["run", config, "--no-progress", "--run-dir", str(Path(tmp) / "run"),
                 "--set", f"steps={steps}", *extra]
         env = {**os.environ, "TRAJFLOW_BENCH_EVENTS": str(events_path)}
         load_before = os.getloadavg()[0]
-        proc = subprocess.Popen([sys.executable, "-c", DRIVER, *argv], cwd=ROOT, env=env,
+        proc = subprocess.Popen([python, "-c", DRIVER, *argv], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         tree = Tree(psutil.Process(proc.pid))
         output: list[str] = []

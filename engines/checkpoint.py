@@ -448,6 +448,57 @@ def latest_checkpoint(root: str | os.PathLike) -> Checkpoint | None:
     return found[-1] if found else None
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be read whole (truncated, or a header that is not one), from
+    its header and size alone (nothing is loaded), or None."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path.name}: truncated ({size} bytes, no header)"
+        length = int.from_bytes(head, "little")
+        if 8 + length > size:
+            return f"{path.name}: truncated ({size} bytes, its header alone needs {8 + length})"
+        try:
+            header = json.loads(f.read(length))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return f"{path.name}: not a safetensors file (unreadable header)"
+    if 8 + length + end > size:
+        return f"{path.name}: truncated ({size} of {8 + length + end} bytes)"
+    return None
+
+
+def checkpoint_problem(checkpoint: Checkpoint) -> str | None:
+    """Why a checkpoint that looks complete cannot be loaded (a truncated or corrupt file), or None."""
+    for file in sorted(checkpoint.path.rglob("*")):
+        if file.suffix == ".safetensors":
+            problem = safetensors_problem(file)
+        elif file.suffix == ".json":
+            try:
+                json.loads(file.read_bytes())
+                problem = None
+            except ValueError:
+                problem = f"{file.relative_to(checkpoint.path)}: not valid JSON (truncated?)"
+        else:
+            continue
+        if problem is not None:
+            return problem
+    return None
+
+
+def latest_intact_checkpoint(root: str | os.PathLike) -> tuple[Checkpoint | None, list[tuple[Checkpoint, str]]]:
+    """The newest checkpoint whose files are whole (checkpoint_problem), and the newer ones passed
+    over with what is wrong with each, newest first."""
+    skipped = []
+    for checkpoint in reversed(list_checkpoints(root)):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            return checkpoint, skipped
+        skipped.append((checkpoint, problem))
+    return None, skipped
+
+
 def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[int]:
     """Keep the newest `keep` complete checkpoints; returns the versions deleted."""
     found = list_checkpoints(root)

@@ -175,6 +175,65 @@ def start_ray(config: JobConfig, verbose: bool = False) -> None:
         raise RunError(f"ray_address {address}: cannot connect to the Ray cluster ({str(e).splitlines()[0]})") from None
 
 
+def local_gpus() -> int:
+    """GPUs an embedded Ray would find here: CUDA_VISIBLE_DEVICES if set, else the NVIDIA
+    driver's devices (no torch import: it would delay the start)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+GPU_KEYS = ("generator", "scorer", "trainer")  # the sections with a num_gpus
+
+
+def check_gpus_here(config: JobConfig) -> None:
+    """A GPU asked of an embedded Ray on a machine without one: one line before Ray starts (Ray
+    would wait for it forever)."""
+    if config.ray_address or os.environ.get("RAY_ADDRESS"):
+        return  # the cluster's GPUs are checked once connected (check_cluster)
+    asked = [f"{key}.num_gpus" for key in GPU_KEYS if getattr(config, key).num_gpus > 0]
+    if asked and local_gpus() == 0:
+        raise RunError(f"{asked[0]}: {getattr(config, asked[0].split('.')[0]).num_gpus:g} GPU asked, but this "
+                       "machine has no GPU (set it to 0, or give ray_address of a cluster with GPUs)")
+
+
+def check_cluster(pipeline) -> None:
+    """The pipeline's actors (RLPipeline.resource_demand) fit the Ray they will run on: each actor on
+    one node, all of them at once in the cluster's total. Ray would otherwise wait for resources
+    that never come, without a word. RunError (one line, exit 2) before anything is written."""
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    total: dict[str, float] = {}
+    for node in nodes:
+        for key, value in node.items():
+            total[key] = total.get(key, 0.0) + value
+    need: dict[str, float] = {}
+    parts: dict[str, list[str]] = {}
+    for which, count, bundle in pipeline.resource_demand():
+        asked = {k: v for k, v in bundle.items() if v > 0}
+        if not any(all(node.get(k, 0.0) >= v - 1e-9 for k, v in asked.items()) for node in nodes):
+            key, value = next((k, v) for k, v in asked.items() if not any(n.get(k, 0.0) >= v - 1e-9 for n in nodes))
+            have = max((n.get(key, 0.0) for n in nodes), default=0.0)
+            raise RunError(f"resources: {which} asks {value:g} {key} per actor, but no node of the Ray cluster has "
+                           f"that much (the largest has {have:g}); lower its {_resource_key(which, key)}")
+        for key, value in asked.items():
+            need[key] = need.get(key, 0.0) + count * value
+            parts.setdefault(key, []).append(f"{which} {f'{count} x ' if count > 1 else ''}{value:g}")
+    for key, value in need.items():
+        if value > total.get(key, 0.0) + 1e-9:
+            raise RunError(f"resources: the run's actors ask {value:g} {key} at once ({', '.join(parts[key])}), but "
+                           f"the Ray cluster has {total.get(key, 0.0):g}; lower trainer.num_workers, num_generators "
+                           f"or the stages' {_resource_key('', key)}")
+
+
+def _resource_key(which: str, resource: str) -> str:
+    name = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(resource, f"resources.{resource}")
+    return f"trainer.{name}" if which == "trainer.num_workers" else name
+
+
 def quiet_ray_data() -> None:
     from ray.data import DataContext
 
@@ -435,22 +494,40 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> JobCon
     return build_job_config(parse_config_text(paths.config.read_text(), str(paths.config)), overrides)
 
 
+def prepare_pipeline(config: JobConfig, verbose: bool = False):
+    """Ray up and the run's pipeline built, its actors checked against the cluster's resources
+    (check_cluster): a cluster that cannot be reached or cannot hold the run ends here, before
+    anything is written."""
+    from trajflow.jobs.console import filtered_stderr
+
+    check_gpus_here(config)
+    start_ray(config, verbose)
+    with filtered_stderr(enabled=not verbose):
+        from trajflow.pipelines.rl_loop import RLPipeline
+
+        quiet_ray_data()
+        pipeline = RLPipeline(config.pipeline_config(), model_path=resolved_model_path(config))
+    check_cluster(pipeline)
+    return pipeline
+
+
 def run_job(config: JobConfig, *, progress: bool = True, verbose: bool = False) -> Path:
     """Start a new run; returns its run dir."""
     paths, config, estimate = plan_new_run(config)
-    start_ray(config, verbose)  # a cluster that cannot be reached: nothing has been written yet
+    pipeline = prepare_pipeline(config, verbose)
     paths.root.mkdir(parents=True, exist_ok=True)
     ckpt.atomic_write_text(paths.config, config.to_yaml())
     if estimate:
         print(f"trajflow: {estimate}", flush=True)
-    _execute(config, paths, first_step=0, checkpoint=None, progress=progress, verbose=verbose)
+    _execute(config, paths, pipeline, first_step=0, checkpoint=None, progress=progress, verbose=verbose)
     return paths.root
 
 
 def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *, progress: bool = True,
                verbose: bool = False) -> Path:
-    """Continue a killed run from its last complete checkpoint (a fresh start if it has none).
-    A finished run is left untouched."""
+    """Continue a killed run from its last complete checkpoint (a fresh start if it has none); a
+    newer checkpoint with a truncated or corrupt file is passed over, saying so. A finished run is
+    left untouched."""
     root = Path(run_dir).resolve()
     paths = RunPaths(root)
     config = load_run_config(root, overrides)
@@ -458,21 +535,26 @@ def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *
     if state.get("state") == "running" and same_host(state) and state.get("pid") and pid_alive(int(state["pid"])) \
             and int(state["pid"]) != os.getpid():
         raise RunError(f"{root}: the run is still active (pid {state['pid']}); stop it before resuming")
-    latest = ckpt.latest_checkpoint(paths.checkpoints)
+    latest, damaged = ckpt.latest_intact_checkpoint(paths.checkpoints)  # checked before anything is written
     first_step = latest.version if latest is not None else 0
+    for checkpoint, problem in damaged:
+        fallback = latest.path.name if latest is not None else "the start"
+        print(f"trajflow: checkpoint {checkpoint.path.name} is damaged ({problem}); falling back to {fallback}",
+              flush=True)
     if first_step >= config.steps and state.get("state") == "finished":
         sessions = len(state.get("sessions") or [state])
         print(f"trajflow: {root} already finished all {config.steps} steps ({sessions} session"
               f"{'s' if sessions > 1 else ''}); nothing to do (to train longer: --set steps=N)")
         return root
     check_same_data(config, latest)
+    pipeline = prepare_pipeline(config, verbose) if first_step < config.steps else None
     if overrides:
         ckpt.atomic_write_text(paths.config, config.model_copy(update={"run_dir": root}).to_yaml())
     removed = truncate_after(paths, first_step)
     where = f"checkpoint {latest.path.name}" if latest is not None else "the start (no checkpoint)"
     print(f"trajflow: resuming from {where}: steps {first_step}..{config.steps - 1}"
           + (f" (discarded partial logs of steps {removed[0]}..{removed[-1]})" if removed else ""), flush=True)
-    _execute(config, paths, first_step=first_step, checkpoint=latest, progress=progress, verbose=verbose)
+    _execute(config, paths, pipeline, first_step=first_step, checkpoint=latest, progress=progress, verbose=verbose)
     return root
 
 
@@ -490,8 +572,9 @@ def check_same_data(config: JobConfig, checkpoint: ckpt.Checkpoint | None) -> No
                        "the data the run started with")
 
 
-def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ckpt.Checkpoint | None,
+def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, checkpoint: ckpt.Checkpoint | None,
              progress: bool, verbose: bool = False) -> None:
+    """Run `pipeline` (prepare_pipeline; None when every step is trained) from `first_step`."""
     from tqdm.auto import tqdm
 
     from trajflow.jobs.console import filtered_stderr
@@ -507,15 +590,10 @@ def _execute(config: JobConfig, paths: RunPaths, first_step: int, checkpoint: ck
     interactive = progress and sys.stderr.isatty()
     step_seconds: list[float] = []
     try:
-        start_ray(config, verbose)  # before the filter: Ray's own processes keep the real stderr
         # the workers' lines: to workers.log for the rest of the process (a worker's last lines
         # can reach the driver after the pipeline has ended), printed as Ray does with --verbose
         ray_patches.worker_output.to(None if verbose else paths.workers_log)
         with filtered_stderr(enabled=not verbose):
-            from trajflow.pipelines.rl_loop import RLPipeline
-
-            quiet_ray_data()
-            pipeline = RLPipeline(config.pipeline_config(), model_path=resolved_model_path(config))
             recorder = RunRecorder(
                 run_dir=str(paths.root),
                 steps=config.steps,

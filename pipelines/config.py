@@ -9,6 +9,7 @@ key.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import json
 import types
@@ -72,18 +73,87 @@ def _kind(annotation: Any) -> str:
     return "a value of another type"
 
 
-def check_model_dir(path: Path) -> None:
-    """A local Hugging Face model dir: config.json (a JSON object) and a tokenizer. ValueError if not."""
-    config = Path(path) / "config.json"
+# files that hold a tokenizer (tokenizer_config.json only configures one)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_model_dir(path: Path, architecture: bool = True) -> None:
+    """A local Hugging Face model dir: config.json (a JSON object), a tokenizer, an architecture
+    transformers knows as a causal LM (`architecture=False` skips it: it imports transformers)
+    and weights. ValueError (one line) if not."""
+    path = Path(path)
+    config = path / "config.json"
     if not config.is_file():
         raise ValueError(f"{path} is not a local model directory (no config.json)")
     try:
-        if not isinstance(json.loads(config.read_text()), dict):
+        data = json.loads(config.read_text())
+        if not isinstance(data, dict):
             raise ValueError
     except (ValueError, UnicodeDecodeError):
         raise ValueError(f"{config} is not a JSON object") from None
-    if not any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise ValueError(f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        found = " (tokenizer_config.json configures a tokenizer but does not hold one)" \
+            if (path / "tokenizer_config.json").is_file() else ""
+        raise ValueError(f"{path} has no tokenizer: none of {', '.join(TOKENIZER_FILES)}{found}")
+    if architecture:
+        _check_architecture(config, data.get("model_type"))
+    weights = [path / name for name in WEIGHT_FILES if (path / name).is_file()] or sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ValueError(f"{path} has no weights (none of {', '.join(WEIGHT_FILES)})")
+    if weights[0].name.endswith(".index.json"):
+        try:
+            shards = sorted(set(json.loads(weights[0].read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{weights[0]} is not a weight index (a JSON object with a weight_map)") from None
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise ValueError(f"{path} lacks the weight file {missing[0]} named in {weights[0].name}")
+
+
+def _check_architecture(config: Path, model_type: object) -> None:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not isinstance(model_type, str):
+        raise ValueError(f"{config} has no model_type (the architecture)")
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise ValueError(f"{config}: model_type {model_type!r} is an architecture transformers "
+                         f"{transformers.__version__} does not know")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{config}: model_type {model_type!r} is not a causal language model")
+
+
+_TOKENIZERS: dict[tuple, Any] = {}
+
+
+def checked_tokenizer(path: Path):
+    """The tokenizer of a checked model dir, loaded once per process while its files are unchanged
+    (a config is validated more than once before a run starts). ValueError (one line) naming the
+    file if it does not load."""
+    from trajflow.engines.models import load_tokenizer
+
+    path = Path(path).resolve()
+    ident = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()) if f.is_file()
+                  and f.suffix != ".safetensors")
+    if (path, ident) in _TOKENIZERS:
+        return _TOKENIZERS[(path, ident)]
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 - a user's files: say which one
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            try:
+                if (path / name).is_file():
+                    json.loads((path / name).read_bytes())
+            except ValueError as bad:
+                raise ValueError(f"{path / name}: not valid JSON ({bad})") from None
+        raise ValueError(f"{path}: the tokenizer does not load ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
+    _TOKENIZERS.clear()  # one model's tokenizer at a time
+    _TOKENIZERS[(path, ident)] = tokenizer
+    return tokenizer
 
 
 def check_task(name: str) -> str:
@@ -243,7 +313,7 @@ class PipelineConfig(_Strict):
     eval_every: int = Field(0, ge=0, description="held-out greedy mean reward (accuracy for a 0/1 reward) every "
                             "k steps (0: off)")
     eval_prompts: int = Field(200, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, description="seeds sampling, shuffling and initialisation (numpy needs >= 0)")
     num_generators: int = Field(1, ge=1)
     generator: ResourceConfig = Field(default_factory=ResourceConfig)
     scorer: ResourceConfig = Field(default_factory=lambda: ResourceConfig(num_cpus=0.25))
@@ -299,6 +369,8 @@ class PipelineConfig(_Strict):
                 check_model_dir(self.model)
             except ValueError as e:
                 raise ValueError(f"model: {e}") from None
+        if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError("engine: vllm is not installed (pip install 'trajflow[vllm]'), or use engine: torch")
         if self.lora.r > 0 and self.trainer.sharding == "fsdp":
             raise ValueError("lora: an adapter is trained by a replicated trainer; use trainer.sharding: none")
         if self.lora.r > 0 and self.engine != "torch":
@@ -342,23 +414,23 @@ class PipelineConfig(_Strict):
             self.__dict__["task"] = "addition"  # the default workload (no re-validation)
         workload = self.workload()
         workload.check()
+        if self.model is not None or self.data is not None:
+            try:  # a tokenizer that does not load ends here, not in a Ray worker
+                tokenizer = checked_tokenizer(self.model_path)
+            except ValueError as e:
+                raise ValueError(f"model: {e}") from None
         if self.data is None:
             return
-        from trajflow.engines.models import load_tokenizer
-        from trajflow.engines.tokenizer import encode_prompt
-        from trajflow.tasks.dataset import first_record
+        if self.eval_every and not self.data.test_files:
+            raise ValueError("eval_every: held-out evaluation of a dataset needs data.test_files (or eval_every: 0)")
+        from trajflow.tasks.dataset import checked_dataset
 
-        tokenizer = load_tokenizer(self.model_path)
-        for path in workload.train_files() + workload.test_files():
-            prompt = first_record(path)[self.data.prompt_key]
-            try:
-                encode_prompt(tokenizer, prompt, self.data.apply_chat_template)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"data.prompt_key: {path.name}: {e}") from None
+        # every row of every file, read and tokenized once (kept for the run's prompt source)
+        train = checked_dataset(self.data, workload.train_files(), tokenizer)
+        if self.data.test_files:
+            checked_dataset(self.data, workload.test_files(), tokenizer, key="data.test_files")
         if self.data.epochs is not None:
-            from trajflow.tasks.dataset import PromptDataset
-
-            epoch = PromptDataset.load(self.data, workload.train_files(), tokenizer, with_ray=False).epoch_size
+            epoch = train.epoch_size
             available = self.data.epochs * epoch // self.prompts_per_step
             if available < 1:
                 raise ValueError(f"data.epochs: {self.data.epochs} epoch(s) of {epoch} prompts are fewer than one "

@@ -82,6 +82,10 @@ def format_versions(versions: Iterable[int]) -> str:
 
 
 # -- the logged data -----------------------------------------------------------------------------
+# what a run dir holds besides its trajectories (jobs/recorder.py RunPaths): never read as a log
+RUN_DIR_MARKERS = ("config.yaml", "run.json", "metrics", "metrics.parquet")
+
+
 def trajectory_files(path: str | Path) -> list[Path]:
     """The Parquet files of a trajectory log: a file, a dir of them (searched recursively), or a
     run dir (its `trajectories/`)."""
@@ -90,6 +94,9 @@ def trajectory_files(path: str | Path) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise ReplayError(f"{path}: no such file or directory")
+    if not (path / "trajectories").is_dir() and any((path / name).exists() for name in RUN_DIR_MARKERS):
+        raise ReplayError(f"{path}: the run logged no trajectories (no trajectories/ dir: it ran with "
+                          "trajectory_log: false or stopped before its first step); nothing to replay")
     root = path / "trajectories" if (path / "trajectories").is_dir() else path
     # hidden files under the log (e.g. writers' temp files) are skipped; dots above it are the user's
     files = sorted(p for p in root.rglob("*.parquet")

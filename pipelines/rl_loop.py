@@ -82,6 +82,11 @@ def in_order_pool(size: int) -> ActorPoolStrategy:
     return ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1)
 
 
+def group_pool_size(group: list[Stage]) -> int:
+    """Actors in a group's pool: its largest stage pool (e.g. num_generators)."""
+    return max([s.pool_size for s in group if s.is_actor], default=1)
+
+
 def map_stages(ds: ray.data.Dataset, groups: list[list[Stage]], *, store: PolicyStoreClient, rows: int,
                first_rows: int, light_stage_cpus: float) -> ray.data.Dataset:
     """Apply the stages of `groups` to `ds`, one actor pool per group (pipelines/colocation.py).
@@ -101,7 +106,7 @@ def map_stages(ds: ray.data.Dataset, groups: list[list[Stage]], *, store: Policy
             ),
             batch_size=first_rows if i == 0 else rows,
             batch_format="pyarrow",
-            compute=in_order_pool(max([s.pool_size for s in group if s.is_actor], default=1)),
+            compute=in_order_pool(group_pool_size(group)),
             num_cpus=num_cpus,
             num_gpus=num_gpus or None,
             **({"resources": custom} if custom else {}),
@@ -289,15 +294,28 @@ class RLPipeline:
 
     @property
     def prompts(self) -> PromptSource:
-        """The prompt rows of each step (a dataset is read with Ray Data on first use)."""
+        """The prompt rows of each step (a dataset's are checked and tokenized once per process)."""
         if self._prompts is None:
-            from trajflow.engines.models import load_tokenizer
+            from trajflow.pipelines.config import checked_tokenizer
 
-            if self.workload.data is not None:  # a dataset is read with Ray Data
-                start_local_ray()
-            self._prompts = self.workload.prompt_source(load_tokenizer(self.model_path), self.config.seed,
+            # the tokenizer the config's validation loaded (a 128k-token one takes seconds to load)
+            self._prompts = self.workload.prompt_source(checked_tokenizer(self.model_path), self.config.seed,
                                                         self.config.prompts_per_step)
         return self._prompts
+
+    def resource_demand(self) -> list[tuple[str, int, dict[str, float]]]:
+        """What the run's actors ask of Ray, all held at once: (which, how many actors, the Ray
+        resources of each) per actor process group (map_stages), then the train step's
+        data-parallel workers 1..N-1 (one placement-group bundle each)."""
+        demand = []
+        for group in self.process_groups():
+            num_cpus, num_gpus, custom = group_resources(group, self.config.light_stage_cpus)
+            demand.append((group_name(group), group_pool_size(group), {"CPU": num_cpus, "GPU": num_gpus, **custom}))
+        t = self.config.trainer
+        if t.num_workers > 1:
+            demand.append(("trainer.num_workers", t.num_workers - 1,
+                           {"CPU": t.num_cpus, "GPU": t.num_gpus, **t.resources}))
+        return demand
 
     def data_state(self) -> dict | None:
         """The dataset's identity and size, recorded with each checkpoint (None: a built-in task)."""

@@ -26,7 +26,15 @@ import numpy as np
 import pyarrow as pa
 
 from trajflow.tasks.base import Prompt, SyntheticTask, Task
-from trajflow.tasks.dataset import DataConfig, DataError, PromptDataset, expand_files, file_labels, fingerprint
+from trajflow.tasks.dataset import (
+    DataConfig,
+    DataError,
+    PromptDataset,
+    checked_dataset,
+    expand_files,
+    file_labels,
+    fingerprint,
+)
 from trajflow.tasks.environments import Environment, is_environment
 from trajflow.tasks.registry import get_task
 from trajflow.tasks.rewards import RewardRunner, RewardSpecError, exact_match, resolve_reward
@@ -176,21 +184,21 @@ class Workload:
 
     # -- what the pipeline's processes build from it ----------------------------------------------
     def prompt_source(self, tokenizer, seed: int, prompts_per_step: int) -> PromptSource:
-        """The step rows (on the driver; a dataset is read with Ray Data, so Ray must be up)."""
+        """The step rows (on the driver; a dataset's rows and tokens as the config's validation
+        left them in this process, else read now)."""
         if self.data is None:
             return TaskPrompts(self.task_object(), tokenizer, seed, prompts_per_step)
-        dataset = PromptDataset.load(self.data, self.train_files(), tokenizer, with_ray=True)
+        dataset = checked_dataset(self.data, self.train_files(), tokenizer)
         return DatasetPrompts(dataset, seed, prompts_per_step, self.data.shuffle)
 
     def heldout_rows(self, tokenizer, n: int | None) -> pa.Table:
         """The first n held-out prompt rows (a task's test split, or data.test_files in file order;
-        n None: every row of data.test_files); read without Ray Data (this runs inside the trainer
-        actor)."""
+        n None: every row of data.test_files)."""
         if self.data is None:
             return rows_of_prompts(0, self.task_object().heldout(n), tokenizer)
         if not self.data.test_files:
             raise DataError("eval_every: held-out evaluation of a dataset needs data.test_files")
-        dataset = PromptDataset.load(self.data, self.test_files(), tokenizer, with_ray=False, key="data.test_files")
+        dataset = checked_dataset(self.data, self.test_files(), tokenizer, key="data.test_files")
         rows = dataset.table.slice(0, n)
         return rows.add_column(0, "rollout_step", pa.array(np.zeros(rows.num_rows, np.int32)))
 

@@ -4,24 +4,50 @@ names the problem (the key, the flag, the file), with no traceback, and must wri
 
 The cases run as subprocesses, several at a time (module fixture), each in its own empty working
 directory that must still be empty afterwards, except for the inputs the case was given. None of
-them needs Ray: every name is resolved before Ray starts.
+them starts Ray (the runner says whether Ray was initialised when the command returned): every
+name, every row of a dataset and every file of a model is checked before Ray starts. Only what
+only Ray can know (a request the cluster cannot hold) starts it, and ends in one line within
+RAY_CASE_SECONDS, before anything is written.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
-TRAJFLOW = Path(sys.executable).with_name("trajflow")
-WARM = Path(__file__).resolve().parent.parent / "artifacts" / "warm_start" / "addition"
+REPO = Path(__file__).resolve().parent.parent
+WARM = REPO / "artifacts" / "warm_start" / "addition"
+BYO_MODEL = REPO / "artifacts" / "byo" / "model"
+# the real entry point (`trajflow = trajflow.jobs.cli:main`), then one stdout line saying whether
+# Ray was initialised in the process when the command returned
+RUNNER = """
+import sys
+from trajflow.jobs.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+ray = sys.modules.get("ray")
+print("ray: started" if ray is not None and ray.is_initialized() else "ray: not started", flush=True)
+sys.exit(code)
+"""
+# a case that must start Ray ends within this: the CLI's imports, the config's checks, Ray's start
+# (2-5 s here) and the check against it take ~20 s on an idle 2-core machine; without the check it
+# would wait forever for resources that never come
+RAY_CASE_SECONDS = 90.0
 
 
 @dataclass
@@ -30,6 +56,7 @@ class Case:
     args: list[str]
     expect: tuple[str, ...]  # fragments of the one error line
     files: dict[str, bytes | str] | None = None  # inputs written into the case's working dir first
+    starts_ray: bool = False  # only Ray can tell: one line within RAY_CASE_SECONDS
 
 
 def _config(**keys) -> str:
@@ -42,6 +69,38 @@ def _run_dir_files(config: str, state: dict | None = None) -> dict[str, str]:
         files["old/run.json"] = json.dumps(state)
     return files
 
+
+def _rows(n: int, bad_at: int | None = None, bad: object = None) -> list[dict]:
+    """n word-problem rows (chat messages, an answer); row `bad_at` replaced by `bad`."""
+    rows = [{"prompt": [{"role": "user", "content": f"Ann has {i} pens and gets 2 more. How many?"}],
+             "answer": str(i + 2)} for i in range(n)]
+    if bad_at is not None:
+        rows[bad_at] = bad
+    return rows
+
+
+def _jsonl(rows: list, raw: dict[int, str] | None = None) -> str:
+    """JSON lines; `raw` replaces the line of row i with text as given (a malformed line)."""
+    return "".join(((raw or {}).get(i) or json.dumps(r)) + "\n" for i, r in enumerate(rows))
+
+
+def _parquet(rows: list[dict], schema: pa.Schema | None = None) -> bytes:
+    out = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), out)
+    return out.getvalue()
+
+
+# a chat template that rejects roles it does not know (like many chat models' own)
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                   "{{ raise_exception('unknown role: ' + m['role']) }}{% endif %}<|im_start|>{{ m['role'] }}\n"
+                   "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                   "{% endif %}")
+# a model dir with the byo tokenizer; weights are only looked for before Ray (an empty file)
+MODEL_FILES = {f"m/{name}": (BYO_MODEL / name).read_text()
+               for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")}
+MODEL_FILES["m/model.safetensors"] = b""
+FAR = 4500  # a row past the first two batches of the one-pass check (tasks/dataset.py BATCH_ROWS)
+DATA = ["data.train_files=[train.jsonl]", "--set", "data.test_files=[]", "--set", "eval_every=0"]  # after --set
 
 GOOD = _config()
 RUN = ["run", "quickstart", "--run-dir", "out", "--set"]  # + one override
@@ -107,6 +166,57 @@ CASES = [
     Case("run-data-column-missing", [*BYO, "data.prompt_key=question"], ("question",)),
     Case("run-data-and-task", [*BYO, "task=addition"], ("task:", "data")),
     Case("run-env-no-module", [*RUN, "env=no_such_module:Env", "--set", "task=null"], ("env:", "no_such_module")),
+    # -- run: a dataset's later rows (the whole dataset is read, templated and tokenized before Ray)
+    Case("data-template-rejects-a-later-row", [*BYO, "model=m", "--set", *DATA],
+         ("data.train_files: train.jsonl: line 4501: column 'prompt'", "unknown role: tool"),
+         {**MODEL_FILES, "m/chat_template.jinja": STRICT_TEMPLATE,
+          "train.jsonl": _jsonl(_rows(5000, FAR, {"prompt": [{"role": "tool", "content": "4"}], "answer": "4"}))}),
+    Case("data-message-without-content", [*BYO, *DATA],
+         ("train.jsonl: line 4501: column 'prompt': message 0 (role 'user') has no content",),
+         {"train.jsonl": _jsonl(_rows(5000, FAR, {"prompt": [{"role": "user"}], "answer": "4"}))}),
+    Case("data-malformed-jsonl-line", [*BYO, *DATA], ("train.jsonl: line 4501: not valid JSON",),
+         {"train.jsonl": _jsonl(_rows(5000), raw={FAR: '{"prompt": [{"role": "user", "content": "x"}], "answer'})}),
+    Case("data-null-field-in-a-later-row", [*BYO, *DATA], ("train.jsonl: line 4501: column 'answer' is null",),
+         {"train.jsonl": _jsonl(_rows(5000, FAR, {**_rows(1)[0], "answer": None}))}),
+    Case("data-types-differ-between-shards", [*BYO, "data.train_files=[a.parquet, b.parquet]", "--set",
+                                              "data.test_files=[]", "--set", "eval_every=0"],
+         ("b.parquet: column 'answer' is a number, but a string at a.parquet",),
+         {"a.parquet": _parquet(_rows(10)), "b.parquet": _parquet([{**r, "answer": 3} for r in _rows(10)])}),
+    Case("data-every-prompt-too-long", [*BYO, "data.max_prompt_tokens=2"],
+         ("data.max_prompt_tokens: all 3000 prompts of data.train_files are longer than 2 tokens", "train.jsonl:")),
+    Case("data-empty-jsonl", [*BYO, *DATA], ("data.train_files: train.jsonl: no rows",), {"train.jsonl": ""}),
+    Case("data-empty-parquet", [*BYO, "data.train_files=[train.parquet]", "--set", "data.test_files=[]", "--set",
+                                "eval_every=0"], ("data.train_files: train.parquet: no rows",),
+         {"train.parquet": _parquet([], pa.schema([("prompt", pa.string()), ("answer", pa.string())]))}),
+    Case("data-directory-as-file", [*BYO, "data.train_files=[shards]", "--set", "data.test_files=[]"],
+         ("data.train_files: shards: is a directory",), {"shards/train.jsonl": _jsonl(_rows(4))}),
+    # -- run: reserved column names (trajflow's own record, the reward function's arguments)
+    Case("data-column-step-reserved", [*BYO, *DATA], ("train.jsonl: column(s) step are reserved",),
+         {"train.jsonl": _jsonl([{**r, "step": 1} for r in _rows(4)])}),
+    Case("data-column-prompt-reserved", [*BYO, *DATA, "--set", "data.prompt_key=question"],
+         ("train.jsonl: column(s) prompt are reserved",),
+         {"train.jsonl": _jsonl([{"question": r["prompt"], **r} for r in _rows(4)])}),
+    # -- run: the model, its tokenizer, the engine
+    Case("run-model-no-weights", [*RUN, "model=m"], ("model: m has no weights",),
+         {"m/config.json": (WARM / "config.json").read_text(),
+          "m/tokenizer.json": (WARM / "tokenizer.json").read_text()}),
+    Case("run-model-unknown-architecture", [*RUN, "model=m"], ("model_type 'frobnicator'", "does not know"),
+         {"m/config.json": json.dumps({"model_type": "frobnicator"}), "m/tokenizer.json": "{}"}),
+    Case("run-tokenizer-json-corrupt", [*RUN, "model=m"], ("model:", "m/tokenizer.json: not valid JSON"),
+         {**MODEL_FILES, "m/tokenizer.json": '{"version": "1.0", "truncation": nu'}),
+    Case("run-only-tokenizer-config", [*RUN, "model=m"],
+         ("model: m has no tokenizer", "tokenizer_config.json configures a tokenizer but does not hold one"),
+         {k: v for k, v in MODEL_FILES.items() if not k.endswith("tokenizer.json")}),
+    Case("run-seed-negative", [*RUN, "seed=-1"], ("seed: Input should be greater than or equal to 0",)),
+    Case("run-eval-every-without-test-files", [*BYO, "data.test_files=[]"],
+         ("eval_every: held-out evaluation of a dataset needs data.test_files",)),
+    # -- run: resources the machine does not have
+    Case("run-gpu-without-a-gpu", [*RUN, "trainer.num_gpus=1"], ("trainer.num_gpus: 1 GPU asked", "no GPU")),
+    Case("run-more-trainer-workers-than-cpus", [*RUN, "trainer.num_workers=16"],
+         ("resources: the run's actors ask", "CPU at once", "trainer.num_workers 15 x 0.5", "the Ray cluster has"),
+         starts_ray=True),
+    *([Case("run-engine-vllm-not-installed", [*RUN, "engine=vllm"], ("engine: vllm is not installed",))]
+      if importlib.util.find_spec("vllm") is None else []),
     # -- run --resume
     Case("resume-missing-dir", ["run", "--resume", "gone"], ("gone: not a run dir",)),
     Case("resume-and-config", ["run", "quickstart", "--resume", "old"], ("either CONFIG or --resume",),
@@ -145,6 +255,9 @@ CASES = [
          ("--checkpoints nockpt: no such directory",), _run_dir_files(GOOD)),
     Case("replay-train-two-strategies", ["replay", "old", "--checkpoints", "old", "--strategy", "snapshot,ewma",
                                          "--train"], ("one strategy at a time",), _run_dir_files(GOOD)),
+    Case("replay-run-without-trajectories", ["replay", "old", "--checkpoints", "old", "--strategy", "snapshot"],
+         ("old: the run logged no trajectories",),
+         {"old/config.yaml": GOOD, "old/run.json": "{}", "old/metrics/step=000000.parquet": _parquet([{"step": 0}])}),
     Case("replay-no-config", ["replay", "log", "--checkpoints", "log", "--strategy", "snapshot"],
          ("no config.yaml found",), {"log/x.parquet": b""}),
     Case("replay-out-not-empty", ["replay", "old", "--checkpoints", "old", "--strategy", "snapshot", "--out", "done"],
@@ -187,7 +300,10 @@ def _run_case(case: Case, root: Path) -> tuple[subprocess.CompletedProcess, dict
     before = _listing(cwd)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([str(TRAJFLOW), *case.args], cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", RUNNER, *case.args], cwd=cwd, capture_output=True, text=True,
+                          timeout=240, env=env)
+    proc.seconds = time.monotonic() - started
     return proc, before, _listing(cwd)
 
 
@@ -195,8 +311,10 @@ def _run_case(case: Case, root: Path) -> tuple[subprocess.CompletedProcess, dict
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_input")
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {case.id: pool.submit(_run_case, case, root) for case in CASES}
-        return {name: future.result() for name, future in futures.items()}
+        futures = {case.id: pool.submit(_run_case, case, root) for case in CASES if not case.starts_ray}
+        done = {name: future.result() for name, future in futures.items()}
+    # one at a time, after the others: the time they take is Ray's start and the check
+    return {**done, **{case.id: _run_case(case, root) for case in CASES if case.starts_ray}}
 
 
 def test_the_table_covers_every_subcommand():
@@ -225,3 +343,32 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, results):
     for fragment in case.expect:
         assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
     assert after == before, f"the case wrote or changed files: {sorted(set(after) ^ set(before))}"
+    ray = proc.stdout.splitlines()[-1] if proc.stdout.strip() else ""
+    assert ray == ("ray: started" if case.starts_ray else "ray: not started"), explain
+    if case.starts_ray:
+        assert proc.seconds < RAY_CASE_SECONDS, f"{proc.seconds:.0f}s\n{explain}"
+
+
+def test_reserved_columns_cover_every_column_trajflow_writes():
+    """A dataset column named like one trajflow writes would be silently overwritten or misread, so
+    each name the pipeline puts on a trajectory is reserved: the record's schema, every name that
+    an operator, the generator, the recorder or replay sets (a literal or a module constant in the
+    source, found here, so a new column cannot be forgotten), the log's `step=` partition key and
+    the reward function's own arguments. `prompt` is reserved unless it is the prompt column."""
+    import re
+
+    from trajflow.schemas.trajectory import COLUMNS
+    from trajflow.tasks.dataset import RESERVED_COLUMNS, reserved_columns
+
+    setter = re.compile(r"(?:replace_column\(\s*\w+,|\.append_column\(|\.add_column\(\s*\d+,)\s*"
+                        r"(?:\"(\w+)\"|([A-Z_]+)\b)|columns\[\"(\w+)\"\]")
+    sources = [path.read_text() for folder in ("operators", "jobs", "pipelines", "tasks", "schemas")
+               for path in sorted((REPO / folder).glob("*.py"))]
+    constants = dict(m for text in sources for m in re.findall(r'^([A-Z_]+) = "(\w+)"', text, re.M))
+    written = set(COLUMNS) | {"step", "prompts", "completions"}
+    for text in sources:
+        for literal, constant, key in setter.findall(text):
+            written.add(constants[constant] if constant else literal or key)
+    assert {"filter_reason", "trainer_version", "turns", "proximal_logprobs", "kl_penalty", "rollout_step"} <= written
+    assert sorted(written - set(RESERVED_COLUMNS) - {"prompt"}) == []
+    assert "prompt" in reserved_columns("question") and "prompt" not in reserved_columns("prompt")

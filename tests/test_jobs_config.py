@@ -21,6 +21,8 @@ from trajflow.jobs.config import (
     parse_config_text,
 )
 
+WARM = Path(__file__).resolve().parent.parent / "artifacts" / "warm_start" / "addition"
+
 
 @pytest.mark.parametrize(
     "data, overrides, expected",
@@ -130,6 +132,23 @@ def test_model_dirs_need_a_config_and_a_tokenizer(tmp_path):
     with pytest.raises(JobConfigError, match="m has no tokenizer"):
         build_job_config({"model": str(model)})
     (model / "tokenizer.json").write_text("{}")
+    with pytest.raises(JobConfigError, match="config.json has no model_type"):
+        build_job_config({"model": str(model)})
+    (model / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    with pytest.raises(JobConfigError, match="model_type 'vit' is not a causal language model"):
+        build_job_config({"model": str(model)})
+    (model / "config.json").write_bytes((WARM / "config.json").read_bytes())
+    with pytest.raises(JobConfigError, match="m has no weights"):
+        build_job_config({"model": str(model)})
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "part-1.safetensors"}}))
+    with pytest.raises(JobConfigError, match="lacks the weight file part-1.safetensors"):
+        build_job_config({"model": str(model)})
+    (model / "model.safetensors.index.json").unlink()
+    (model / "model.safetensors").write_bytes((WARM / "model.safetensors").read_bytes())
+    with pytest.raises(JobConfigError, match="the tokenizer does not load"):  # "{}" is JSON, not a tokenizer
+        build_job_config({"model": str(model)})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_bytes((WARM / name).read_bytes())
     assert build_job_config({"model": str(model)}).model == model
 
 

@@ -239,6 +239,31 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(quick_run):
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
+def test_resume_passes_over_a_truncated_checkpoint_and_says_so(quick_run, tmp_path):
+    """The last checkpoint's weights cut short (a disk filled up, a copy interrupted): the resume
+    finds it before writing anything, says so in one line, and continues from the checkpoint
+    before it; the run ends complete, its last checkpoint whole again."""
+    run_dir = tmp_path / "cut"
+    shutil.copytree(quick_run[0], run_dir)
+    weights = run_dir / "checkpoints" / f"step-{QUICK_STEPS:06d}" / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    assert [c.version for c in ckpt.list_checkpoints(run_dir / "checkpoints")] == [6, 8]  # it looks complete
+    before = (run_dir / "config.yaml").read_bytes()
+
+    proc = run_cli(["run", "--resume", run_dir, "--no-progress"])
+    assert proc.returncode == 0, _explain(proc)
+    damaged = [line for line in proc.stdout.splitlines() if "is damaged" in line]
+    assert damaged == [f"trajflow: checkpoint step-{QUICK_STEPS:06d} is damaged (model.safetensors: truncated "
+                       f"({size // 2} of {size} bytes)); falling back to step-000006"], proc.stdout
+    assert "resuming from checkpoint step-000006: steps 6..7" in proc.stdout
+    assert (run_dir / "config.yaml").read_bytes() == before
+    assert pl.read_parquet(run_dir / "metrics.parquet")["step"].to_list() == list(range(QUICK_STEPS))
+    last = ckpt.latest_checkpoint(run_dir / "checkpoints")
+    assert last.version == QUICK_STEPS and ckpt.checkpoint_problem(last) is None
+
+
 def test_report_and_compare_of_runs_with_the_same_directory_name(quick_run, tmp_path):
     """compare a/quick b/quick keeps both runs: they are paths, labelled by the path tails."""
     run_dir, _ = quick_run

@@ -86,7 +86,7 @@ def test_step_rows_visit_every_prompt_once_per_epoch_in_a_seeded_order(bpe, tmp_
     tokenizer, rows, _ = bpe
     path = write_jsonl(tmp_path / "train.jsonl", rows[:10])
     config = DataConfig(train_files=[str(path)])
-    dataset = PromptDataset.load(config, [path], tokenizer, with_ray=False)
+    dataset = PromptDataset.load(config, [path], tokenizer)
     assert dataset.epoch_size == 10 and dataset.columns == ["answer"]
     assert dataset.table["prompt_id"].to_pylist() == [f"train.jsonl:{i:06d}" for i in range(10)]
     pps = 4  # steps straddle epochs: 10 prompts, 4 per step
@@ -97,7 +97,7 @@ def test_step_rows_visit_every_prompt_once_per_epoch_in_a_seeded_order(bpe, tmp_
     assert ids[:10] != ids[10:20], "each epoch has its own permutation"
     assert all(t["rollout_step"].to_pylist() == [s] * pps for s, t in enumerate(steps))
     # a pure function of (seed, step): a second instance (a resumed run) rebuilds step 7 exactly
-    again = PromptDataset.load(config, [path], tokenizer, with_ray=False)
+    again = PromptDataset.load(config, [path], tokenizer)
     assert again.step_rows(7, pps, 7, True).equals(steps[7])
     assert not dataset.step_rows(7, pps, 8, True).equals(steps[7])
     assert dataset.step_rows(0, pps, 7, shuffle=False)["prompt_id"].to_pylist() == [
@@ -119,21 +119,47 @@ def test_parquet_and_jsonl_give_the_same_rows_and_long_prompts_are_dropped_and_c
     parquet = tmp_path / "b.parquet"
     pq.write_table(pa.Table.from_pylist(texts), parquet)
     config = DataConfig(train_files=["x"], prompt_key="question", apply_chat_template=True)
-    a = PromptDataset.load(config, [jsonl], tokenizer, with_ray=False).table
-    b = PromptDataset.load(config, [parquet], tokenizer, with_ray=False).table
+    a = PromptDataset.load(config, [jsonl], tokenizer).table
+    b = PromptDataset.load(config, [parquet], tokenizer).table
     assert a.drop_columns(["prompt_id"]).equals(b.drop_columns(["prompt_id"]))
     lengths = sorted(len(t) for t in a["prompt_tokens"].to_pylist())
     limit = lengths[6]
-    short = PromptDataset.load(config.model_copy(update={"max_prompt_tokens": limit}), [jsonl], tokenizer,
-                               with_ray=False)
+    short = PromptDataset.load(config.model_copy(update={"max_prompt_tokens": limit}), [jsonl], tokenizer)
     assert short.dropped == sum(n > limit for n in lengths) > 0
     assert short.epoch_size + short.dropped == 12
     assert max(len(t) for t in short.table["prompt_tokens"].to_pylist()) <= limit  # dropped, never cut
     # two files: ids name the file relative to their common folder, rows in file order
     (tmp_path / "sub").mkdir()
     second = write_jsonl(tmp_path / "sub" / "a.jsonl", texts[:2])
-    both = PromptDataset.load(config, [jsonl, second], tokenizer, with_ray=False).table["prompt_id"].to_pylist()
+    both = PromptDataset.load(config, [jsonl, second], tokenizer).table["prompt_id"].to_pylist()
     assert both[-3:] == ["a.jsonl:000011", "sub/a.jsonl:000000", "sub/a.jsonl:000001"]
+
+
+def test_one_pass_tokenizes_every_row_once_keeps_the_tokens_and_reports_progress(bpe_model_dir, bpe, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """Rows past the first batch are checked and tokenized like the first (the same tokens as
+    tokenizing each prompt alone); a long check says how far it got; a second look at unchanged
+    files and tokenizer in the same process is the first one's rows (nothing read again), and a
+    changed file is read again."""
+    from trajflow.engines.models import load_tokenizer
+    from trajflow.engines.tokenizer import encode_prompt
+    from trajflow.tasks import dataset
+
+    tokenizer = load_tokenizer(bpe_model_dir)
+    rows = (bpe[1] * 100)[:dataset.BATCH_ROWS * 2 + 5]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    config = DataConfig(train_files=[str(path)])
+    monkeypatch.setattr(dataset, "PROGRESS_AFTER_SECONDS", 0.0)
+    monkeypatch.setattr(dataset, "PROGRESS_EVERY_SECONDS", 0.0)
+    first = dataset.checked_dataset(config, [path], tokenizer)
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("trajflow: checking")]
+    assert [line.split(": ")[2].split(" rows")[0] for line in progress] == ["2048", "4096", "4101"], progress
+    assert first.epoch_size == len(rows)
+    for i in (0, dataset.BATCH_ROWS, len(rows) - 1):  # a row of each batch
+        assert first.table["prompt_tokens"][i].as_py() == encode_prompt(tokenizer, rows[i]["prompt"])
+    assert dataset.checked_dataset(config, [path], load_tokenizer(bpe_model_dir)) is first
+    write_jsonl(path, rows[:10])
+    assert dataset.checked_dataset(config, [path], tokenizer).epoch_size == 10
 
 
 def test_built_in_tasks_give_the_same_rows():
@@ -388,6 +414,6 @@ def test_dataset_errors_found_while_reading_are_one_line_bad_input(bpe, tmp_path
     rows = [dict(r) for r in bpe[1][:3]]
     rows[2]["prompt"] = None
     path = write_jsonl(tmp_path / "train.jsonl", rows)
-    with pytest.raises(DataError, match="row train.jsonl:000002: prompt is null") as info:
-        PromptDataset.load(DataConfig(train_files=[str(path)]), [path], bpe[0], with_ray=False)
+    with pytest.raises(DataError, match="data.train_files: train.jsonl: line 3: column 'prompt' is null") as info:
+        PromptDataset.load(DataConfig(train_files=[str(path)]), [path], bpe[0])
     assert _is_bad_input(info.value) and _is_bad_input(RewardSpecError("reward: x"))
