@@ -95,6 +95,8 @@ from trajflow.operators.strategies.base import Strategy
 from trajflow.operators.weight_sync import WeightServer, WeightSyncConfig
 from trajflow.schemas import conform
 
+NO_METRICS = pa.table({})  # a step that trains nothing here emits no metrics row
+
 
 @dataclass(frozen=True)
 class TrainerSpec:
@@ -650,7 +652,7 @@ class TrainStep(TrainerReplica):
             # reward_max_failed_steps is reached: the driver stops the run at the metrics row of the
             # last failed step (RLPipeline.iter_metrics); the steps already on their way train and
             # log nothing (raising here would race the driver's one line with Ray's error report)
-            return pa.table({})
+            return NO_METRICS
         try:
             if self.lost is not None:
                 raise self.lost
@@ -664,12 +666,13 @@ class TrainStep(TrainerReplica):
                 self.on_lost(str(lost))
             raise
         if trained is None:  # trained and logged by the trainer this one replaced: no second metrics row
-            return pa.table({})
+            return NO_METRICS
         batch, metrics = trained
         metrics.update(self.recovered)
         self.recovered = {}
+        logged = conform(batch) if self.on_rows is not None or self.on_step is not None else None
         if self.on_rows is not None:
-            self.on_rows(self, conform(batch), step)
+            self.on_rows(self, logged, step)
         metrics[f"{RECOVERY_PREFIX}restarts"] = self.restarts
         for hook in self.after_step:
             hook(self, batch, metrics)
@@ -677,7 +680,7 @@ class TrainStep(TrainerReplica):
         self.busy_seconds += metrics["train_seconds"]
         metrics["trainer_busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
         if self.on_step is not None:
-            self.on_step(self, conform(batch), metrics)
+            self.on_step(self, logged, metrics)
         if self.failed_rewards is not None:
             self.failed_rewards.observe(metrics)
         return pa.Table.from_pylist([metrics])
