@@ -2,12 +2,13 @@
 point: each case must end with exit status 2 and exactly one stderr line, `trajflow: ...`, that
 names the problem (the key, the flag, the file), with no traceback, and must write nothing.
 
-The cases run as subprocesses, several at a time (module fixture), each in its own empty working
-directory that must still be empty afterwards, except for the inputs the case was given. None of
-them starts Ray (the runner says whether Ray was initialised when the command returned): every
-name, every row of a dataset and every file of a model is checked before Ray starts. Only what
-only Ray can know (a request the cluster cannot hold) starts it, and ends in one line within
-RAY_CASE_SECONDS, before anything is written.
+Each case runs in its own empty working directory that must still be empty afterwards, except for
+the inputs the case was given. None of them may start Ray: every name, every row of a dataset and
+every file of a model is checked before Ray starts. Those cases call the entry point's `main` in
+this process (output captured at the file descriptors, so a library writing past `sys.stderr` is
+caught too) with `ray.init` replaced by a recorder, which is how "Ray did not start" is checked.
+Only what only Ray can know (a request the cluster cannot hold) starts it: such a case runs as its
+own `trajflow` process and must end in one line within RAY_CASE_SECONDS, before anything is written.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -290,63 +291,97 @@ def _listing(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"") for p in sorted(root.rglob("*"))}
 
 
-def _run_case(case: Case, root: Path) -> tuple[subprocess.CompletedProcess, dict, dict]:
+def _write_inputs(case: Case, root: Path) -> Path:
     cwd = root / case.id
     cwd.mkdir()
     for name, content in (case.files or {}).items():
         path = cwd / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return cwd
+
+
+def _check_one_line(code: int, out: str, err: str, case: Case) -> None:
+    explain = f"exit {code}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
+    assert code == 2, explain
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, explain
+    assert lines[0].startswith("trajflow: "), explain
+    assert "Traceback" not in out + err, explain
+    for fragment in case.expect:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+
+
+@pytest.fixture
+def no_ray_start(monkeypatch):
+    """`ray.init` and `ray.is_initialized` replaced: a case that would start (or reuse) Ray is
+    recorded instead. Returns the list of recorded starts."""
+    import ray
+
+    starts = []
+
+    def refuse(*args, **kwargs):
+        starts.append(kwargs)
+        raise RuntimeError("this case must not start Ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    return starts
+
+
+@pytest.fixture
+def isolated_process_state(monkeypatch, tmp_path):
+    """What `main` may change in the process for the next case: the environment, the warning
+    hooks, user modules imported from the case's directory (a later case's file of the same name
+    must be read anew)."""
+    environ = dict(os.environ)
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    yield
+    os.environ.clear()
+    os.environ.update(environ)
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", [c for c in CASES if not c.starts_ray],
+                         ids=[c.id for c in CASES if not c.starts_ray])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, capfd, monkeypatch, no_ray_start,
+                                                        isolated_process_state):
+    from trajflow.jobs.cli import main
+
+    cwd = _write_inputs(case, tmp_path)
+    before = _listing(cwd)
+    monkeypatch.chdir(cwd)
+    capfd.readouterr()
+    try:
+        code = main(case.args)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capfd.readouterr()
+    _check_one_line(code, out, err, case)
+    assert _listing(cwd) == before, f"the case wrote or changed files: {sorted(set(_listing(cwd)) ^ set(before))}"
+    assert no_ray_start == [], "the case started Ray"
+
+
+@pytest.mark.timeout(RAY_CASE_SECONDS * 2)
+@pytest.mark.parametrize("case", [c for c in CASES if c.starts_ray], ids=[c.id for c in CASES if c.starts_ray])
+def test_what_only_ray_can_tell_is_one_line_within_seconds(case, tmp_path):
+    """Its own `trajflow` process: the real start of an embedded Ray, then the check against it."""
+    cwd = _write_inputs(case, tmp_path)
     before = _listing(cwd)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", RUNNER, *case.args], cwd=cwd, capture_output=True, text=True,
-                          timeout=240, env=env)
-    proc.seconds = time.monotonic() - started
-    return proc, before, _listing(cwd)
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad_input")
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {case.id: pool.submit(_run_case, case, root) for case in CASES if not case.starts_ray}
-        done = {name: future.result() for name, future in futures.items()}
-    # one at a time, after the others: the time they take is Ray's start and the check
-    return {**done, **{case.id: _run_case(case, root) for case in CASES if case.starts_ray}}
-
-
-def test_the_table_covers_every_subcommand():
-    """Every subcommand the real parser has (a new one included) has a case here."""
-    import argparse
-
-    from trajflow.jobs.cli import build_parser
-
-    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
-    commands = {c.args[0] for c in CASES if c.args}
-    assert commands == set(subparsers.choices) | {"trian"}
-    assert any("--resume" in c.args for c in CASES)
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, results):
-    proc, before, after = results[case.id]
-    explain = f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 2, explain
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, explain
-    assert lines[0].startswith("trajflow: "), explain
-    assert "Traceback" not in proc.stdout + proc.stderr, explain
-    for fragment in case.expect:
-        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
-    assert after == before, f"the case wrote or changed files: {sorted(set(after) ^ set(before))}"
-    ray = proc.stdout.splitlines()[-1] if proc.stdout.strip() else ""
-    assert ray == ("ray: started" if case.starts_ray else "ray: not started"), explain
-    if case.starts_ray:
-        assert proc.seconds < RAY_CASE_SECONDS, f"{proc.seconds:.0f}s\n{explain}"
+                          timeout=RAY_CASE_SECONDS * 2, env=env)
+    seconds = time.monotonic() - started
+    _check_one_line(proc.returncode, proc.stdout, proc.stderr, case)
+    assert _listing(cwd) == before, f"the case wrote or changed files: {sorted(set(_listing(cwd)) ^ set(before))}"
+    assert proc.stdout.splitlines()[-1] == "ray: started"
+    assert seconds < RAY_CASE_SECONDS, f"{seconds:.0f}s"
 
 
 def test_reserved_columns_cover_every_column_trajflow_writes():
