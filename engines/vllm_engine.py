@@ -55,9 +55,9 @@ Design
   adapter_model.safetensors; vLLM 0.32 loads adapters from a directory only) to this engine's
   temporary directory, registers it as `LoRARequest(f"v{version}", version + 1, dir)` (vLLM ids
   start at 1) and makes it the current adapter: every request submitted from then on carries it,
-  so the base weights stay resident once and each version is an adapter switch. Versions older
-  than the newest `lora_slots` are removed from vLLM and their directories deleted as they leave
-  the window. `load_weights` (full weights, e.g. version 0: the base) clears the current adapter.
+  so the base weights stay resident once and each version is an adapter switch. An adapter is
+  removed from vLLM, its directory deleted, when it leaves the window (version <= the new
+  version - `lora_slots`). `load_weights` (full weights, e.g. version 0: the base) clears the current adapter.
   The mid-generation switch is the same as for weights (abort, resubmit under the new adapter);
   no prefix-cache reset is needed, vLLM's block hashes include the adapter id.
 * `abort()` from `between_steps` aborts all in-flight requests; they end with finish reason
@@ -280,9 +280,7 @@ class VllmEngine:
         generated), and the running generate() resubmits each unfinished sequence's prompt +
         prefix under the new weights, so later tokens carry the new version.
         """
-        if self._live:
-            self._abort_live()
-            self._resubmit.extend(j for j in range(len(self._gens)) if not self._gens[j].finished)
+        self._interrupt_live()
         if not self._weights_via_path:
             weights = [(k, v.detach()) for k, v in state_dict.items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -310,15 +308,15 @@ class VllmEngine:
             raise RuntimeError("this vLLM engine was built without LoRA (lora_slots=0)")
         if not is_adapter(payload):
             raise ValueError("load_adapter takes an adapter payload (engines/lora.py); use load_weights")
-        if self._live:
-            self._abort_live()
-            self._resubmit.extend(j for j in range(len(self._gens)) if not self._gens[j].finished)
+        self._interrupt_live()
         version = int(version)
+        keep = sorted(v for v in self._adapters if v > version - self.lora_slots)  # the window ending here
         if version not in self._adapters:
-            # the versions that leave the window go first, so vLLM never evicts one by itself
-            for old in sorted(self._adapters)[:max(0, len(self._adapters) + 1 - self.lora_slots)]:
-                self._engine.remove_lora(self._adapters.pop(old).lora_int_id)
-                shutil.rmtree(os.path.join(self._adapter_dir.name, f"v{old}"))
+            keep = keep[max(0, len(keep) + 1 - self.lora_slots):]  # room: vLLM never evicts by itself
+        for old in sorted(set(self._adapters) - set(keep)):  # left the window
+            self._engine.remove_lora(self._adapters.pop(old).lora_int_id)
+            shutil.rmtree(os.path.join(self._adapter_dir.name, f"v{old}"))
+        if version not in self._adapters:
             path = os.path.join(self._adapter_dir.name, f"v{version}")
             write_peft_adapter(payload, path)
             request = LoRARequest(f"v{version}", version + 1, path)
@@ -332,6 +330,13 @@ class VllmEngine:
         """The versions whose adapters vLLM holds now, ascending (asked from vLLM itself)."""
         ids = self._engine.list_loras()
         return sorted(v for v, request in self._adapters.items() if request.lora_int_id in ids)
+
+    def _interrupt_live(self) -> None:
+        """A version switch mid-generation: abort the requests in flight (their tokens are kept)
+        and have generate() resubmit each unfinished sequence under the new version."""
+        if self._live:
+            self._abort_live()
+            self._resubmit.extend(j for j in range(len(self._gens)) if not self._gens[j].finished)
 
     def _reset_prefix_cache(self) -> None:
         for _ in range(8):

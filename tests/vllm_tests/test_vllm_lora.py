@@ -6,10 +6,11 @@ every request (engines/vllm_engine.py).
   float32 teacher-forced scoring of the merged weights (engines/lora.py) within 1e-4, the
   tolerance of the vLLM exactness tests (tests/vllm_tests/test_pipeline_vllm.py: vLLM's CPU
   kernels are not HF's); a zero-B adapter gives the base's log-probs; `lora_slots` versions are
-  resident at once, asked from vLLM, and older ones leave as newer ones arrive;
-- pipeline: a `lora.r: 8` run on `engine: vllm` (snapshot, max_staleness 2, float32) completes,
-  old log-probs = inference log-probs within 1e-4 on adapter versions, and the generator's engine
-  held several adapters at once (max_staleness + 1 = 3 at most).
+  resident at once, asked from vLLM, and older ones leave as newer ones arrive; full weights still
+  load into vLLM's LoRA-wrapped layers (scored exactly) and clear the adapter;
+- pipeline: a `lora.r: 8` run on `engine: vllm` (snapshot and interrupt, max_staleness 2,
+  float32) completes, old log-probs = inference log-probs within 1e-4, and the generator's engine
+  held the window's max_staleness + 1 = 3 adapters at once, older ones leaving as it moved.
 """
 
 from __future__ import annotations
@@ -91,12 +92,14 @@ def test_adapter_versions_are_vllm_lora_requests_resident_in_a_window(tiny):
         assert engine.resident_adapters() == [2, 3, 4]  # version 1 left the window
         engine.load_adapter(_adapter(2, 0.05), version=2)  # still resident: no reload
         assert engine.resident_adapters() == [2, 3, 4] and engine.version == 2
-        engine.load_weights(model.state_dict(), version=5)  # full weights: no adapter on requests
-        after_gens, _ = sample_and_score(model)
-        assert [g.response_tokens for g in after_gens] == [g.response_tokens for g in base_gens]
+        other = build_tiny_model(seed=1)[0]
+        engine.load_weights(other.state_dict(), version=5)  # full weights into vLLM's LoRA layers
+        after_gens, after_diff = sample_and_score(other)  # and no adapter on the requests
+        assert [g.response_tokens for g in after_gens] != [g.response_tokens for g in base_gens]
+        assert all(set(g.versions) == {5} for g in after_gens)
         print(f"\n[vllm lora] |vLLM - merged scoring|: base {base_diff:.1e}, zero adapter {zero_diff:.1e}, "
-              f"adapters {worst:.1e}; adapter vs base log-probs up to {moved}")
-        assert max(base_diff, zero_diff, worst) < TOL
+              f"adapters {worst:.1e}, new full weights {after_diff:.1e}; adapter vs base log-probs up to {moved}")
+        assert max(base_diff, zero_diff, worst, after_diff) < TOL
         assert min(moved) > 10 * TOL, "the adapter did not change the distribution"
     finally:
         engine.close()
@@ -104,16 +107,27 @@ def test_adapter_versions_are_vllm_lora_requests_resident_in_a_window(tiny):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_lora_run_on_vllm_keeps_exactness_with_several_adapters_resident(ray_session, tmp_path):
+@pytest.mark.parametrize("strategy", ["snapshot", "interrupt"])
+def test_a_lora_run_on_vllm_keeps_exactness_with_several_adapters_resident(ray_session, publish_inside_rollouts,
+                                                                            tmp_path, strategy):
+    """`interrupt` also switches adapters mid-generation (abort, resubmit under the new adapter)
+    and scores each prefix with the merged weights before the switch."""
     import dataclasses
 
-    from trajflow.operators.generate import Generate
     from trajflow.pipelines.config import PipelineConfig
     from trajflow.pipelines.rl_loop import RLPipeline
 
     log = tmp_path / "resident.jsonl"
+    steps = 8
+    config = PipelineConfig(steps=steps, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1,
+                            max_staleness=2, inference_dtype="float32", strategy=strategy,
+                            lora={"r": 8, "alpha": 16.0}, optimizer={"lr": 1e-2}, engine="vllm",
+                            vllm={"kv_cache_memory_bytes": 64 << 20})
+    assert config.engine_lora_slots() == 3
+    pipe = publish_inside_rollouts(RLPipeline(config))
+    generate = pipe.stage("generate")
 
-    class GenerateRecordingAdapters(Generate):
+    class GenerateRecordingAdapters(generate.fn):
         """After each version switch, the versions whose adapters vLLM holds (asked from vLLM)."""
 
         def _take_newest(self, pins) -> None:
@@ -121,21 +135,19 @@ def test_a_lora_run_on_vllm_keeps_exactness_with_several_adapters_resident(ray_s
             with open(log, "a") as f:
                 f.write(json.dumps([self.engine.version, self.engine.resident_adapters()]) + "\n")
 
-    config = PipelineConfig(steps=6, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1,
-                            max_staleness=2, inference_dtype="float32", strategy="snapshot",
-                            lora={"r": 8, "alpha": 16.0}, optimizer={"lr": 1e-2}, engine="vllm",
-                            vllm={"kv_cache_memory_bytes": 64 << 20})
-    assert config.engine_lora_slots() == 3
-    pipe = RLPipeline(config)
-    pipe = pipe.replace("generate", dataclasses.replace(pipe.stage("generate"), fn=GenerateRecordingAdapters))
+    pipe = pipe.replace("generate", dataclasses.replace(generate, fn=GenerateRecordingAdapters))
     m = pipe.run(progress=False)
     seen = [json.loads(line) for line in log.read_text().splitlines()]
-    print(f"\n[vllm lora pipeline] max|log r_d|={m['mismatch/max_abs_log_rd'].max():.2e} "
-          f"max lag={m['staleness/max'].max()} (version, resident adapters): {seen}")
-    assert m["step"].to_list() == list(range(6))
+    print(f"\n[vllm lora pipeline] {strategy}: max|log r_d|={m['mismatch/max_abs_log_rd'].max():.2e} "
+          f"max lag={m['staleness/max'].max()} spanning rows={m['rows_spanning_versions'].sum()} "
+          f"(version, resident adapters): {seen}")
+    assert m["step"].to_list() == list(range(steps))
     assert m["mismatch/max_abs_log_rd"].max() < TOL
     assert m["mask/token_kept_frac"].min() == 1.0
     assert m["over_stale_tokens_dropped"].sum() == 0
+    if strategy == "interrupt":
+        assert m["rows_spanning_versions"].sum() > 0, "no trajectory spanned two adapter versions"
     assert all(version == 0 or resident[-1] == version for version, resident in seen)
     assert all(len(resident) <= 3 and all(v > version - 3 for v in resident) for version, resident in seen)
-    assert max(len(resident) for _, resident in seen) >= 2, "never more than one adapter resident"
+    assert max(len(resident) for _, resident in seen) == 3, "never the window's adapters resident at once"
+    assert any(resident and resident[0] > 1 for _, resident in seen), "no adapter left the window"
