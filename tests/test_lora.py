@@ -11,6 +11,9 @@
   checkpoint holds the adapter (+ optimizer) and exports a merged model that transformers loads
   and that gives the PEFT model's log-probs;
 - a run resumed from a LoRA checkpoint equals the uninterrupted run.
+- with `engine: vllm` (vLLM reported installed) the engine keeps max_staleness + 1 adapters, a
+  rank above 512 and an lm_head adapter are refused, and the adapter directory vLLM loads is
+  PEFT's format (PEFT loads it as the same function); the runs: tests/vllm_tests/test_vllm_lora.py.
 """
 
 from __future__ import annotations
