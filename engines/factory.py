@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from trajflow.engines.vllm_engine import VllmEngine
 
 ENGINES: tuple[str, ...] = ("torch", "vllm")
+# The adapter ranks vLLM can be built for (vllm.config.lora.MaxLoRARanks, vLLM 0.32): its
+# max_lora_rank is the smallest of these >= lora.r.
+VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Adapter layers vLLM 0.32 applies differently from the readers' merge (engines/lora.py): its
+# lm_head adapter leaves a tied input embedding alone, the merge changes the shared tensor.
+VLLM_LORA_REFUSED_MODULES: tuple[str, ...] = ("lm_head",)
 Engine = Union["TorchEngine", "VllmEngine"]
 
 

@@ -48,6 +48,18 @@ Design
   segment runs under one weight version, so the version stamp of a token is the version that was
   resident when its segment was submitted. With async scheduling (GPU), a batch already queued
   under the old weights belongs to aborted requests and its tokens are never delivered.
+* LoRA versions (`lora_slots` > 0, a `lora:` run): vLLM is built with `enable_lora`,
+  `max_loras = max_cpu_loras = lora_slots` (the strategy's window, max_staleness + 1) and
+  `max_lora_rank` the smallest rank vLLM allows >= `lora_rank`. `load_adapter(payload,
+  version)` writes the version's adapter in PEFT's format (adapter_config.json +
+  adapter_model.safetensors; vLLM 0.32 loads adapters from a directory only) to this engine's
+  temporary directory, registers it as `LoRARequest(f"v{version}", version + 1, dir)` (vLLM ids
+  start at 1) and makes it the current adapter: every request submitted from then on carries it,
+  so the base weights stay resident once and each version is an adapter switch. An adapter is
+  removed from vLLM, its directory deleted, when it leaves the window (version <= the new
+  version - `lora_slots`). `load_weights` (full weights, e.g. version 0: the base) clears the current adapter.
+  The mid-generation switch is the same as for weights (abort, resubmit under the new adapter);
+  no prefix-cache reset is needed, vLLM's block hashes include the adapter id.
 * `abort()` from `between_steps` aborts all in-flight requests; they end with finish reason
   "abort" and keep their tokens.
 
@@ -71,6 +83,7 @@ import itertools
 import logging
 import math
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
@@ -85,7 +98,8 @@ from trajflow.engines.numerics import check_inference_dtype
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import StopStrings
 from trajflow.engines.torch_engine import Generation
-from trajflow.engines.factory import VllmOptions
+from trajflow.engines.factory import VLLM_LORA_RANKS, VllmOptions
+from trajflow.engines.lora import ADAPTER_PREFIX, ADAPTER_SCALING, is_adapter
 
 BetweenSteps = Callable[["VllmEngine", list[Generation]], None]
 
@@ -120,7 +134,8 @@ class VllmEngine:
     initial weights; `load_weights` replaces them.
 
     Knobs: `options` (engines.factory.VllmOptions: the `vllm:` section of a job config),
-    `max_logprobs`, and `llm_kwargs` passed verbatim to `vllm.LLM`.
+    `max_logprobs`, `lora_slots` / `lora_rank` (LoRA versions, see the module docstring), and
+    `llm_kwargs` passed verbatim to `vllm.LLM`.
     """
 
     def __init__(
@@ -138,6 +153,8 @@ class VllmEngine:
         llm_kwargs: dict[str, Any] | None = None,
         stop_token_ids: Sequence[int] = (),
         tokenizer=None,
+        lora_slots: int = 0,
+        lora_rank: int = 0,
     ) -> None:
         self.inference_dtype = check_inference_dtype(inference_dtype)
         gpu_memory_utilization, kv_cache_memory_bytes = options.gpu_memory_utilization, options.kv_cache_memory_bytes
@@ -197,10 +214,17 @@ class VllmEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         elif cpu and gpu_memory_utilization is None:
             kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
+        if lora_slots > 0:
+            kwargs.update(enable_lora=True, max_loras=int(lora_slots), max_cpu_loras=int(lora_slots),
+                          max_lora_rank=vllm_lora_rank(lora_rank))
         kwargs.update(llm_kwargs or {})
 
         self._tmpdir: tempfile.TemporaryDirectory | None = None
         self._weights_dir: tempfile.TemporaryDirectory | None = None
+        self.lora_slots = int(lora_slots)
+        self._adapter_dir = tempfile.TemporaryDirectory(prefix="trajflow-vllm-lora-") if lora_slots > 0 else None
+        self._adapters: dict[int, Any] = {}  # version -> its registered LoRARequest, oldest first
+        self._lora = None  # the LoRARequest new requests carry (None: the loaded weights alone)
         # In-process workers take the tensors directly; tensor-parallel workers are other processes.
         self._weights_via_path = tensor_parallel_size > 1
         self.model_path = self._model_dir(model)
@@ -256,9 +280,7 @@ class VllmEngine:
         generated), and the running generate() resubmits each unfinished sequence's prompt +
         prefix under the new weights, so later tokens carry the new version.
         """
-        if self._live:
-            self._abort_live()
-            self._resubmit.extend(j for j in range(len(self._gens)) if not self._gens[j].finished)
+        self._interrupt_live()
         if not self._weights_via_path:
             weights = [(k, v.detach()) for k, v in state_dict.items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -273,7 +295,48 @@ class VllmEngine:
             save_file(_untie(tensors), os.path.join(self._weights_dir.name, "model.safetensors"))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_dir.name})
         self._reset_prefix_cache()
+        self._lora = None
         self.version = int(version)
+
+    def load_adapter(self, payload: dict[str, Tensor], version: int) -> None:
+        """Install a LoRA version (an engines/lora.py adapter payload) as `version`: registered
+        with vLLM, current for every later request (see the module docstring). Safe to call from
+        `between_steps`, like `load_weights`."""
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_dir is None:
+            raise RuntimeError("this vLLM engine was built without LoRA (lora_slots=0)")
+        if not is_adapter(payload):
+            raise ValueError("load_adapter takes an adapter payload (engines/lora.py); use load_weights")
+        self._interrupt_live()
+        version = int(version)
+        keep = sorted(v for v in self._adapters if v > version - self.lora_slots)  # the window ending here
+        if version not in self._adapters:
+            keep = keep[max(0, len(keep) + 1 - self.lora_slots):]  # room: vLLM never evicts by itself
+        for old in sorted(set(self._adapters) - set(keep)):  # left the window
+            self._engine.remove_lora(self._adapters.pop(old).lora_int_id)
+            shutil.rmtree(os.path.join(self._adapter_dir.name, f"v{old}"))
+        if version not in self._adapters:
+            path = os.path.join(self._adapter_dir.name, f"v{version}")
+            write_peft_adapter(payload, path)
+            request = LoRARequest(f"v{version}", version + 1, path)
+            if not self._engine.add_lora(request):
+                raise RuntimeError(f"vLLM refused the LoRA adapter of version {version}")
+            self._adapters[version] = request
+        self._lora = self._adapters[version]
+        self.version = version
+
+    def resident_adapters(self) -> list[int]:
+        """The versions whose adapters vLLM holds now, ascending (asked from vLLM itself)."""
+        ids = self._engine.list_loras()
+        return sorted(v for v, request in self._adapters.items() if request.lora_int_id in ids)
+
+    def _interrupt_live(self) -> None:
+        """A version switch mid-generation: abort the requests in flight (their tokens are kept)
+        and have generate() resubmit each unfinished sequence under the new version."""
+        if self._live:
+            self._abort_live()
+            self._resubmit.extend(j for j in range(len(self._gens)) if not self._gens[j].finished)
 
     def _reset_prefix_cache(self) -> None:
         for _ in range(8):
@@ -322,7 +385,7 @@ class VllmEngine:
         request_id = f"tf-{self._uid}-{next(self._ids)}"
         prompt = list(self._prompts[g.prompt_index]) + list(g.response_tokens)
         params = self._request_params(remaining, n=len(gen_indices))
-        self._engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        self._engine.add_request(request_id, {"prompt_token_ids": prompt}, params, lora_request=self._lora)
         self._live[request_id] = _Segment(list(gen_indices), self.version, set(range(len(gen_indices))))
 
     def _abort_live(self) -> None:
@@ -429,10 +492,12 @@ class VllmEngine:
         llm = getattr(self, "llm", None)
         if llm is not None:
             del self.llm, self._engine
-        for d in (self._tmpdir, self._weights_dir):
+        for d in (self._tmpdir, self._weights_dir, self._adapter_dir):
             if d is not None:
                 d.cleanup()
-        self._tmpdir = self._weights_dir = None
+        self._tmpdir = self._weights_dir = self._adapter_dir = None
+        self._adapters.clear()
+        self._lora = None
 
 
 @dataclass
@@ -443,6 +508,38 @@ class _Segment:
     gens: list[int]
     version: int
     open: set[int]
+
+
+def vllm_lora_rank(r: int) -> int:
+    """vLLM's max_lora_rank for adapters of rank `r`: the smallest rank it can be built for >= r."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"lora.r {r}: vLLM takes adapters up to rank {VLLM_LORA_RANKS[-1]}")
+
+
+def write_peft_adapter(payload: dict[str, Tensor], path: str) -> None:
+    """An engines/lora.py adapter payload as a PEFT adapter directory (what vLLM's LoRARequest
+    loads): the tensors under PEFT's own keys, and a config whose r (from lora_A's rows) and
+    alpha (scaling x r) give the payload's scaling."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors = {k[len(ADAPTER_PREFIX):]: v.detach().contiguous().cpu() for k, v in payload.items()
+               if k != ADAPTER_SCALING}
+    ranks = {t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight")}
+    if len(ranks) != 1:
+        raise ValueError(f"an adapter payload needs one rank over its lora_A tensors, got {sorted(ranks)}")
+    r = ranks.pop()
+    modules = sorted({k.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for k in tensors
+                      if k.endswith(".lora_A.weight")})
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": float(payload[ADAPTER_SCALING]) * r,
+              "target_modules": modules, "bias": "none", "lora_dropout": 0.0}
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
 
 
 def _drop_chat_warmup(record: logging.LogRecord) -> bool:

@@ -34,7 +34,7 @@ import pyarrow as pa
 import torch
 
 from trajflow.engines.factory import VllmOptions, make_engine
-from trajflow.engines.lora import VersionWeights
+from trajflow.engines.lora import VersionWeights, is_adapter
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import stop_token_ids
@@ -79,6 +79,8 @@ class Generate:
         vllm: VllmOptions,
         numerics: TrainingNumerics,
         weight_sync: WeightSyncConfig,
+        lora_slots: int = 0,
+        lora_rank: int = 0,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
@@ -97,6 +99,10 @@ class Generate:
         # The torch engine copies an in-memory model; vLLM loads the directory itself. The float32
         # model is also the scorer of prefixes at a switch (interrupt).
         model = load_model(model_path) if (engine == "torch" or scores_at_switch) else None
+        # vLLM applies a LoRA version's adapter itself (the window's adapters resident); the torch
+        # engine gets the adapter merged into full weights
+        self.lora_slots = lora_slots if engine == "vllm" else 0
+        adapters = dict(lora_slots=lora_slots, lora_rank=lora_rank) if self.lora_slots else {}
         self.engine = make_engine(
             engine,
             model if engine == "torch" else model_path,
@@ -109,6 +115,7 @@ class Generate:
             inference_dtype=inference_dtype,
             seed=seed,
             version=-1,
+            **adapters,
         )
         # Training numerics of the resident version, for scoring prefixes at a switch (interrupt).
         self.numerics = numerics
@@ -124,10 +131,14 @@ class Generate:
             self.store.release(version)  # this call already holds a pin on it
         pins.add(version)
         if version != self.engine.version:
-            weights = self.versions.full(payload)  # a LoRA run's versions are adapters
-            self.engine.load_weights(weights, version)
-            if self.scoring_model is not None:
-                self.scoring_model.load_state_dict(weights)
+            in_engine = bool(self.lora_slots) and is_adapter(payload)
+            weights = None if in_engine else self.versions.full(payload)  # LoRA: merged
+            if in_engine:
+                self.engine.load_adapter(payload, version)
+            else:
+                self.engine.load_weights(weights, version)
+            if self.scoring_model is not None:  # training numerics score the full weights
+                self.scoring_model.load_state_dict(weights if weights is not None else self.versions.full(payload))
         self.weight_load_seconds += time.perf_counter() - started
 
     def _switch_if_newer(self, pins: set[int], views, old_logprobs) -> None:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
 from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, OptimizerConfig
-from trajflow.engines.factory import VllmOptions
+from trajflow.engines.factory import VLLM_LORA_RANKS, VLLM_LORA_REFUSED_MODULES, VllmOptions
 from trajflow.engines.lora import LoraSettings
 from trajflow.engines.sampling import SamplingParams
 from trajflow.operators.recovery import RecoveryConfig
@@ -373,8 +373,8 @@ class PipelineConfig(_Strict):
             raise ValueError("engine: vllm is not installed (pip install 'trajflow[vllm]'), or use engine: torch")
         if self.lora.r > 0 and self.trainer.sharding == "fsdp":
             raise ValueError("lora: an adapter is trained by a replicated trainer; use trainer.sharding: none")
-        if self.lora.r > 0 and self.engine != "torch":
-            raise ValueError("lora: the vllm engine does not apply adapter versions yet; use engine: torch")
+        if self.lora.r > 0 and self.engine == "vllm":
+            self._check_vllm_lora()
         if self.weight_sync.method == "collective":
             self._check_collective()
         min_group = MIN_GROUP_SIZE.get(self.advantage.estimator, 1)
@@ -466,6 +466,22 @@ class PipelineConfig(_Strict):
         from trajflow.operators.strategies.registry import resolve_strategy
 
         return resolve_strategy(self.strategy).from_config(self)
+
+    def engine_lora_slots(self) -> int:
+        """Adapters the vLLM engine keeps resident in a LoRA run: the staleness window's
+        max_staleness + 1 versions (0: no LoRA in the engine; the torch engine merges each one)."""
+        return self.max_staleness + 1 if self.engine == "vllm" and self.lora.r > 0 else 0
+
+    def _check_vllm_lora(self) -> None:
+        """What vLLM's LoRA (engines/vllm_engine.py) cannot take, refused by name."""
+        if self.lora.r > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"lora.r: {self.lora.r} is above vLLM's largest adapter rank "
+                             f"{VLLM_LORA_RANKS[-1]}; use engine: torch")
+        refused = sorted(set(self.lora.target_modules) & set(VLLM_LORA_REFUSED_MODULES))
+        if refused:
+            raise ValueError(f"lora.target_modules: {', '.join(refused)} with engine: vllm: vLLM applies an "
+                             "lm_head adapter apart from a tied input embedding, the scorers' merged weights "
+                             "do not (old != inference); use engine: torch")
 
     def _check_collective(self) -> None:
         """What `weight_sync.method: collective` does not cover (yet), refused rather than run otherwise."""

@@ -213,6 +213,8 @@ class RLPipeline:
                 vllm=c.vllm.spec(),
                 numerics=c.training_numerics(),
                 weight_sync=c.weight_sync.spec(),
+                lora_slots=c.engine_lora_slots(),
+                lora_rank=c.lora.r,
             ),
             c.generator,
             pool_size=c.num_generators,

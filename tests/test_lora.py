@@ -11,6 +11,9 @@
   checkpoint holds the adapter (+ optimizer) and exports a merged model that transformers loads
   and that gives the PEFT model's log-probs;
 - a run resumed from a LoRA checkpoint equals the uninterrupted run.
+- with `engine: vllm` (vLLM reported installed) the engine keeps max_staleness + 1 adapters, a
+  rank above 512 and an lm_head adapter are refused, and the adapter directory vLLM loads is
+  PEFT's format (PEFT loads it as the same function); the runs: tests/vllm_tests/test_vllm_lora.py.
 """
 
 from __future__ import annotations
@@ -195,3 +198,49 @@ def test_a_sigkilled_lora_job_resumes_from_its_adapter_checkpoint(tmp_path):
     print(f"\nold vs inference on {len(diffs)} adapter-version rows: max |diff| {max(diffs):.1e}; "
           f"max lag {lags.max()}")
     assert len(diffs) > 0 and max(diffs) < 1e-5
+
+
+def test_engine_vllm_keeps_the_window_of_adapters_and_refuses_what_it_cannot_apply(monkeypatch, tmp_path):
+    """The config choice (no vLLM here: `find_spec` reports it installed): with `engine: vllm` a
+    LoRA run keeps max_staleness + 1 adapters resident in vLLM, the torch engine none (it merges);
+    a rank above vLLM's largest and an lm_head adapter are refused by name. The adapter directory
+    the vLLM engine registers is PEFT's format: PEFT loads it as the same function."""
+    import importlib.util
+
+    from peft import PeftModel
+
+    from trajflow.engines.models import build_tiny_model
+    from trajflow.engines.vllm_engine import vllm_lora_rank, write_peft_adapter
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    for staleness in (0, 2):
+        config = PipelineConfig(engine="vllm", lora={"r": 8}, max_staleness=staleness)
+        assert config.engine_lora_slots() == staleness + 1
+    assert PipelineConfig(engine="vllm").engine_lora_slots() == 0
+    assert PipelineConfig(engine="torch", lora={"r": 8}, max_staleness=2).engine_lora_slots() == 0
+    with pytest.raises(ValueError, match="lora.r: 513 is above vLLM's largest adapter rank 512"):
+        PipelineConfig(engine="vllm", lora={"r": 513})
+    with pytest.raises(ValueError, match="lora.target_modules: lm_head with engine: vllm"):
+        PipelineConfig(engine="vllm", lora={"r": 8, "target_modules": ["q_proj", "lm_head"]})
+    PipelineConfig(engine="torch", lora={"r": 8, "target_modules": ["q_proj", "lm_head"]})
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 320, 512)] == [1, 8, 8, 16, 320, 512]
+    with pytest.raises(ValueError, match="up to rank 512"):
+        vllm_lora_rank(513)
+
+    settings = lora.LoraSettings(r=4, alpha=6.0, target_modules=("q_proj", "down_proj"))
+    peft = lora.wrap(build_tiny_model(seed=0)[0], settings)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    write_peft_adapter(lora.adapter_payload(peft, settings.scaling), str(tmp_path / "v1"))
+    config = (tmp_path / "v1" / "adapter_config.json").read_text()
+    assert '"r": 4' in config and '"lora_alpha": 6.0' in config and '["down_proj", "q_proj"]' in config
+    loaded = PeftModel.from_pretrained(build_tiny_model(seed=0)[0], str(tmp_path / "v1")).eval()
+    ids = torch.tensor([[1, 5, 9, 12, 7, 3]])
+    with torch.no_grad():
+        a, b = peft.eval()(input_ids=ids).logits, loaded(input_ids=ids).logits
+        base = build_tiny_model(seed=0)[0](input_ids=ids).logits
+    assert float((a - b).abs().max()) == 0.0 and float((a - base).abs().max()) > 1e-3
