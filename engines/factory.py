@@ -24,8 +24,8 @@ ENGINES: tuple[str, ...] = ("torch", "vllm")
 # The adapter ranks vLLM can be built for (vllm.config.lora.MaxLoRARanks, vLLM 0.32): its
 # max_lora_rank is the smallest of these >= lora.r.
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# Adapter layers vLLM 0.32 applies differently from the readers' merge (engines/lora.py): its
-# lm_head adapter leaves a tied input embedding alone, the merge changes the shared tensor.
+# Adapter layers vLLM 0.32 may apply otherwise than the readers' merge (engines/lora.py): not
+# checked against it, so refused.
 VLLM_LORA_REFUSED_MODULES: tuple[str, ...] = ("lm_head",)
 Engine = Union["TorchEngine", "VllmEngine"]
 

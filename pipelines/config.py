@@ -112,6 +112,14 @@ def check_model_dir(path: Path, architecture: bool = True) -> None:
             raise ValueError(f"{path} lacks the weight file {missing[0]} named in {weights[0].name}")
 
 
+def _ties_embeddings(model: Path) -> bool:
+    """Whether the model's output layer is its input embedding (one tensor): an lm_head adapter
+    merged into it would change the embedding too, which PEFT's adapter does not."""
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False))
+
+
 def _check_architecture(config: Path, model_type: object) -> None:
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -373,6 +381,10 @@ class PipelineConfig(_Strict):
             raise ValueError("engine: vllm is not installed (pip install 'trajflow[vllm]'), or use engine: torch")
         if self.lora.r > 0 and self.trainer.sharding == "fsdp":
             raise ValueError("lora: an adapter is trained by a replicated trainer; use trainer.sharding: none")
+        if self.lora.r > 0 and "lm_head" in self.lora.target_modules and _ties_embeddings(self.model_path):
+            raise ValueError("lora.target_modules: lm_head on a model whose output layer is its input embedding "
+                             "(tie_word_embeddings): the readers' merged weights would not be the trained model; "
+                             "leave lm_head out")
         if self.lora.r > 0 and self.engine == "vllm":
             self._check_vllm_lora()
         if self.weight_sync.method == "collective":
@@ -479,9 +491,8 @@ class PipelineConfig(_Strict):
                              f"{VLLM_LORA_RANKS[-1]}; use engine: torch")
         refused = sorted(set(self.lora.target_modules) & set(VLLM_LORA_REFUSED_MODULES))
         if refused:
-            raise ValueError(f"lora.target_modules: {', '.join(refused)} with engine: vllm: vLLM applies an "
-                             "lm_head adapter apart from a tied input embedding, the scorers' merged weights "
-                             "do not (old != inference); use engine: torch")
+            raise ValueError(f"lora.target_modules: {', '.join(refused)} with engine: vllm: vLLM's own lm_head "
+                             "adapter is not checked against the scorers' merge (old = inference); use engine: torch")
 
     def _check_collective(self) -> None:
         """What `weight_sync.method: collective` does not cover (yet), refused rather than run otherwise."""

@@ -18,11 +18,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from test_trainer_dp import max_abs_difference, run_with_final_weights
 
 from trajflow.engines import lora
+from trajflow.engines.paths import WARM_START_DIR
 from trajflow.pipelines.config import PipelineConfig
 
 LORA = dict(steps=3, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1, max_staleness=2,
@@ -222,9 +226,17 @@ def test_engine_vllm_keeps_the_window_of_adapters_and_refuses_what_it_cannot_app
     assert PipelineConfig(engine="torch", lora={"r": 8}, max_staleness=2).engine_lora_slots() == 0
     with pytest.raises(ValueError, match="lora.r: 513 is above vLLM's largest adapter rank 512"):
         PipelineConfig(engine="vllm", lora={"r": 513})
+    head = {"r": 8, "target_modules": ["q_proj", "lm_head"]}
+    for engine in ("torch", "vllm"):  # the warm start's output layer is its input embedding
+        with pytest.raises(ValueError, match="lora.target_modules: lm_head on a model whose output layer is its input"):
+            PipelineConfig(engine=engine, lora=head)
+    untied = tmp_path / "untied"
+    shutil.copytree(WARM_START_DIR, untied)
+    (untied / "config.json").write_text(json.dumps({**json.loads((untied / "config.json").read_text()),
+                                                    "tie_word_embeddings": False}))
     with pytest.raises(ValueError, match="lora.target_modules: lm_head with engine: vllm"):
-        PipelineConfig(engine="vllm", lora={"r": 8, "target_modules": ["q_proj", "lm_head"]})
-    PipelineConfig(engine="torch", lora={"r": 8, "target_modules": ["q_proj", "lm_head"]})
+        PipelineConfig(engine="vllm", model=untied, lora=head)
+    PipelineConfig(engine="torch", model=untied, lora=head)
     assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 320, 512)] == [1, 8, 8, 16, 320, 512]
     with pytest.raises(ValueError, match="up to rank 512"):
         vllm_lora_rank(513)
