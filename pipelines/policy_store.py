@@ -219,6 +219,21 @@ class PolicyStoreActor(PolicyStore):
         return version, [ref]
 
 
+class StoreLost(RuntimeError):
+    """The policy store died and is not rebuilt; the message is one line."""
+
+
+class LostStore:
+    """The actor a run leaves, named `NAME.lost`, when its store died and is not rebuilt: the
+    readers waiting for a rebuilt store read the one line here and stop (pipelines/store_recovery.py)."""
+
+    def __init__(self, line: str) -> None:
+        self.text = line
+
+    def line(self) -> str:
+        return self.text
+
+
 class RayStore:
     """A PolicyStoreClient of a PolicyStoreActor: what the pipeline hands its operators (it
     travels into their actors with them). Weights cross the object store as SharedStateDict.
@@ -324,6 +339,13 @@ class RayStore:
 
         ray.kill(self.actor)
 
+    def give_up(self, line: str) -> "ray.actor.ActorHandle":
+        """Tell the readers waiting for a rebuilt store that there will be none (`line`); the
+        caller keeps the handle for the rest of the run."""
+        import ray
+
+        return ray.remote(LostStore).options(name=f"{self.name}.lost", num_cpus=0).remote(line)
+
     def _call(self, method: str, *args: Any) -> Any:
         import ray
 
@@ -334,9 +356,9 @@ class RayStore:
             return ray.get(getattr(self.actor, method).remote(*args))
 
     def _reconnect(self, died: Exception) -> None:
-        """Take the newest store the run has rebuilt since this client's; `died` (the dead
-        store's error) when the run does not rebuild stores, or after `reconnect_seconds`
-        without a new one."""
+        """Take the newest store the run has rebuilt since this client's; StoreLost when the
+        run gave up on it; `died` (the dead store's error) when the run does not rebuild
+        stores, or after `reconnect_seconds` without a new one."""
         import ray
 
         if not self.reconnect_seconds:
@@ -352,6 +374,10 @@ class RayStore:
                 self.actor, self.generation = found
             if found is not None:
                 return
+            try:  # the run gave up on the store: its line, not a wait to the deadline
+                raise StoreLost(ray.get(ray.get_actor(f"{self.name}.lost").line.remote())) from None
+            except ValueError:
+                pass
             if time.monotonic() > deadline:
                 raise died
             time.sleep(0.1)

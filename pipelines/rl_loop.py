@@ -259,7 +259,8 @@ class RLPipeline:
         final = c.steps if c.recovery.max_restarts == 0 else None
         # a store that dies is rebuilt from the run dir's versions (not under weight_sync collective,
         # where the versions' tensors and the trainer's server address are not the store's)
-        rebuilt = self.version_source is not None and c.recovery.max_restarts > 0 and c.weight_sync.method != "collective"
+        rebuilt = (self.version_source is not None and c.recovery.max_restarts > 0
+                   and c.weight_sync.method != "collective")
         self.store = RayStore.start(c.max_staleness, self.strategy.keep_history, final_version=final,
                                     reconnect_seconds=RECONNECT_SECONDS if rebuilt else 0.0)
         if initial_weights is not None and is_adapter(initial_weights):  # a LoRA run's version: its adapter
@@ -378,8 +379,8 @@ class RLPipeline:
                         row.update(self.pending_recoveries.pop(0))  # the driver's record of a rebuilt store
                     yield row
                     failed_rewards.check(row)  # after the caller has shown the step: RewardFailed
-        except KeyboardInterrupt:
-            if self.store_guard is not None and self.store_guard.lost is not None:  # it interrupted us
+        except Exception:
+            if self.store_guard is not None and self.store_guard.lost is not None:  # what the readers failed on
                 raise StoreLost(self.store_guard.lost) from None
             raise
         finally:

@@ -9,9 +9,10 @@ store (`StoreGuard`, a thread); when it dies:
    (a step's rows are logged before its version is published);
 2. the versions the live window may still read are that one and, for a strategy that scores
    old log-probs after generation (`keep_history`), the `max_staleness` before it;
-3. a new store actor (the next generation of the name, RayStore) starts with those versions (kept until they leave the
-   window: their in-flight pins died with the old store) and the count of trainers started;
-   the readers' clients (`RayStore`) reconnect by name and make their call again there.
+3. a new store actor (the next generation of the name, RayStore) starts with those versions
+   (kept until they leave the window: their in-flight pins died with the old store) and the
+   count of trainers started; the readers' clients (`RayStore`) find it by name and make
+   their call again there.
 
 A version the window needs that is not on disk, or a spent `recovery.max_restarts` (a rebuilt
 store counts as a restart), stops the run with one line naming the setting (`StoreLost`).
@@ -19,7 +20,6 @@ store counts as a restart), stops the run with one line naming the setting (`Sto
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,19 +28,17 @@ from typing import TYPE_CHECKING, Protocol
 
 from trajflow.operators.data_parallel import RESUME_HINT
 from trajflow.operators.recovery import RECOVERY_PREFIX
+from trajflow.pipelines.policy_store import RayStore, StoreLost
+
+__all__ = ["RECONNECT_SECONDS", "StoreGuard", "StoreLost", "StoreSpec", "VersionSource", "needed_versions",
+           "rebuild", "refusal"]
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from trajflow.pipelines.policy_store import RayStore
-
 # How long a reader waits for the rebuilt store before its call fails (loading the versions
 # from disk takes seconds for a large model; the driver stops the run sooner when it cannot rebuild).
 RECONNECT_SECONDS = 300.0
-
-
-class StoreLost(RuntimeError):
-    """The policy store died and is not rebuilt; the message is one line."""
 
 
 class VersionSource(Protocol):
@@ -92,7 +90,6 @@ def rebuild(store: RayStore, source: VersionSource, spec: StoreSpec, restarts: i
     disk (put by this process, which outlives the run's readers), and the versions it holds."""
     import ray
 
-    from trajflow.pipelines.policy_store import RayStore
     from trajflow.schemas.weights import SharedStateDict
 
     needed, _ = needed_versions(source, spec)
@@ -111,21 +108,27 @@ class StoreGuard:
 
     `restarts()` gives the run's restarts so far (the trainer's, from its metrics rows); on a
     rebuild, `on_rebuilt(store, event)` hands over the new client and the `recovery/*` entries
-    of the next metrics row; when the store cannot be rebuilt, `lost` holds the line and the
-    main thread is interrupted (RLPipeline.iter_metrics raises StoreLost)."""
+    of the next metrics row. When the store cannot be rebuilt, `lost` holds the line and the
+    readers waiting for a new store get it (`RayStore.give_up`): their operators fail, Ray Data
+    ends the run and RLPipeline.iter_metrics raises StoreLost with the line."""
 
     def __init__(self, store: RayStore, source: VersionSource, spec: StoreSpec, restarts: Callable[[], int],
                  on_rebuilt: Callable[[RayStore, dict], None]) -> None:
         self.store, self.source, self.spec = store, source, spec
         self.restarts, self.on_rebuilt = restarts, on_rebuilt
         self.lost: str | None = None
+        self.tombstone = None  # the LostStore actor, held while the run ends
         self.closing = False
         self.thread = threading.Thread(target=self._watch, name="trajflow-store-guard", daemon=True)
         self.thread.start()
 
     def close(self) -> None:
         """Before the store is killed on purpose (the run's end)."""
+        import ray
+
         self.closing = True
+        if self.tombstone is not None:
+            ray.kill(self.tombstone)
 
     def _watch(self) -> None:
         while True:
@@ -142,9 +145,7 @@ class StoreGuard:
                 why = f"{type(e).__name__}: {e}"
             if why is not None:
                 self.lost = f"the policy store's process died and is not rebuilt ({why}): {RESUME_HINT}"
-                # a real signal: `_thread.interrupt_main` would wait for the main thread to run
-                # Python code, and it is blocked in Ray Data's queue
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                self.tombstone = self.store.give_up(self.lost)
                 return
             seconds = time.time() - noticed
             held = f"version {versions[0]}" if len(versions) == 1 else f"versions {versions[0]}-{versions[-1]}"
