@@ -210,6 +210,20 @@ STORE = ["--set", f"steps={SMALL}", "--set", "checkpoint_every=3", "--set", "ten
          "--set", "max_staleness=2", "--set", "inference_dtype=float32", "--set", "seed=0", "--no-progress"]
 
 
+def _small_chaos(tmp_path, kind: str, step: int, strategy: str, keep_versions: bool, completes: bool):
+    """A SMALL-step run (`strategy`, save_all_versions `keep_versions`) with its `kind` process
+    SIGKILLed at `step`: the run dir and the chaos result; `completes`: every step once, no
+    trajectory twice."""
+    chaos = _chaos()
+    run_dir = tmp_path / "run"
+    args = ["quickstart", *STORE, "--set", f"strategy={strategy}", "--set", f"save_all_versions={keep_versions}"]
+    result = chaos.chaos_run(args, run_dir, kind, 0, SMALL, tmp_path / "log", step=step)
+    assert result.killed == 1 and (result.status == 0) == completes, result.output[-3000:]
+    if completes:
+        assert chaos.check_log(run_dir) == {"steps": list(range(SMALL)), "rows": SMALL * 16, "duplicate_ids": 0}
+    return run_dir, result
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_policy_store_is_rebuilt_from_the_versions_on_disk(tmp_path):
@@ -218,12 +232,7 @@ def test_a_killed_policy_store_is_rebuilt_from_the_versions_on_disk(tmp_path):
     twice, one recovery recorded, and snapshot exactness on the rows trained after it."""
     import json
 
-    chaos = _chaos()
-    run_dir = tmp_path / "run"
-    args = ["quickstart", *STORE, "--set", "strategy=snapshot", "--set", "save_all_versions=true"]
-    result = chaos.chaos_run(args, run_dir, "store", 0, SMALL, tmp_path / "log", step=3)
-    assert result.status == 0 and result.killed == 1, result.output[-3000:]
-    assert chaos.check_log(run_dir) == {"steps": list(range(SMALL)), "rows": SMALL * 16, "duplicate_ids": 0}
+    run_dir, result = _small_chaos(tmp_path, "store", 3, "snapshot", keep_versions=True, completes=True)
     (recovery,) = json.loads((run_dir / "run.json").read_text())["sessions"][-1]["recoveries"]
     assert recovery["event"].startswith("the policy store died; rebuilt with versions ") and recovery["restarts"] == 1
     lines = [line for line in result.output.splitlines() if line.startswith("trajflow: recovered: the policy store")]
@@ -237,10 +246,8 @@ def test_a_killed_policy_store_is_rebuilt_from_the_versions_on_disk(tmp_path):
 def test_a_killed_policy_store_without_its_versions_stops_naming_the_setting(tmp_path):
     """Versions not kept (save_all_versions false): the store killed at step 2 needs versions
     past checkpoint 0, so the run stops with one line naming save_all_versions (exit 1)."""
-    chaos = _chaos()
-    args = ["quickstart", *STORE, "--set", "strategy=snapshot", "--set", "save_all_versions=false"]
-    result = chaos.chaos_run(args, tmp_path / "run", "store", 0, SMALL, tmp_path / "log", step=2)
-    assert result.status == 1 and result.killed == 1, result.output[-3000:]
+    _, result = _small_chaos(tmp_path, "store", 2, "snapshot", keep_versions=False, completes=False)
+    assert result.status == 1, result.output[-3000:]
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("trajflow: the policy store's process died and is not rebuilt (version"), last
     assert "save_all_versions: true keeps them" in last and "--resume" in last, last
@@ -254,12 +261,7 @@ def test_a_killed_dedicated_scorer_is_replaced_and_the_run_completes(tmp_path):
     every trained row scored (old log-probs present)."""
     import polars as pl
 
-    chaos = _chaos()
-    run_dir = tmp_path / "run"
-    args = ["quickstart", *STORE, "--set", "strategy=dedicated", "--set", "save_all_versions=false"]
-    result = chaos.chaos_run(args, run_dir, "scorer", 0, SMALL, tmp_path / "log", step=2)
-    assert result.status == 0 and result.killed == 1, result.output[-3000:]
-    assert chaos.check_log(run_dir) == {"steps": list(range(SMALL)), "rows": SMALL * 16, "duplicate_ids": 0}
+    run_dir, _ = _small_chaos(tmp_path, "scorer", 2, "dedicated", keep_versions=False, completes=True)
     rows = pl.read_parquet(run_dir / "trajectories" / "**" / "*.parquet").filter(pl.col("filter_reason").is_null())
     assert rows.height > 0 and rows["old_logprobs"].null_count() == 0
 
