@@ -329,10 +329,13 @@ class RayStore:
         """Block until the store actor dies (or is killed)."""
         import ray
 
-        try:
-            ray.get(self.actor.wait_for_version.remote(2**62))
-        except ray.exceptions.RayActorError:
-            return
+        while True:
+            try:
+                ray.get(self.actor.wait_for_version.remote(2**62))
+            except ray.exceptions.ActorDiedError:
+                return
+            except ray.exceptions.ActorUnavailableError:  # e.g. a network blip: it may come back
+                time.sleep(0.5)
 
     def kill(self) -> None:
         import ray
