@@ -171,6 +171,7 @@ def test_a_killed_policy_store_is_one_line_naming_resume(ray_session):
     store = RayStore.start(max_staleness=1, keep_history=True)
     assert store.latest_version() == -1
     store.kill()
+    store.wait_until_dead()  # ray.kill returns before the actor is gone
     with pytest.raises(ray.exceptions.ActorDiedError) as caught:
         store.latest_version()
     try:
