@@ -21,17 +21,20 @@
       workers.log                       what the Ray worker processes printed (warnings, notices);
                                         `--verbose` prints it instead
 
-Step s is trained by the trainer at version s and produces version s + 1. `RunRecorder.on_step`
-runs in the trainer actor after version s + 1 is published, and writes, in this order: the
-trajectory partition of step s, the metrics row of step s, the version file s + 1, then (every
-`checkpoint_every` steps, and at the end) checkpoint s + 1. With recovery on, `on_start` also
+Step s is trained by the trainer at version s and produces version s + 1. Before version s + 1
+is published, `RunRecorder.on_rows` writes the version file s + 1 and then the trajectory
+partition of step s (so every version a reader may hold is on disk when every version is kept,
+and a logged step's version is); after it, `on_step` writes the metrics row of step s, then
+(every `checkpoint_every` steps, and at the end) checkpoint s + 1. With recovery on, `on_start` also
 writes checkpoint 0 (the starting version) of a new run. Each file is written atomically, so a
 kill at any point leaves complete files; a complete checkpoint k implies complete logs of steps
 < k. Resuming from checkpoint k deletes whatever exists of steps >= k (`truncate_after`) and
 re-runs them, so no step is repeated or skipped in the logs.
 
 The recorder is also the trainer's `TrainerSource` (operators/recovery.py): a trainer process
-that dies is rebuilt in the run from the newest checkpoint and the logged rows of the steps since.
+that dies is rebuilt in the run from the newest checkpoint and the logged rows of the steps since;
+and the policy store's `VersionSource` (pipelines/store_recovery.py): a store that dies is
+rebuilt from the versions on disk.
 """
 
 from __future__ import annotations
@@ -60,6 +63,16 @@ def step_of(name: str) -> int | None:
         return None
     try:
         return int(name[5:].split(".")[0])
+    except ValueError:
+        return None
+
+
+def version_of(name: str) -> int | None:
+    """12 from 'v000012.safetensors' (a version file); None for anything else."""
+    if not name.startswith(ckpt.VERSION_PREFIX):
+        return None
+    try:
+        return int(name[len(ckpt.VERSION_PREFIX):].split(".")[0])
     except ValueError:
         return None
 
@@ -179,13 +192,8 @@ def truncate_after(paths: RunPaths, first_step: int) -> list[int]:
         for path in paths.versions.iterdir():
             if path.name.startswith("."):
                 path.unlink(missing_ok=True)
-            elif path.name.startswith(ckpt.VERSION_PREFIX):
-                try:
-                    version = int(path.name[len(ckpt.VERSION_PREFIX):].split(".")[0])
-                except ValueError:
-                    continue
-                if version > first_step:
-                    path.unlink()
+            elif (version := version_of(path.name)) is not None and version > first_step:
+                path.unlink()
     ckpt.clean_partial(paths.checkpoints)
     for c in ckpt.list_checkpoints(paths.checkpoints):
         if c.version > first_step:
@@ -272,8 +280,6 @@ class RunRecorder:
             metrics["data/epoch"] = step * self.data_state["prompts_per_step"] // self.data_state["epoch_size"]
             metrics["data/prompts_too_long"] = self.data_state["prompts_dropped_too_long"]
         write_table_atomic(pa.Table.from_pylist([_plain(metrics)]), paths.metrics_file(step))
-        if self.save_all_versions:
-            ckpt.save_weights(trainstep.full_weights(), ckpt.version_file(paths.versions, version))
         final = version >= self.steps
         if final or (self.checkpoint_every and version % self.checkpoint_every == 0):
             self._checkpoint(trainstep, version, final)
@@ -290,6 +296,8 @@ class RunRecorder:
         ckpt.prune_checkpoints(paths.checkpoints, self.keep_checkpoints)
 
     def on_rows(self, trainstep, batch: pa.Table, step: int) -> None:
+        if self.save_all_versions:  # the version this step made, before it is published
+            ckpt.save_weights(trainstep.full_weights(), ckpt.version_file(self.paths.versions, trainstep.version))
         if self.trajectory_log:
             self._log_trajectories(self.paths, step, batch)
 
@@ -308,6 +316,23 @@ class RunRecorder:
         root = self.paths.trajectories
         found = (step_of(p.name) for p in root.glob("step=*") if p.is_dir()) if root.is_dir() else ()
         return max((s for s in found if s is not None and self.paths.trajectory_file(s).is_file()), default=-1)
+
+    # -- the policy store's source after a fault (pipelines/store_recovery.py VersionSource) ------
+    def kept_versions(self, adapters: bool = False) -> list[int]:
+        """Versions whose weights are on disk: the version files (save_all_versions; full
+        weights, so not for `adapters`, a LoRA run's payload) and the checkpoints."""
+        found = {c.version for c in ckpt.list_checkpoints(self.paths.checkpoints)}
+        if not adapters and self.paths.versions.is_dir():
+            found |= {v for p in self.paths.versions.glob(f"{ckpt.VERSION_PREFIX}*.safetensors")
+                      if (v := version_of(p.name)) is not None}
+        return sorted(found)
+
+    def version_weights(self, version: int):
+        """The published payload of a kept version: its checkpoint's (an adapter for LoRA), else its file."""
+        checkpoint = next((c for c in ckpt.list_checkpoints(self.paths.checkpoints) if c.version == version), None)
+        if checkpoint is not None:
+            return checkpoint.model_state()
+        return ckpt.load_weights(ckpt.version_file(self.paths.versions, version))
 
     def metrics_logged(self, step: int) -> bool:
         return self.paths.metrics_file(step).is_file()

@@ -118,8 +118,8 @@ def stop_line(error: BaseException, kind: type[BaseException]) -> str | None:
 
 def store_lost(error: BaseException) -> str | None:
     """One line when the policy store's actor died behind `error` (Ray names its class in the
-    ActorDiedError that the operator calling it raised), else None. A lost store is not rebuilt
-    within the run: its versions (and the admission state) lived only in it."""
+    ActorDiedError that the operator calling it raised), else None: a run that does not rebuild
+    its store (`recovery.max_restarts: 0`, or weight_sync collective; pipelines/store_recovery.py)."""
     from trajflow.operators.data_parallel import RESUME_HINT
     from trajflow.pipelines.policy_store import PolicyStoreActor
 
@@ -606,6 +606,7 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
                 data_state=pipeline.data_state(),
             )
             recorder.install(pipeline.hooks)  # also the source a trainer that dies is rebuilt from
+            pipeline.version_source = recorder  # and a policy store that dies
             weights = checkpoint.model_state() if checkpoint is not None else None
             pipeline.start_store(initial_version=first_step, initial_weights=weights)
             print(wrap(pipeline.describe()), flush=True)
@@ -613,11 +614,12 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
             _stream(config, paths, pipeline, first_step, started, interactive, step_seconds, tqdm)
     except BaseException as e:
         from trajflow.operators.reward import RewardFailed
+        from trajflow.pipelines.store_recovery import StoreLost
 
         stopped = isinstance(e, (KeyboardInterrupt, SystemExit))
         _end_session(paths, "stopped" if stopped else "failed", f"{type(e).__name__}: {e}"[:500])
-        if isinstance(e, RewardFailed):  # the reward is broken: say so, not Ray's traceback
-            raise RunFailed(str(e)) from None
+        if isinstance(e, (RewardFailed, StoreLost)):  # the reward is broken, or a store not rebuilt: one line
+            raise RunFailed(str(e).replace("RUN_DIR", str(paths.root))) from None
         written = paths.trainer_lost.read_text().strip() if paths.trainer_lost.is_file() else None
         lost = None if stopped else (written or trainer_state_lost(e) or store_lost(e))
         if lost is not None:  # a trainer worker died: its optimizer state is gone; say how to go on

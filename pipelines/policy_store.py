@@ -33,9 +33,10 @@ not know where the run ends).
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,9 @@ class _Version:
     payload: Any
     nbytes: int
     pins: int = 0
+    # read back from disk by a rebuilt store (pipelines/store_recovery.py): the pins of its
+    # in-flight tokens died with the old store, so it is kept until it leaves the staleness window
+    restored: bool = False
 
 
 class PolicyStore:
@@ -77,13 +81,13 @@ class PolicyStore:
         self.trainers_started = 0
         self.server: tuple[str, int] | None = None  # weight_sync collective: the trainer's version server
 
-    def put(self, payload: Any, nbytes: int, version: int | None = None) -> int:
+    def put(self, payload: Any, nbytes: int, version: int | None = None, restored: bool = False) -> int:
         """Register a payload as `version` (default latest + 1); returns the version."""
         with self.changed:
             version = self.latest + 1 if version is None else version
             if version <= self.latest:
                 raise ValueError(f"version {version} is not newer than the latest published {self.latest}")
-            self.versions[version] = _Version(payload, nbytes)
+            self.versions[version] = _Version(payload, nbytes, restored=restored)
             self.latest = version
             self._evict()
             self.changed.notify_all()
@@ -111,7 +115,7 @@ class PolicyStore:
             entry = self.versions[v]
             if v < oldest_trainable and entry.pins > 0:
                 self.evicted_pinned += 1  # its tokens are over-stale and will be dropped
-            if entry.pins == 0 or v < oldest_trainable or not self.keep_history:
+            if (entry.pins == 0 and not entry.restored) or v < oldest_trainable or not self.keep_history:
                 del self.versions[v]
         self.max_versions_held = max(self.max_versions_held, len(self.versions))
         self.max_snapshot_bytes = max(self.max_snapshot_bytes, self._bytes())
@@ -189,9 +193,18 @@ class PolicyStoreActor(PolicyStore):
     does not resolve it on the way); versions from `final_version` on are copied into an object
     this actor owns (see the module docstring)."""
 
-    def __init__(self, max_staleness: int, keep_history: bool, final_version: int | None = None) -> None:
+    def __init__(self, max_staleness: int, keep_history: bool, final_version: int | None = None,
+                 restored: Sequence[tuple[int, list, int]] = (), trainers_started: int = 0,
+                 counters: Mapping[str, float] | None = None) -> None:
+        """`restored`: (version, [ref], nbytes) of a rebuilt store's versions, oldest first (refs
+        the rebuilding process owns and outlives the run with); `trainers_started` and `counters`
+        carry on the dead store's count and report the rebuild (pipelines/store_recovery.py)."""
         super().__init__(max_staleness, keep_history)
         self.final_version = final_version
+        for version, (ref,), nbytes in restored:  # registered before any call reaches this actor
+            PolicyStore.put(self, ref, nbytes, version, restored=True)
+        self.trainers_started = trainers_started
+        self.counters.update(counters or {})
 
     def put(self, wrapped_ref: list, nbytes: int, version: int | None = None) -> int:
         import ray
@@ -206,23 +219,51 @@ class PolicyStoreActor(PolicyStore):
         return version, [ref]
 
 
+class StoreLost(RuntimeError):
+    """The policy store died and is not rebuilt; the message is one line."""
+
+
+class LostStore:
+    """The actor a run leaves, named `NAME.lost`, when its store died and is not rebuilt: the
+    readers waiting for a rebuilt store read the one line here and stop (pipelines/store_recovery.py)."""
+
+    def __init__(self, line: str) -> None:
+        self.text = line
+
+    def line(self) -> str:
+        return self.text
+
+
 class RayStore:
     """A PolicyStoreClient of a PolicyStoreActor: what the pipeline hands its operators (it
-    travels into their actors with them). Weights cross the object store as SharedStateDict."""
+    travels into their actors with them). Weights cross the object store as SharedStateDict.
 
-    def __init__(self, actor: "ray.actor.ActorHandle") -> None:
+    With `reconnect_seconds` > 0 the run rebuilds a store that dies (pipelines/store_recovery.py)
+    as a new actor named `NAME.1`, `NAME.2`, ... (Ray keeps a dead actor's name taken while a
+    handle to it lives): a call that finds the actor dead (or a version whose owner, the old
+    actor, died) waits up to that long for the next one and is made again there."""
+
+    def __init__(self, actor: "ray.actor.ActorHandle", name: str, reconnect_seconds: float = 0.0,
+                 generation: int = 0) -> None:
         self.actor = actor
+        self.name = name  # the first store's; generation g > 0 is named f"{name}.{g}"
+        self.reconnect_seconds = reconnect_seconds
+        self.generation = generation
 
     @classmethod
     def start(cls, max_staleness: int, keep_history: bool, final_version: int | None = None,
-              name: str | None = None) -> "RayStore":
-        """A new store actor (named uniquely unless `name` is given) and its client."""
+              name: str | None = None, reconnect_seconds: float = 0.0, generation: int = 0,
+              restored: Sequence[tuple[int, list, int]] = (), trainers_started: int = 0,
+              counters: Mapping[str, float] | None = None) -> "RayStore":
+        """A new store actor (named uniquely unless `name` is given; generation g > 0: a rebuilt
+        store, see the class docstring) and its client; the rest: PolicyStoreActor's arguments."""
         import ray
 
+        name = name or f"trajflow_store_{uuid.uuid4().hex[:8]}"
         actor = ray.remote(PolicyStoreActor).options(
-            name=name or f"trajflow_store_{uuid.uuid4().hex[:8]}", num_cpus=0, max_concurrency=ACTOR_THREADS,
-        ).remote(max_staleness, keep_history, final_version)
-        return cls(actor)
+            name=f"{name}.{generation}" if generation else name, num_cpus=0, max_concurrency=ACTOR_THREADS,
+        ).remote(max_staleness, keep_history, final_version, list(restored), trainers_started, dict(counters or {}))
+        return cls(actor, name, reconnect_seconds, generation)
 
     def publish(self, weights: Mapping[str, Tensor], version: int | None = None) -> int:
         import ray
@@ -230,16 +271,28 @@ class RayStore:
         from trajflow.schemas.weights import SharedStateDict
 
         state = weights if isinstance(weights, SharedStateDict) else SharedStateDict.of(weights)
-        return ray.get(self.actor.put.remote([ray.put(state)], state.nbytes, version))
+        ref = ray.put(state)
+        try:
+            return ray.get(self.actor.put.remote([ref], state.nbytes, version))
+        except ray.exceptions.ActorDiedError as died:
+            self._reconnect(died)
+            if version is not None and self._call("latest_version") >= version:
+                return version  # the rebuilt store read this version back from disk
+            return self._call("put", [ref], state.nbytes, version)
 
     def weights(self, version: int | None = None, *, pin: bool = False) -> tuple[int, Mapping[str, Tensor]]:
         import ray
 
         try:
-            version, (ref,) = ray.get(self.actor.get.remote(version, pin))
+            version, (ref,) = self._call("get", version, pin)
+            try:
+                return version, ray.get(ref)
+            except ray.exceptions.OwnerDiedError as died:  # the store died after handing the ref out
+                self._reconnect(died)
+                version, (ref,) = self._call("get", version, pin)
+                return version, ray.get(ref)
         except VersionNotHeld as e:  # Ray raises the actor's exception as a subclass of it
             raise VersionNotHeld(str(getattr(e, "cause", None) or e)) from None
-        return version, ray.get(ref)
 
     def latest_version(self) -> int:
         return self._call("latest_version")
@@ -260,7 +313,7 @@ class RayStore:
         return self._call("admit", step)
 
     def release(self, version: int, count: int = 1) -> None:
-        self.actor.release.remote(version, count)
+        self.actor.release.remote(version, count)  # a pin the dead store held died with it
 
     def add_counters(self, values: Mapping[str, float]) -> None:
         # Waited for: the actor is threaded, so a fire-and-forget call could land after a later stats().
@@ -272,12 +325,62 @@ class RayStore:
     def claim_trainer(self) -> int:
         return self._call("claim_trainer")
 
+    def wait_until_dead(self) -> None:
+        """Block until the store actor dies (or is killed)."""
+        import ray
+
+        while True:
+            try:
+                ray.get(self.actor.wait_for_version.remote(2**62))
+            except ray.exceptions.ActorDiedError:
+                return
+            except ray.exceptions.ActorUnavailableError:  # e.g. a network blip: it may come back
+                time.sleep(0.5)
+
     def kill(self) -> None:
         import ray
 
         ray.kill(self.actor)
 
+    def give_up(self, line: str) -> "ray.actor.ActorHandle":
+        """Tell the readers waiting for a rebuilt store that there will be none (`line`); the
+        caller keeps the handle for the rest of the run."""
+        import ray
+
+        return ray.remote(LostStore).options(name=f"{self.name}.lost", num_cpus=0).remote(line)
+
     def _call(self, method: str, *args: Any) -> Any:
         import ray
 
-        return ray.get(getattr(self.actor, method).remote(*args))
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args))
+        except ray.exceptions.ActorDiedError as died:
+            self._reconnect(died)
+            return ray.get(getattr(self.actor, method).remote(*args))
+
+    def _reconnect(self, died: Exception) -> None:
+        """Take the newest store the run has rebuilt since this client's; StoreLost when the
+        run gave up on it; `died` (the dead store's error) when the run does not rebuild
+        stores, or after `reconnect_seconds` without a new one."""
+        import ray
+
+        if not self.reconnect_seconds:
+            raise died
+        deadline = time.monotonic() + self.reconnect_seconds
+        while True:
+            found = None
+            while True:  # the newest generation (a store may have died more than once meanwhile)
+                try:
+                    found = (ray.get_actor(f"{self.name}.{self.generation + 1}"), self.generation + 1)
+                except ValueError:  # no actor of that name (yet)
+                    break
+                self.actor, self.generation = found
+            if found is not None:
+                return
+            try:  # the run gave up on the store: its line, not a wait to the deadline
+                raise StoreLost(ray.get(ray.get_actor(f"{self.name}.lost").line.remote())) from None
+            except ValueError:
+                pass
+            if time.monotonic() > deadline:
+                raise died
+            time.sleep(0.1)

@@ -56,6 +56,7 @@ from trajflow.pipelines.colocation import StageGroup, group_name, group_resource
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.local_ray import start_local_ray
 from trajflow.pipelines.policy_store import RayStore
+from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreGuard, StoreLost, StoreSpec, VersionSource
 from trajflow.tasks.workload import PromptSource
 
 __all__ = ["Fused", "Placement", "RLPipeline", "Stage", "in_order_pool", "map_stages"]
@@ -129,6 +130,11 @@ class RLPipeline:
         self.workload = config.workload()
         self._prompts: PromptSource | None = None
         self.store: RayStore | None = None
+        # where a store that dies is rebuilt from (the job's run dir; None: it is not rebuilt)
+        self.version_source: VersionSource | None = None
+        self.store_guard: StoreGuard | None = None
+        self.restarts = 0  # the run's recoveries so far (recovery.max_restarts), as the driver saw them
+        self.pending_recoveries: list[dict] = []  # a rebuilt store's recovery/* entries, for the next row
         self._hooks = StepHooks()
         self.colocation: list[list[str]] | None = None  # stage names per process; None: the default plan
         # the placement group of the train step's data-parallel workers 1..N-1, removed at shutdown
@@ -250,17 +256,33 @@ class RLPipeline:
         from trajflow.engines.models import load_model
 
         start_local_ray()
+        c = self.config
         # a trainer that may be rebuilt (recovery) dies with the versions it put: the store owns them all
-        final = self.config.steps if self.config.recovery.max_restarts == 0 else None
-        self.store = RayStore.start(self.config.max_staleness, self.strategy.keep_history, final_version=final)
+        final = c.steps if c.recovery.max_restarts == 0 else None
+        # a store that dies is rebuilt from the run dir's versions (not under weight_sync collective,
+        # where the versions' tensors and the trainer's server address are not the store's)
+        rebuilt = (self.version_source is not None and c.recovery.max_restarts > 0
+                   and c.weight_sync.method != "collective")
+        self.store = RayStore.start(c.max_staleness, self.strategy.keep_history, final_version=final,
+                                    reconnect_seconds=RECONNECT_SECONDS if rebuilt else 0.0)
         if initial_weights is not None and is_adapter(initial_weights):  # a LoRA run's version: its adapter
             self.store.publish(initial_weights, initial_version)
-            return self.store
-        model = load_model(self.model_path)
-        if initial_weights is not None:
-            model.load_state_dict(initial_weights)
-        self.store.publish(model.state_dict(), initial_version)
+        else:
+            model = load_model(self.model_path)
+            if initial_weights is not None:
+                model.load_state_dict(initial_weights)
+            self.store.publish(model.state_dict(), initial_version)
+        if rebuilt:
+            spec = StoreSpec(c.max_staleness, self.strategy.keep_history, c.recovery.max_restarts, c.lora.r > 0)
+            self.store_guard = StoreGuard(self.store, self.version_source, spec, lambda: self.restarts,
+                                          self._store_rebuilt)
         return self.store
+
+    def _store_rebuilt(self, store: RayStore, event: dict) -> None:
+        """The store guard's new store (this driver's client) and the recovery's metrics entries."""
+        self.store = store
+        self.restarts = event["recovery/restarts"]
+        self.pending_recoveries.append(event)
 
     def process_groups(self) -> list[list[Stage]]:
         """The stages of each actor process, in order: `self.colocation` (lists of stage names) if
@@ -354,8 +376,15 @@ class RLPipeline:
             for batch in self.build(first_step).iter_batches(batch_size=None, batch_format="pyarrow",
                                                              prefetch_batches=0):
                 for row in batch.to_pylist():
+                    self.restarts = max(self.restarts, int(row.get("recovery/restarts") or 0))
+                    if self.pending_recoveries and not row.get("recovery/event"):
+                        row.update(self.pending_recoveries.pop(0))  # the driver's record of a rebuilt store
                     yield row
                     failed_rewards.check(row)  # after the caller has shown the step: RewardFailed
+        except Exception:
+            if self.store_guard is not None and self.store_guard.lost is not None:  # what the readers failed on
+                raise StoreLost(self.store_guard.lost) from None
+            raise
         finally:
             self.shutdown()
 
@@ -372,6 +401,9 @@ class RLPipeline:
         return pl.DataFrame(rows)
 
     def shutdown(self) -> None:
+        if self.store_guard is not None:
+            self.store_guard.close()
+            self.store_guard = None
         if ray.is_initialized():
             remove_placement_group_named(self.trainer_group_name)
         if self.store is not None:

@@ -11,7 +11,8 @@ and the seconds from the kill to the step's metrics (the recovery time seen from
 
 Kinds (the process command lines they match): trainer_worker `TrainerRank` (needs
 trainer.num_workers >= 2), train_step `TrainStep` (its fused stages too, in sync mode),
-generator `Generate`, scorer `OldLogprobs` (a dedicated or snapshot scorer stage).
+generator `Generate`, scorer `OldLogprobs` (a dedicated or snapshot scorer stage), store
+`PolicyStoreActor`.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kind", choices=sorted(KINDS), required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=8, help="the run's steps (also passed as --set steps=N)")
+    parser.add_argument("--step", type=int, default=None, help="the step to kill in (default: drawn from the seed)")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("run_args", nargs="+", help="after --: trajflow run's config and --set options")
     a = parser.parse_args(argv)
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 3 (the kill lands on a step after the first)")
     a.run_dir.parent.mkdir(parents=True, exist_ok=True)
     result = chaos_run([*a.run_args, "--set", f"steps={a.steps}"], a.run_dir, a.kind, a.seed, a.steps,
-                       a.run_dir.parent / f"{a.run_dir.name}.log")
+                       a.run_dir.parent / f"{a.run_dir.name}.log", step=a.step)
     out = {k: v for k, v in asdict(result).items() if k != "output"}
     out.update(check_log(a.run_dir), last_line=result.output.strip().splitlines()[-1] if result.output.strip() else "")
     print(json.dumps(out))
