@@ -137,20 +137,22 @@ def test_eval_with_a_binary_reward_reports_the_accuracy(workload, bpe, bpe_model
     assert f"(accuracy {exact}/8 = {exact / 8:.1%})" in result.line("data.test_files", model.label)
 
 
-def test_eval_without_a_model_or_held_out_data_is_one_line(workload, bpe_model_dir, tmp_path):
+def test_eval_without_a_model_or_held_out_data_is_one_line(workload, bpe_model_dir, tmp_path, capfd):
+    """In this process (the entry point's `main`; output captured at the file descriptors): both
+    are found before a model is loaded."""
+    from trajflow.jobs.cli import main
+
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job(workload, bpe_model_dir, "graded")))
     (tmp_path / "empty").mkdir()
-    proc = run_cli(["eval", "--config", config, "--model", tmp_path / "empty"], timeout=120)
-    assert proc.returncode == 2, _explain(proc)
-    assert proc.stderr.splitlines() == [f"trajflow: eval: --model {tmp_path / 'empty'}: neither a model directory "
-                                        "(no config.json) nor a run's checkpoint (checkpoints/step-N with "
-                                        "meta.json) or run dir with one"]
+    assert main(["eval", "--config", str(config), "--model", str(tmp_path / "empty")]) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        f"trajflow: eval: --model {tmp_path / 'empty'}: neither a model directory (no config.json) nor a run's "
+        "checkpoint (checkpoints/step-N with meta.json) or run dir with one"]
 
     no_test = job(workload, bpe_model_dir, "graded")
     no_test["data"].pop("test_files")
     config.write_text(yaml.safe_dump(no_test))
-    proc = run_cli(["eval", "--config", config], timeout=120)
-    assert proc.returncode == 2, _explain(proc)
-    assert proc.stderr.splitlines() == [f"trajflow: eval: --config {config}: data.test_files is empty (nothing "
-                                        "held out to evaluate on)"]
+    assert main(["eval", "--config", str(config)]) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        f"trajflow: eval: --config {config}: data.test_files is empty (nothing held out to evaluate on)"]
