@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from test_jobs_run import _explain, run_cli  # the CLI as a subprocess
+from test_jobs_run import _explain, cli_in_process, run_cli  # the CLI as a subprocess / in this process
 from trajflow.engines import checkpoint as ckpt
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.tokenizer import stop_token_ids
@@ -138,21 +138,20 @@ def test_eval_with_a_binary_reward_reports_the_accuracy(workload, bpe, bpe_model
 
 
 def test_eval_without_a_model_or_held_out_data_is_one_line(workload, bpe_model_dir, tmp_path, capfd):
-    """In this process (the entry point's `main`; output captured at the file descriptors): both
-    are found before a model is loaded."""
-    from trajflow.jobs.cli import main
-
+    """Both are found before a model is loaded (the entry point in this process)."""
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job(workload, bpe_model_dir, "graded")))
     (tmp_path / "empty").mkdir()
-    assert main(["eval", "--config", str(config), "--model", str(tmp_path / "empty")]) == 2
-    assert capfd.readouterr().err.splitlines() == [
-        f"trajflow: eval: --model {tmp_path / 'empty'}: neither a model directory (no config.json) nor a run's "
-        "checkpoint (checkpoints/step-N with meta.json) or run dir with one"]
+    proc = cli_in_process(["eval", "--config", config, "--model", tmp_path / "empty"], capfd)
+    assert proc.returncode == 2, _explain(proc)
+    assert proc.stderr.splitlines() == [f"trajflow: eval: --model {tmp_path / 'empty'}: neither a model directory "
+                                        "(no config.json) nor a run's checkpoint (checkpoints/step-N with "
+                                        "meta.json) or run dir with one"]
 
     no_test = job(workload, bpe_model_dir, "graded")
     no_test["data"].pop("test_files")
     config.write_text(yaml.safe_dump(no_test))
-    assert main(["eval", "--config", str(config)]) == 2
-    assert capfd.readouterr().err.splitlines() == [
-        f"trajflow: eval: --config {config}: data.test_files is empty (nothing held out to evaluate on)"]
+    proc = cli_in_process(["eval", "--config", config], capfd)
+    assert proc.returncode == 2, _explain(proc)
+    assert proc.stderr.splitlines() == [f"trajflow: eval: --config {config}: data.test_files is empty (nothing "
+                                        "held out to evaluate on)"]

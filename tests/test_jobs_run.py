@@ -61,6 +61,21 @@ def run_cli(args: list, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=_env())
 
 
+def cli_in_process(args: list, capfd) -> subprocess.CompletedProcess:
+    """The entry point's `main` in this process, for commands that end before Ray starts (a
+    refusal, report, compare): no interpreter and imports to pay per call. Output is captured at
+    the file descriptors (pytest's `capfd`), so a library writing past `sys.stdout` shows too."""
+    from trajflow.jobs.cli import main
+
+    capfd.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def _explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
 
@@ -264,23 +279,23 @@ def test_resume_passes_over_a_truncated_checkpoint_and_says_so(quick_run, tmp_pa
     assert last.version == QUICK_STEPS and ckpt.checkpoint_problem(last) is None
 
 
-def test_report_and_compare_of_runs_with_the_same_directory_name(quick_run, tmp_path):
+def test_report_and_compare_of_runs_with_the_same_directory_name(quick_run, tmp_path, capfd):
     """compare a/quick b/quick keeps both runs: they are paths, labelled by the path tails."""
     run_dir, _ = quick_run
     for parent in ("a", "b"):
         shutil.copytree(run_dir, tmp_path / parent / "quick", ignore=shutil.ignore_patterns("trajectories", "versions"))
     out = tmp_path / "both.png"
-    proc = run_cli(["compare", tmp_path / "a" / "quick", tmp_path / "b" / "quick", "--out", out], timeout=120)
+    proc = cli_in_process(["compare", tmp_path / "a" / "quick", tmp_path / "b" / "quick", "--out", out], capfd)
     assert proc.returncode == 0, _explain(proc)
     header = proc.stdout.splitlines()[0].split()
     assert header == ["a/quick", "b/quick"] or header == ["b/quick", "a/quick"], proc.stdout
     assert f"a/quick: {tmp_path / 'a' / 'quick'}" in proc.stdout and f"b/quick: {tmp_path / 'b' / 'quick'}" in proc.stdout
     assert f"plots written to {out}" in proc.stdout and out.stat().st_size > 10_000
     assert re.search(r"^  = mean of last N steps, N +1 +1$", proc.stdout, re.M)  # 8 steps: the last fifth
-    again = run_cli(["compare", tmp_path / "a" / "quick", tmp_path / "b" / "quick", "--out", out], timeout=120)
+    again = cli_in_process(["compare", tmp_path / "a" / "quick", tmp_path / "b" / "quick", "--out", out], capfd)
     assert again.returncode == 2 and "--overwrite" in again.stderr  # never silently overwritten
 
-    report = run_cli(["report", tmp_path / "a" / "quick"], timeout=120)
+    report = cli_in_process(["report", tmp_path / "a" / "quick"], capfd)
     assert report.returncode == 0, _explain(report)
     assert (tmp_path / "a" / "quick" / "report.png").stat().st_size > 10_000
     wall = re.search(r"^wall time per step \(s\) +([0-9.]+)$", report.stdout, re.M)
@@ -340,7 +355,7 @@ def _copy_log(run_dir: Path, dest: Path, steps=(0, 1, 2)) -> Path:
     return dest
 
 
-def test_replay_rejects_a_wrong_column_type(quick_run, tmp_path):
+def test_replay_rejects_a_wrong_column_type(quick_run, tmp_path, capfd):
     run_dir, _ = quick_run
     log = _copy_log(run_dir, tmp_path / "log")
     file = log / "trajectories" / "step=000001" / "part-0.parquet"
@@ -348,24 +363,24 @@ def test_replay_rejects_a_wrong_column_type(quick_run, tmp_path):
     index = table.schema.get_field_index("versions")
     pq.write_table(table.set_column(index, "versions", table["versions"].cast(pa.list_(pa.string()))), file)
     out = tmp_path / "out"
-    proc = run_cli(["replay", log, "--checkpoints", run_dir, "--strategy", "snapshot", "--out", out], timeout=120)
+    proc = cli_in_process(["replay", log, "--checkpoints", run_dir, "--strategy", "snapshot", "--out", out], capfd)
     _one_line_failure(proc, "step=000001/part-0.parquet", "column 'versions'")
     assert not out.exists() and not (log / "replay").exists()
 
 
-def test_replay_rejects_a_truncated_parquet_file(quick_run, tmp_path):
+def test_replay_rejects_a_truncated_parquet_file(quick_run, tmp_path, capfd):
     run_dir, _ = quick_run
     log = _copy_log(run_dir, tmp_path / "log")
     file = log / "trajectories" / "step=000002" / "part-0.parquet"
     data = file.read_bytes()
     file.write_bytes(data[: len(data) * 2 // 3])
     out = tmp_path / "out"
-    proc = run_cli(["replay", log, "--checkpoints", run_dir, "--strategy", "snapshot", "--out", out], timeout=120)
+    proc = cli_in_process(["replay", log, "--checkpoints", run_dir, "--strategy", "snapshot", "--out", out], capfd)
     _one_line_failure(proc, "step=000002/part-0.parquet", "not a readable Parquet file")
     assert not out.exists()
 
 
-def test_replay_quarantines_nonfinite_rows_only_when_asked(quick_run, tmp_path):
+def test_replay_quarantines_nonfinite_rows_only_when_asked(quick_run, tmp_path, capfd):
     run_dir, _ = quick_run
     log = _copy_log(run_dir, tmp_path / "log")
     file = log / "trajectories" / "step=000001" / "part-0.parquet"
@@ -377,7 +392,7 @@ def test_replay_quarantines_nonfinite_rows_only_when_asked(quick_run, tmp_path):
                    file)
     out = tmp_path / "out"
     args = ["replay", log, "--checkpoints", run_dir, "--strategy", "snapshot", "--out", out]
-    refused = run_cli(args, timeout=120)
+    refused = cli_in_process(args, capfd)
     _one_line_failure(refused, "step=000001/part-0.parquet", "inference_logprobs", "--quarantine-nonfinite")
     assert not out.exists()
 
@@ -391,15 +406,15 @@ def test_replay_quarantines_nonfinite_rows_only_when_asked(quick_run, tmp_path):
     assert (metrics["rows"] == ROWS).all()
 
 
-def test_replay_reports_missing_versions_by_number(quick_run, tmp_path):
+def test_replay_reports_missing_versions_by_number(quick_run, tmp_path, capfd):
     run_dir, _ = quick_run
     versions = tmp_path / "versions"
     shutil.copytree(run_dir / "versions", versions)
     for v in (2, 3, 5):
         (versions / f"v{v:06d}.safetensors").unlink()
     out = tmp_path / "out"
-    proc = run_cli(["replay", run_dir, "--checkpoints", versions, "--strategy", "snapshot", "--diagnose",
-                    "--out", out], timeout=120)
+    proc = cli_in_process(["replay", run_dir, "--checkpoints", versions, "--strategy", "snapshot", "--diagnose",
+                    "--out", out], capfd)
     _one_line_failure(proc, "weights of 3 version(s) missing", ": 2-3, 5 ")
     assert not out.exists()
 
