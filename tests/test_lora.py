@@ -10,7 +10,8 @@
   adapters), the train step's pi_theta through PEFT's forward agrees with them, and the final
   checkpoint holds the adapter (+ optimizer) and exports a merged model that transformers loads
   and that gives the PEFT model's log-probs;
-- a run resumed from a LoRA checkpoint equals the uninterrupted run.
+- a run resumed from a LoRA checkpoint equals the uninterrupted run (a SIGKILLed LoRA job and its
+  `--resume` end to end: tests/test_jobs_run.py);
 - with `engine: vllm` (vLLM reported installed) the engine keeps max_staleness + 1 adapters, a
   rank above 512 and an lm_head adapter are refused, and the adapter directory vLLM loads is
   PEFT's format (PEFT loads it as the same function); the runs: tests/vllm_tests/test_vllm_lora.py.
@@ -159,49 +160,6 @@ def test_a_lora_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(ray
     assert resumed["loss"].to_list() == pytest.approx(whole["loss"].to_list()[2:], abs=1e-7)
     assert resumed["optimizer_steps"].to_list() == whole["optimizer_steps"].to_list()[2:]
     assert max_abs_difference(resumed_adapter, whole_adapter) < 1e-7
-
-
-@pytest.mark.timeout(600)
-def test_a_sigkilled_lora_job_resumes_from_its_adapter_checkpoint(tmp_path):
-    """The CLI end to end (quickstart, asynchronous snapshot, max_staleness 2): SIGKILLed once
-    checkpoint 2 (the adapter) is complete, `--resume` trains exactly the remaining steps from it,
-    and the last checkpoint is the merged model."""
-    import re
-
-    import polars as pl
-    import numpy as np
-    from test_jobs_run import SMALL, _all_trajectories, _explain, run_cli, run_until_checkpoint_then_kill
-    from transformers import AutoModelForCausalLM
-
-    from trajflow.engines import checkpoint as ckpt
-
-    steps, run_dir = 6, tmp_path / "killed"
-    args = ["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={steps}", *SMALL, "--set", "lora.r=8",
-            "--set", "max_staleness=2", "--set", "inference_dtype=float32", "--set", "checkpoint_every=2",
-            "--set", "save_all_versions=false", "--set", "tensorboard=false", "--set", "eval_every=0"]
-    run_until_checkpoint_then_kill(args, run_dir, 2, tmp_path / "first.log")
-    latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
-    assert latest is not None and (latest.path / ckpt.ADAPTER_FILE).is_file()
-    assert lora.is_adapter(latest.model_state())
-    proc = run_cli(["run", "--resume", run_dir, "--no-progress"])
-    assert proc.returncode == 0, _explain(proc)
-    for step in range(latest.version, steps):
-        assert re.search(rf"^step {step} \(", proc.stdout, re.M), step
-    metrics = pl.read_parquet(run_dir / "metrics.parquet")
-    assert metrics["step"].to_list() == list(range(steps))
-    assert metrics["optimizer_steps"].to_list() == (metrics["rows_trained"] > 0).cast(pl.Int64).cum_sum().to_list()
-    final = ckpt.latest_checkpoint(run_dir / "checkpoints")
-    assert final.version == steps and (final.path / "model.safetensors").is_file()
-    AutoModelForCausalLM.from_pretrained(final.path)  # the merged model loads
-    # exactness in the asynchronous run: old (the snapshot scorer) = inference on adapter versions
-    table = _all_trajectories(run_dir)
-    diffs = [np.max(np.abs(np.subtract(o, i))) for o, i, v in zip(
-        table["old_logprobs"].to_pylist(), table["inference_logprobs"].to_pylist(), table["versions"].to_pylist())
-        if min(v) >= 1 and o is not None]
-    lags = np.array(table["trainer_version"].to_pylist()) - np.array([min(v) for v in table["versions"].to_pylist()])
-    print(f"\nold vs inference on {len(diffs)} adapter-version rows: max |diff| {max(diffs):.1e}; "
-          f"max lag {lags.max()}")
-    assert len(diffs) > 0 and max(diffs) < 1e-5
 
 
 def test_engine_vllm_keeps_the_window_of_adapters_and_refuses_what_it_cannot_apply(monkeypatch, tmp_path):
