@@ -29,6 +29,7 @@ def test_ablation_notebook_executes(tmp_path, monkeypatch):
     assert not errors
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
     assert (tmp_path / "evidence_regime.png").stat().st_size > 10_000  # the evidence's headline figure
+    assert (tmp_path / "evidence_outcome.png").stat().st_size > 10_000  # and its outcome study
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "recompute" in text and "snapshot" in text
     assert f"task {config}" in text
