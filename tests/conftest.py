@@ -187,3 +187,14 @@ def user_strategy_module(tmp_path):
     yield write
     for name in names:
         sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="session")
+def one_worker_sync_run(ray_session):
+    """tests/test_trainer_dp.py's SYNC pipeline on one worker, in this process: (metrics, final
+    weights), the run that data-parallel and sharded workers must reproduce (computed once)."""
+    from test_trainer_dp import SYNC, run_with_final_weights
+
+    from trajflow.pipelines.config import PipelineConfig
+
+    return run_with_final_weights(PipelineConfig(**SYNC))

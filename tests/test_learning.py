@@ -19,12 +19,12 @@ EVAL_PROMPTS = 400
 STEPS = 40
 
 
-def test_sync_rl_improves_heldout_accuracy(ray_session):
+def test_sync_rl_improves_heldout_accuracy(run_in_process):
     torch.set_num_threads(1)
     before = heldout_accuracy(load_model(WARM_START_DIR), load_tokenizer(WARM_START_DIR), get_task("addition"),
                               EVAL_PROMPTS, max_new_tokens=6)
     config = PipelineConfig(strategy="snapshot", steps=STEPS, eval_every=STEPS, eval_prompts=EVAL_PROMPTS, seed=0)
-    metrics = RLPipeline(config).run(progress=False)
+    metrics = run_in_process(RLPipeline(config))  # synchronous: the pipeline's own stages, in this process
     after = metrics["heldout_accuracy"].drop_nulls()[-1]
     print(f"\nheld-out accuracy {before:.3f} -> {after:.3f} after {STEPS} synchronous steps")
     assert after >= before + 0.05

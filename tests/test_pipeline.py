@@ -30,12 +30,20 @@ def check_accounting(metrics: pl.DataFrame, config_rows: int) -> None:
     assert ((metrics["rows_trained"] + filtered) == metrics["rows"]).all()
 
 
+# A train-infer mask at c = 1.001 (any drift of old from inference would drop tokens) and a large
+# lr: the same settings as the recompute run below, so snapshot at S=3 is its exact contrast.
+TIGHT = dict(steps=10, correction={"mask_level": "token", "mask_c_token": 1.001}, optimizer={"lr": 1e-3})
+
+
 # synchronous (S=0) only for interrupt, where it checks that nothing is published mid-rollout; the
-# other two are exact in sync mode by tests/test_operators_in_process.py and test_trainer_fsdp.py
+# other two are exact in sync mode by tests/test_operators_in_process.py and test_trainer_fsdp.py.
+# S=3 shows both the bound and a lag of 2 or more; all three strategies at S=1 (lag exactly 1,
+# exactness within 1e-5) are in tests/test_weight_sync.py (FSDP) and interrupt and snapshot at S=1
+# also in tests/test_multiturn.py and test_trainer_dp.py.
 @pytest.mark.parametrize("max_staleness, strategy", [(0, "interrupt")] + [
-    (s, name) for s in (1, 3) for name in ("snapshot", "dedicated", "interrupt")])
+    (3, name) for name in ("snapshot", "dedicated", "interrupt")])
 def test_exact_strategies_recover_inference_logprobs(ray_session, publish_inside_rollouts, strategy, max_staleness):
-    pipe = RLPipeline(PipelineConfig(**SMALL, strategy=strategy, max_staleness=max_staleness))
+    pipe = RLPipeline(PipelineConfig(**{**SMALL, **TIGHT}, strategy=strategy, max_staleness=max_staleness))
     if strategy == "interrupt":  # a publish lands inside every rollout that runs ahead of the trainer
         publish_inside_rollouts(pipe)
     m = pipe.run(progress=False)
@@ -70,27 +78,51 @@ def test_exact_strategies_recover_inference_logprobs(ray_session, publish_inside
     check_accounting(m, 16)
 
 
-def test_recompute_entangles_staleness_with_discrepancy(ray_session):
-    """The paper's core claim: with pi_async as 'old', r_d != 1 and grows with staleness."""
-    tight = {"mask_level": "token", "mask_c_token": 1.001}
-    common = dict(steps=10, correction=tight, optimizer={"lr": 1e-3})
-    kept = {}
-    for strategy, s in [("recompute", 0), ("recompute", 3), ("snapshot", 3)]:
-        m = run(strategy=strategy, max_staleness=s, **common)
-        kept[(strategy, s)] = (m["mask/token_kept_frac"].mean(), m["mismatch/max_abs_log_rd"].max(),
-                               m["staleness/mean"].mean())
-    for key, (frac, max_rd, lag) in kept.items():
-        print(f"\n{key}: train-infer mask kept {frac:.3f}, max|log r_d| {max_rd:.2e}, mean lag {lag:.2f}")
-    assert kept[("recompute", 0)][0] == 1.0  # synchronous: pi_async is pi_old
-    assert kept[("recompute", 3)][0] < 0.9  # stale tokens masked for drift, not numerics
-    assert kept[("snapshot", 3)][0] == 1.0 and kept[("snapshot", 3)][1] < 1e-5
+def test_recompute_entangles_staleness_with_discrepancy(ray_session, run_in_process):
+    """The paper's core claim: with pi_async as 'old', r_d != 1 and grows with staleness. The
+    contrast, snapshot at S=3 under the same mask keeping every token with max|log r_d| < 1e-5, is
+    test_exact_strategies_recover_inference_logprobs[3-snapshot] (same config: TIGHT)."""
+    # synchronous: the pipeline's own stages in this process (no rollout runs ahead of the trainer)
+    sync = run_in_process(RLPipeline(PipelineConfig(**{**SMALL, **TIGHT}, strategy="recompute", max_staleness=0)))
+    stale = run(strategy="recompute", max_staleness=3, **TIGHT)  # async, on Ray Data
+    for key, m in (("recompute, S=0", sync), ("recompute, S=3", stale)):
+        print(f"\n{key}: train-infer mask kept {m['mask/token_kept_frac'].mean():.3f}, "
+              f"max|log r_d| {m['mismatch/max_abs_log_rd'].max():.2e}, mean lag {m['staleness/mean'].mean():.2f}")
+    assert sync["mask/token_kept_frac"].mean() == 1.0  # synchronous: pi_async is pi_old
+    assert stale["mask/token_kept_frac"].mean() < 0.9  # stale tokens masked for drift, not numerics
+
+
+TRAIN_TIME = dict(max_staleness=2, inference_dtype="bfloat16", steps=6)
+
+
+@pytest.fixture(scope="module")
+def behavior_run_with_a_custom_operator(ray_session):
+    """One async bf16 run serves two tests: `behavior` among the train-time strategies, and a user's
+    operator inserted in one line (zero reward for long answers: r_d, accounting and finiteness do
+    not depend on the reward). Returns (the pipeline, its metrics)."""
+
+    class ZeroRewardForLongAnswers:  # local: Ray workers get it by value
+        def __call__(self, batch):
+            import pyarrow as pa
+            import pyarrow.compute as pc
+
+            long = pc.greater(pc.list_value_length(batch["response_tokens"]), 3)
+            reward = pc.if_else(long, pa.scalar(0.0, pa.float32()), batch["reward"])
+            return batch.set_column(batch.schema.get_field_index("reward"), "reward", reward)
+
+    pipe = RLPipeline(PipelineConfig(**{**SMALL, **TRAIN_TIME}, strategy="behavior"))
+    pipe.insert_after("reward", Stage("shorten", ZeroRewardForLongAnswers()))
+    return pipe, pipe.run(progress=False)
 
 
 @pytest.mark.parametrize("strategy", ["ewma", "behavior", "loglinear", "recompute", "m2po"])
-def test_train_time_strategies_run_async_with_bf16(ray_session, strategy):
-    # m2po: a threshold this short run exceeds (its M2 reaches ~0.01-0.03), so the mask acts
-    tau = {"strategy_options": {"m2_threshold": 0.005}} if strategy == "m2po" else {}
-    m = run(strategy=strategy, max_staleness=2, inference_dtype="bfloat16", steps=6, **tau)
+def test_train_time_strategies_run_async_with_bf16(ray_session, request, strategy):
+    if strategy == "behavior":
+        m = request.getfixturevalue("behavior_run_with_a_custom_operator")[1]
+    else:
+        # m2po: a threshold this short run exceeds (its M2 reaches ~0.01-0.03), so the mask acts
+        tau = {"strategy_options": {"m2_threshold": 0.005}} if strategy == "m2po" else {}
+        m = run(strategy=strategy, **TRAIN_TIME, **tau)
     assert m.height == 6
     for column in ("loss", "active_frac", "mismatch/k3", "is/ess"):
         assert all(math.isfinite(v) for v in m[column].to_list()), column
@@ -111,18 +143,7 @@ def test_train_time_strategies_run_async_with_bf16(ray_session, strategy):
     check_accounting(m, 16)
 
 
-def test_custom_operator_inserted_in_one_line(ray_session):
-    class ZeroRewardForLongAnswers:
-        def __call__(self, batch):
-            import pyarrow as pa
-            import pyarrow.compute as pc
-
-            long = pc.greater(pc.list_value_length(batch["response_tokens"]), 3)
-            reward = pc.if_else(long, pa.scalar(0.0, pa.float32()), batch["reward"])
-            return batch.set_column(batch.schema.get_field_index("reward"), "reward", reward)
-
-    pipe = RLPipeline(PipelineConfig(**{**SMALL, "steps": 3}))
-    pipe.insert_after("reward", Stage("shorten", ZeroRewardForLongAnswers()))
+def test_custom_operator_inserted_in_one_line(behavior_run_with_a_custom_operator):
+    pipe, m = behavior_run_with_a_custom_operator
     assert [s.name for s in pipe.stages][:4] == ["generate", "reward", "shorten", "advantage"]
-    m = pipe.run(progress=False)
-    assert m.height == 3
+    assert m.height == TRAIN_TIME["steps"]

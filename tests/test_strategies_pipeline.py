@@ -10,9 +10,6 @@ Data's executor), which keeps the sixteen top-k/top-p runs affordable.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import polars as pl
@@ -85,13 +82,13 @@ def test_bf16_mixed_precision_gives_exact_old_logprobs_on_policy(ray_session, ru
 
 
 @pytest.mark.timeout(600)
-def test_a_dropout_checkpoint_keeps_old_logprobs_exact(ray_session, tmp_path):
+def test_a_dropout_checkpoint_keeps_old_logprobs_exact(run_in_process, tmp_path):
     model, tokenizer = load_model(WARM_START_DIR), load_tokenizer(WARM_START_DIR)
     model.config.attention_dropout = 0.1
     save_model(model, tokenizer, tmp_path / "dropout")
     pipe = RLPipeline(PipelineConfig(**SMALL, steps=3, max_staleness=0, model=tmp_path / "dropout"))
     assert "the checkpoint's attention_dropout 0.1 is off" in pipe.describe()
-    m = pipe.run(progress=False)
+    m = run_in_process(pipe)  # synchronous (S=0): the pipeline's own stages, in this process
     print(f"\ndropout 0.1 checkpoint: max|log r_s| {m['staleness_ratio/max_abs_log'].max():.2e}, "
           f"max|log r_d| {m['mismatch/max_abs_log_rd'].max():.2e}")
     assert m["staleness_ratio/max_abs_log"].max() <= 1e-6
@@ -100,7 +97,8 @@ def test_a_dropout_checkpoint_keeps_old_logprobs_exact(ray_session, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_user_strategy_runs_live_and_in_replay_diagnose(ray_session, user_strategy_module, monkeypatch):
+def test_a_user_strategy_runs_live_and_in_replay_diagnose(ray_session, user_strategy_module, monkeypatch, capsys):
+    from trajflow.jobs.cli import main
     from trajflow.jobs.config import JobConfig
     from trajflow.jobs.recorder import RunPaths, RunRecorder, read_metrics
 
@@ -121,13 +119,12 @@ def test_a_user_strategy_runs_live_and_in_replay_diagnose(ray_session, user_stra
     (run_dir / "config.yaml").write_text(job.to_yaml())
 
     out = tmp_path / "replay"
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", "replay", str(run_dir / "trajectories"),
-                           "--checkpoints", str(run_dir / "versions"), "--strategy", "my_corrections:HalfwayOld",
-                           "--strategy", "m2po", "--diagnose", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "halfway replay vs the logged run: 3 steps" in proc.stdout
+    # the CLI's entry point in this process, on the session's Ray (the module is on sys.path above)
+    code = main(["replay", str(run_dir / "trajectories"), "--checkpoints", str(run_dir / "versions"),
+                 "--strategy", "my_corrections:HalfwayOld", "--strategy", "m2po", "--diagnose", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out[-3000:] + printed.err[-3000:]
+    assert "halfway replay vs the logged run: 3 steps" in printed.out
     replayed = pl.read_parquet(out / "metrics.parquet")
     assert sorted(set(replayed["strategy"])) == ["halfway", "m2po"]
     mine = replayed.filter(pl.col("strategy") == "halfway").sort("step")

@@ -290,10 +290,10 @@ def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 @pytest.mark.timeout(300)
-def test_two_workers_and_micro_batches_reproduce_one_worker(ray_session):
+def test_two_workers_and_micro_batches_reproduce_one_worker(one_worker_sync_run):
     from trajflow.engines.models import WARM_START_DIR, load_model
 
-    one, one_weights = run_with_final_weights(PipelineConfig(**SYNC))
+    one, one_weights = one_worker_sync_run  # conftest.py: SYNC on one worker
     two, two_weights = run_with_final_weights(PipelineConfig(**SYNC, trainer={"num_workers": 2}))
     micro, micro_weights = run_with_final_weights(PipelineConfig(
         **SYNC, trainer={"num_workers": 2, "max_tokens_per_microbatch": 12}))
