@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from test_jobs_run import _explain, cli_in_process  # the CLI in this process
+from test_jobs_run import _explain, cli_in_process, run_cli  # the CLI as a subprocess / in this process
 from trajflow.engines import checkpoint as ckpt
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.tokenizer import stop_token_ids
@@ -85,13 +85,12 @@ def mean_reward(line: str) -> tuple[float, int]:
     return float(found[1]), int(found[2])
 
 
-def test_eval_of_a_checkpoint_is_the_mean_reward_computed_by_hand(workload, bpe, bpe_model_dir, run_dir, tmp_path,
-                                                                 capfd):
+def test_eval_of_a_checkpoint_is_the_mean_reward_computed_by_hand(workload, bpe, bpe_model_dir, run_dir, tmp_path):
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job(workload, bpe_model_dir, "graded")))
     checkpoint = run_dir / "checkpoints" / "step-000003"
     assert not (checkpoint / "config.json").exists()
-    proc = cli_in_process(["eval", "--config", config, "--model", checkpoint], capfd)  # eval needs no Ray
+    proc = run_cli(["eval", "--config", config, "--model", checkpoint], timeout=300)
     assert proc.returncode == 0 and proc.stderr == "", _explain(proc)
     assert len(proc.stdout.splitlines()) == 1 and "accuracy" not in proc.stdout  # a continuous reward
     mean, count = mean_reward(proc.stdout)
