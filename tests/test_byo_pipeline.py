@@ -25,7 +25,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from test_jobs_run import _explain, run_cli, run_until_checkpoint_then_kill  # the CLI and kill helpers
+from test_jobs_run import _explain, cli_in_process, run_until_checkpoint_then_kill  # the CLI and kill helpers
 from trajflow.engines.models import load_tokenizer
 from trajflow.engines.tokenizer import decode_responses, stop_token_ids
 from trajflow.schemas import read_parquet
@@ -154,7 +154,9 @@ def test_failing_rewards_mark_rows_and_the_run_goes_on(workload_dir, bpe_model_d
 
 
 def test_killed_run_resumes_with_exactly_the_prompts_of_an_uninterrupted_run(reference_run, workload_dir,
-                                                                             bpe_model_dir, tmp_path):
+                                                                             bpe_model_dir, tmp_path, capfd):
+    """The run SIGKILLed is a subprocess; the refusal and the resume are the entry point's `main`
+    in this process (on the session's Ray, as the reference run)."""
     run_dir = tmp_path / "killed"
     config = tmp_path / "job.yaml"
     # slower decoding so the run is still going when it is killed (prompts do not depend on it)
@@ -170,13 +172,13 @@ def test_killed_run_resumes_with_exactly_the_prompts_of_an_uninterrupted_run(ref
     original = train.read_text()
     train.write_text(original.replace('"answer": "', '"answer": "1', 1))
     try:
-        proc = run_cli(["run", "--resume", run_dir], timeout=120)
+        proc = cli_in_process(["run", "--resume", run_dir], capfd)
     finally:
         train.write_text(original)
     assert proc.returncode == 2, _explain(proc)
     assert "changed since checkpoint step-000002" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
-    proc = run_cli(["run", "--resume", run_dir, "--no-progress"])
+    proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)
     assert proc.returncode == 0, _explain(proc)
     assert prompt_ids_by_step(run_dir) == prompt_ids_by_step(reference_run)
     metrics = pl.read_parquet(run_dir / "metrics.parquet")

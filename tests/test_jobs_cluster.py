@@ -6,7 +6,8 @@ machine, its own ports) offers `train_node`. The quickstart is submitted with
 the job SUCCEEDED and that generation and training ran on different nodes — from the run dir's
 placement.json (Ray state API, per stage) and the trainer's own node id in every metrics row.
 A second job trains with `trainer.num_workers: 2` and `trainer.placement: spread`: its two
-data-parallel workers (one gloo group across the nodes) report two different nodes.
+data-parallel workers (one gloo group across the nodes) report two different nodes. The two jobs
+run at the same time.
 
 The cluster gets its own temp dir, ports and auth token; at the end (also on failure) exactly
 its processes are killed, by pid. (`ray stop` is not used: it would stop every Ray on the
@@ -102,25 +103,52 @@ def two_node_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def submit_quickstart(cluster: dict, run_dir: Path, submission_id: str, settings: list[str]) -> str:
-    """`trajflow submit quickstart --set S...` to the cluster; asserts it SUCCEEDED; its stdout."""
+def start_submit(cluster: dict, run_dir: Path, submission_id: str, settings: list[str]) -> subprocess.Popen:
+    """`trajflow submit quickstart --set S...` to the cluster, running; its output goes to files
+    beside the run dir (two jobs at once: neither waits on a full pipe)."""
     cmd = [sys.executable, "-m", "trajflow.jobs.cli", "submit", "quickstart", "--address", cluster["address"],
            "--run-dir", str(run_dir), "--python", sys.executable, "--submission-id", submission_id]
     small = ["prompts_per_step=8", "group_size=4", "eval_every=0"]  # these tests are about placement
     cmd += [arg for setting in small + settings for arg in ("--set", setting)]
-    proc = subprocess.run(cmd, env=cluster["env"], capture_output=True, text=True, timeout=400)
-    explain = f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{run_dir}.out", "w") as out, open(f"{run_dir}.err", "w") as err:
+        return subprocess.Popen(cmd, env=cluster["env"], stdout=out, stderr=err, text=True)
+
+
+def succeeded(proc: subprocess.Popen, run_dir: Path, submission_id: str) -> str:
+    """Waits for a `start_submit`; asserts the job SUCCEEDED; its stdout."""
+    proc.wait(timeout=400)
+    out, err = (Path(f"{run_dir}.{name}").read_text() for name in ("out", "err"))
+    explain = f"exit {proc.returncode}\n{out[-6000:]}\n{err[-3000:]}"
     assert proc.returncode == 0, explain
-    assert f"trajflow: job {submission_id} SUCCEEDED" in proc.stdout, explain
-    return proc.stdout
+    assert f"trajflow: job {submission_id} SUCCEEDED" in out, explain
+    return out
 
 
-def test_submit_places_generation_and_training_on_different_nodes(two_node_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def jobs(two_node_cluster, tmp_path_factory) -> dict:
+    """Both tests' jobs, submitted at once (the two fit on the cluster's 4 CPUs together, and
+    side by side they share the wait for submission and start-up): submission id -> (run dir,
+    the submit command's stdout)."""
+    tmp = tmp_path_factory.mktemp("jobs")
+    settings = {
+        "trajflow-two-nodes": ["steps=4", "checkpoint_every=2", "save_all_versions=false",
+                               "generator.resources={gen_node: 0.1}", "trainer.resources={train_node: 0.1}"],
+        "trajflow-two-workers": ["steps=3", "save_all_versions=false", "tensorboard=false",
+                                 "generator.resources={gen_node: 0.1}", "trainer.num_workers=2",
+                                 "trainer.placement=spread"]}
+    procs = {sid: start_submit(two_node_cluster, tmp / sid, sid, s) for sid, s in settings.items()}
+    try:
+        return {sid: (tmp / sid, succeeded(proc, tmp / sid, sid)) for sid, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_submit_places_generation_and_training_on_different_nodes(two_node_cluster, jobs):
     address, env = two_node_cluster["address"], two_node_cluster["env"]
-    run_dir = tmp_path / "submitted"
-    out = submit_quickstart(two_node_cluster, run_dir, "trajflow-two-nodes", [
-        "steps=4", "checkpoint_every=2", "save_all_versions=false", "generator.resources={gen_node: 0.1}",
-        "trainer.resources={train_node: 0.1}"])
+    run_dir, out = jobs["trajflow-two-nodes"]
     assert re.search(r"^step 3 \(100%\) \| reward ", out, re.M)  # the job's logs were streamed back
 
     status = subprocess.run([sys.executable, "-m", "trajflow.jobs.cli", "status", "trajflow-two-nodes",
@@ -150,11 +178,8 @@ def test_submit_places_generation_and_training_on_different_nodes(two_node_clust
     assert set(metrics["trainer_node"].to_list()) == {train_node}
 
 
-def test_two_trainer_workers_spread_over_the_two_nodes(two_node_cluster, tmp_path):
-    run_dir = tmp_path / "data_parallel"
-    submit_quickstart(two_node_cluster, run_dir, "trajflow-two-workers", [
-        "steps=3", "save_all_versions=false", "tensorboard=false", "generator.resources={gen_node: 0.1}",
-        "trainer.num_workers=2", "trainer.placement=spread"])
+def test_two_trainer_workers_spread_over_the_two_nodes(jobs):
+    run_dir, _ = jobs["trajflow-two-workers"]
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == [0, 1, 2]
     assert (metrics["trainer/num_workers"] == 2).all()

@@ -10,13 +10,17 @@
 - bad input (wrong column type, truncated Parquet, missing version weights) ends with one line
   and exit status 2, and writes nothing (these, report and compare call the entry point's `main`
   in this process: they end before Ray starts);
+- resumes and replays run the entry point's `main` in this process too, on the session's Ray
+  (`trajflow run` itself, its own Ray and its console, is the quickstart run's and the timing
+  test's subprocess; a SIGKILL's target stays a subprocess): each `trajflow` subprocess pays an
+  interpreter, torch and Ray's start-up that is not what those tests show;
 - each status line is printed when its step ends: after the step's end and before the next
   step's end (timestamps of the lines as they arrive, against the trainer's `time/step_end`).
 
 The other runs are the quickstart at its old, small size (8 prompts x 4 samples per step, ROWS).
 
-Each `trajflow run` starts its own embedded Ray (a subprocess), so these tests do not share the
-test session's Ray.
+Each `trajflow run` subprocess starts its own embedded Ray; `main` in this process uses the
+session's (conftest's `ray_session`: already initialised, so the command does not start another).
 """
 
 from __future__ import annotations
@@ -65,8 +69,9 @@ def run_cli(args: list, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def cli_in_process(args: list, capfd) -> subprocess.CompletedProcess:
     """The entry point's `main` in this process, for commands that end before Ray starts (a
-    refusal, report, compare): no interpreter and imports to pay per call. Output is captured at
-    the file descriptors (pytest's `capfd`), so a library writing past `sys.stdout` shows too."""
+    refusal, report, compare) or that run on the session's Ray (the caller asks for `ray_session`):
+    no interpreter and imports to pay per call. Output is captured at the file descriptors
+    (pytest's `capfd`), so a library writing past `sys.stdout` shows too."""
     from trajflow.jobs.cli import main
 
     capfd.readouterr()
@@ -109,7 +114,8 @@ def test_quickstart_run_writes_a_complete_run_dir(quick_run):
     assert "save_all_versions: 9 versions x" in proc.stdout  # the size estimate
     assert "checkpoints kept: step-000006, step-000008" in proc.stdout
     assert "trajflow: checkpoint of version 2 (resumes at step 2)" in proc.stdout
-    assert (run_dir / "summary.txt").read_text().strip()
+    summary = (run_dir / "summary.txt").read_text()
+    assert summary.strip() and summary in proc.stdout  # the summary printed is the one written
     # every line fits 100 columns, except the ones naming a path
     long = [line for line in proc.stdout.splitlines() if len(line) > 100 and str(run_dir) not in line]
     assert not long, long
@@ -247,16 +253,16 @@ def test_status_lines_are_printed_as_their_steps_end(tmp_path):
                                               f"step {k + 1} ended"
 
 
-def test_resuming_a_finished_run_says_so_and_touches_nothing(quick_run):
+def test_resuming_a_finished_run_says_so_and_touches_nothing(quick_run, capfd):
     run_dir, _ = quick_run
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    proc = run_cli(["run", "--resume", run_dir], timeout=120)
+    proc = cli_in_process(["run", "--resume", run_dir], capfd)  # it ends before Ray starts
     assert proc.returncode == 0, _explain(proc)
     assert f"already finished all {QUICK_STEPS} steps" in proc.stdout and "nothing to do" in proc.stdout
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
-def test_resume_passes_over_a_truncated_checkpoint_and_says_so(quick_run, tmp_path):
+def test_resume_passes_over_a_truncated_checkpoint_and_says_so(quick_run, tmp_path, ray_session, capfd):
     """The last checkpoint's weights cut short (a disk filled up, a copy interrupted): the resume
     finds it before writing anything, says so in one line, and continues from the checkpoint
     before it; the run ends complete, its last checkpoint whole again."""
@@ -269,7 +275,7 @@ def test_resume_passes_over_a_truncated_checkpoint_and_says_so(quick_run, tmp_pa
     assert [c.version for c in ckpt.list_checkpoints(run_dir / "checkpoints")] == [6, 8]  # it looks complete
     before = (run_dir / "config.yaml").read_bytes()
 
-    proc = run_cli(["run", "--resume", run_dir, "--no-progress"])
+    proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)
     assert proc.returncode == 0, _explain(proc)
     damaged = [line for line in proc.stdout.splitlines() if "is damaged" in line]
     assert damaged == [f"trajflow: checkpoint step-{QUICK_STEPS:06d} is damaged (model.safetensors: truncated "
@@ -304,11 +310,11 @@ def test_report_and_compare_of_runs_with_the_same_directory_name(quick_run, tmp_
     assert wall and float(wall.group(1)) > 0
 
 
-def test_replay_snapshot_reproduces_the_logged_diagnostics(quick_run, tmp_path):
+def test_replay_snapshot_reproduces_the_logged_diagnostics(quick_run, tmp_path, ray_session, capfd):
     run_dir, _ = quick_run
     out = tmp_path / "replay"
-    proc = run_cli(["replay", run_dir / "trajectories", "--checkpoints", run_dir / "versions",
-                    "--strategy", "snapshot", "--strategy", "recompute", "--diagnose", "--out", out])
+    proc = cli_in_process(["replay", run_dir / "trajectories", "--checkpoints", run_dir / "versions",
+                           "--strategy", "snapshot", "--strategy", "recompute", "--diagnose", "--out", out], capfd)
     assert proc.returncode == 0, _explain(proc)
     replayed = pl.read_parquet(out / "metrics.parquet")
     logged = pl.read_parquet(run_dir / "metrics.parquet")
@@ -382,7 +388,7 @@ def test_replay_rejects_a_truncated_parquet_file(quick_run, tmp_path, capfd):
     assert not out.exists()
 
 
-def test_replay_quarantines_nonfinite_rows_only_when_asked(quick_run, tmp_path, capfd):
+def test_replay_quarantines_nonfinite_rows_only_when_asked(quick_run, tmp_path, ray_session, capfd):
     run_dir, _ = quick_run
     log = _copy_log(run_dir, tmp_path / "log")
     file = log / "trajectories" / "step=000001" / "part-0.parquet"
@@ -398,7 +404,7 @@ def test_replay_quarantines_nonfinite_rows_only_when_asked(quick_run, tmp_path, 
     _one_line_failure(refused, "step=000001/part-0.parquet", "inference_logprobs", "--quarantine-nonfinite")
     assert not out.exists()
 
-    proc = run_cli([*args, "--quarantine-nonfinite"])
+    proc = cli_in_process([*args, "--quarantine-nonfinite"], capfd)
     assert proc.returncode == 0, _explain(proc)
     assert "quarantined 1 rows with NaN/inf log-probs (steps 1)" in proc.stdout
     quarantined = pq.read_table(out / "quarantine.parquet")
@@ -465,7 +471,7 @@ def run_until_checkpoint_then_kill(args: list, run_dir: Path, version: int, log_
             _kill_tree(proc)
 
 
-def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path):
+def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path, ray_session, capfd):
     """A SIGKILLed job (a LoRA run, asynchronous snapshot at max_staleness 2, float32 inference)
     resumes from its last complete checkpoint (the adapter and its optimizer state): `--resume`
     trains exactly the remaining steps, once each; the log has every row once; the last checkpoint
@@ -487,7 +493,7 @@ def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path
     assert latest is not None and latest.version >= 4
     assert (latest.path / ckpt.ADAPTER_FILE).is_file() and lora.is_adapter(latest.model_state())
 
-    proc = run_cli(["run", "--resume", run_dir, "--no-progress"])
+    proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)  # the killed one: a subprocess
     assert proc.returncode == 0, _explain(proc)
     assert f"from checkpoint step-{latest.version:06d}: steps {latest.version}..{steps - 1}" in proc.stdout
     # the resumed session trained exactly the steps from the checkpoint's version on
@@ -525,11 +531,11 @@ def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path
     assert second["steps_trained"] == steps - latest.version and second["started"] > first["started"]
 
 
-# -- in-process (last: the session's Ray then stays up only for the rest of the session) ---------
+# -- in-process on the session's Ray -----------------------------------------------------------------
 def test_replay_train_on_the_logged_data_retraces_the_run(quick_run, tmp_path, ray_session):
     """--train under the run's own strategy, on the first 4 logged steps, from version 0: the same
-    batches, old log-probs and optimizer steps, so it ends at the run's own version 4. (In-process
-    on the session's Ray: the CLI path of replay is covered by the diagnose test above.)"""
+    batches, old log-probs and optimizer steps, so it ends at the run's own version 4. (The Replay
+    itself: the CLI path of replay is covered by the diagnose test above.)"""
     from trajflow.pipelines.replay import Replay
 
     run_dir, _ = quick_run

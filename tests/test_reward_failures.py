@@ -1,13 +1,16 @@
 """A reward that fails, and what a run's output holds, end to end (`trajflow run` as a subprocess
-on real Ray; the tiny Qwen2 and BPE tokenizer of test_byo_pipeline.py):
+on real Ray; the tiny Qwen2 and BPE tokenizer of test_byo_pipeline.py). One run serves both
+end-to-end tests (each run pays Ray's and the actors' start-up; the two cases do not interact):
 
 - a reward that raises on some items of step 0, then returns the wrong number of values for the
   whole of steps 1 and 2: every failed row keeps its error text in the trajectory log (the
   exception, or the wrong length); the status lines show the errors; the run stops after
   `reward_max_failed_steps` (2) such steps with one line naming the function and the first
   error, and exit status 1;
-- a normal run whose reward warns and writes to stderr in the Ray worker prints trajflow's own
-  lines only: the worker's lines are in RUN/workers.log;
+- the same reward also warns, writes to stderr and calls math-verify in the Ray worker: the run
+  prints trajflow's own lines only (stdout: its status and `trajflow:` lines; stderr: the one
+  line), and the worker's lines are in RUN/workers.log (that a finished run prints its summary:
+  test_jobs_run.py's quickstart run);
 - (no Ray) a step's metrics count the rows the reward failed on from the `reward_error` column,
   whatever else filtered them; the count of failed steps resets on a step that scored.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -37,6 +41,9 @@ REWARDS = textwrap.dedent("""
     _math = MathVerify()
 
     def broken(prompts, completions, answer, idx, phase, **columns):
+        warnings.warn("broken: a warning from the reward")
+        print("broken: a line on stderr", file=sys.stderr)
+        _math(prompts, completions, answer)  # math-verify's own timeouts are off: no warning of its own
         if all(p == "short" for p in phase):
             return []  # no score at all: the wrong number of values
         out = []
@@ -45,11 +52,6 @@ REWARDS = textwrap.dedent("""
                 raise ValueError(f"cannot score item {i}")
             out.append(float(i))
         return out
-
-    def noisy_math(prompts, completions, answer, **columns):
-        warnings.warn("noisy_math: a warning from the reward")
-        print("noisy_math: a line on stderr", file=sys.stderr)
-        return _math(prompts, completions, answer)
 """)
 
 
@@ -73,12 +75,18 @@ def job(workload_dir: Path, model_dir: Path, reward: str, **overrides) -> dict:
     }
 
 
-@pytest.mark.slow
-def test_failed_rewards_are_logged_per_row_and_the_run_stops_with_one_line(workload_dir, bpe_model_dir, tmp_path):
-    config = tmp_path / "job.yaml"
+@pytest.fixture(scope="module")
+def broken_run(workload_dir, bpe_model_dir, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    root = tmp_path_factory.mktemp("broken")
+    config = root / "job.yaml"
     config.write_text(yaml.safe_dump(job(workload_dir, bpe_model_dir, "broken", reward_max_failed_steps=2)))
-    run_dir = tmp_path / "run"
-    proc = run_cli(["run", config, "--run-dir", run_dir, "--no-progress"], timeout=600)
+    run_dir = root / "run"
+    return run_dir, run_cli(["run", config, "--run-dir", run_dir, "--no-progress"], timeout=600)
+
+
+@pytest.mark.slow
+def test_failed_rewards_are_logged_per_row_and_the_run_stops_with_one_line(workload_dir, broken_run):
+    run_dir, proc = broken_run
     assert proc.returncode == 1, _explain(proc)
     wrong = f"the reward returned 0 values for {PER_STEP * GROUP} completions (one score per completion)"
     assert proc.stderr.splitlines() == [
@@ -108,22 +116,18 @@ def test_failed_rewards_are_logged_per_row_and_the_run_stops_with_one_line(workl
 
 
 @pytest.mark.slow
-def test_a_run_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(workload_dir, bpe_model_dir,
-                                                                              tmp_path):
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(job(workload_dir, bpe_model_dir, "noisy_math", steps=2)))
-    run_dir = tmp_path / "run"
-    proc = run_cli(["run", config, "--run-dir", run_dir, "--no-progress"], timeout=600)
-    assert proc.returncode == 0, _explain(proc)
-    assert proc.stderr == "", _explain(proc)
-    summary = (run_dir / "summary.txt").read_text()
-    assert summary in proc.stdout
+def test_a_run_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(broken_run):
+    run_dir, proc = broken_run
+    assert proc.returncode == 1, _explain(proc)
+    # stderr: the one stop line (above), not the worker's line on stderr nor its warning
+    assert [line for line in proc.stderr.splitlines() if not line.startswith("trajflow: ")] == [], _explain(proc)
     own = re.compile(r"^(trajflow: |step +\d+ \( *\d+%\) \| |strategy |stages: |training numerics: |max_staleness |"
                      r"  \S)")  # the description's wrapped lines are indented
-    others = [line for line in proc.stdout.replace(summary, "").splitlines() if line and not own.match(line)]
+    assert re.search(r"^step +2 \(", proc.stdout, re.M), _explain(proc)  # the lines of every step that ran
+    others = [line for line in proc.stdout.splitlines() if line and not own.match(line)]
     assert others == [], _explain(proc)
     workers = (run_dir / "workers.log").read_text()
-    assert "noisy_math: a warning from the reward" in workers and "noisy_math: a line on stderr" in workers
+    assert "broken: a warning from the reward" in workers and "broken: a line on stderr" in workers
     assert "Timeout is disabled" not in workers  # math-verify's own timeouts are off for a reason: not a warning
 
 
