@@ -149,7 +149,8 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     base, healed_metrics = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
     assert healed_metrics["step"].to_list() == list(range(STEPS))  # none repeated or skipped
     first, second = steps
-    assert healed_metrics["recovery/restarts"].to_list() == [0] * first + [1] * (second - first) + [2] * (STEPS - second)
+    restarts = [0] * first + [1] * (second - first) + [2] * (STEPS - second)
+    assert healed_metrics["recovery/restarts"].to_list() == restarts
     assert (base["recovery/restarts"] == 0).all()
     compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
     assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version"} <= set(compared)
