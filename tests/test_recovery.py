@@ -103,14 +103,6 @@ def _recovered_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("trajflow: recovered: ")]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, chaos):
-    run_dir = tmp_path_factory.mktemp("base") / "run"
-    result = chaos.chaos_run(["quickstart", *SYNC], run_dir, [], run_dir.parent / "log")
-    assert result.status == 0, result.output[-3000:]
-    return run_dir
-
-
 # sync: a trainer worker killed while step 4 trains, then the train step's process at step 7
 SYNC_KILLS = [("trainer_worker", 4), ("train_step", 7)]
 
@@ -118,18 +110,24 @@ SYNC_KILLS = [("trainer_worker", 4), ("train_step", 7)]
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an_uninterrupted_one(
-        tmp_path, uninterrupted, chaos):
+        tmp_path, chaos):
     """Sync mode, 2 trainer workers: a trainer worker SIGKILLed at step 4, then the (fused) train
     step's process at step 7; each heals (the last checkpoint, 3 then 6, + the steps since it
     retrained from the log) and the run ends with the uninterrupted run's per-step metrics (1e-6)
-    and final weights (1e-5); every step trained once, no trajectory twice."""
+    and final weights (1e-5); every step trained once, no trajectory twice. The uninterrupted run
+    goes alongside (its own Ray; the two share no state)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
     import polars as pl
 
     from trajflow.engines import checkpoint as ckpt
 
-    run_dir = tmp_path / "run"
-    result = chaos.chaos_run(["quickstart", *SYNC], run_dir, SYNC_KILLS, tmp_path / "log")
+    run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
+    with ThreadPoolExecutor(1) as pool:
+        base_run = pool.submit(chaos.chaos_run, ["quickstart", *SYNC], uninterrupted, [], tmp_path / "base.log")
+        result = chaos.chaos_run(["quickstart", *SYNC], run_dir, SYNC_KILLS, tmp_path / "log")
+        assert base_run.result().status == 0, base_run.result().output[-3000:]
     out = result.output
     assert result.status == 0 and result.killed == len(SYNC_KILLS), out[-3000:]
     # the step a kill lands in: k, or k - 1 when its metrics row had not yet left the killed
