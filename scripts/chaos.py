@@ -13,6 +13,9 @@ Kinds (the process command lines they match): trainer_worker `TrainerRank` (need
 trainer.num_workers >= 2), train_step `TrainStep` (its fused stages too, in sync mode),
 generator `Generate`, scorer `OldLogprobs` (a dedicated or snapshot scorer stage), store
 `PolicyStoreActor`.
+
+`chaos_run` (what tests/test_recovery.py imports) takes several kills, each (kind, step), in one
+run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = {"trainer_worker": "TrainerRank", "train_step": "TrainStep", "generator": "Generate",
@@ -33,14 +36,21 @@ CLI = [sys.executable, "-m", "trajflow.jobs.cli"]
 
 
 @dataclass
-class ChaosResult:
+class Kill:
     kind: str
-    seed: int
-    step: int
+    step: int  # the step it lands in: once step - 1's metrics are written
+    seconds: float | None = None  # from the kill to the step's metrics; None: never written
+
+
+@dataclass
+class ChaosResult:
     status: int
     output: str
-    recovery_seconds: float | None  # from the kill to the killed step's metrics; None: never written
-    killed: int  # processes killed
+    kills: list[Kill]  # the kills done, in order
+
+    @property
+    def killed(self) -> int:
+        return len(self.kills)
 
 
 def run_env() -> dict:
@@ -49,21 +59,21 @@ def run_env() -> dict:
     return env
 
 
-def chaos_run(run_args: list[str], run_dir: Path, kind: str | None, seed: int, steps: int, log_path: Path,
-              step: int | None = None, timeout: float = 300.0) -> ChaosResult:
-    """`trajflow run RUN_ARGS --run-dir RUN_DIR`; with `kind`, one of its processes of that kind is
-    SIGKILLed while step `step` (default: drawn from `seed`) trains. `kind` None: no kill."""
+def chaos_run(run_args: list[str], run_dir: Path, kills: list[tuple[str, int]], log_path: Path, seed: int = 0,
+              timeout: float = 300.0) -> ChaosResult:
+    """`trajflow run RUN_ARGS --run-dir RUN_DIR`; for each (kind, step) of `kills` (steps
+    increasing), one of the run's processes of that kind (drawn from `seed`) is SIGKILLed while
+    that step trains, after the previous kill's step has its metrics. No kills: no kill."""
     import psutil
 
     rng = random.Random(seed)
-    step = rng.randint(1, steps - 2) if step is None else step
     args = CLI + ["run", *run_args, "--run-dir", str(run_dir)]
-    killed, seconds = 0, None
+    done: list[Kill] = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=run_env(), start_new_session=True)
         try:
-            if kind is not None:
-                deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + timeout
+            for kind, step in kills:
                 before = run_dir / "metrics" / f"step={step - 1:06d}.parquet"
                 while not before.is_file():
                     if proc.poll() is not None or time.monotonic() > deadline:
@@ -74,20 +84,19 @@ def chaos_run(run_args: list[str], run_dir: Path, kind: str | None, seed: int, s
                                 if title in " ".join(p.cmdline())), key=lambda p: (p.create_time(), p.pid))
                 if not found:
                     raise RuntimeError(f"chaos: no {kind} process ({title!r}) in the run")
-                victim = found[rng.randrange(len(found))]
+                victim = found[rng.randrange(len(found))] if len(found) > 1 else found[0]
                 killed_at = time.monotonic()
                 victim.kill()
-                killed = 1
                 after = run_dir / "metrics" / f"step={step:06d}.parquet"
                 while not after.is_file() and proc.poll() is None and time.monotonic() < deadline:
                     time.sleep(0.05)
-                seconds = time.monotonic() - killed_at if after.is_file() else None
+                done.append(Kill(kind, step, time.monotonic() - killed_at if after.is_file() else None))
             status = proc.wait(timeout=timeout)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
-    return ChaosResult(kind or "none", seed, step, status, log_path.read_text(), seconds, killed)
+    return ChaosResult(status, log_path.read_text(), done)
 
 
 def check_log(run_dir: Path) -> dict:
@@ -116,9 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps < 3:
         parser.error("--steps must be at least 3 (the kill lands on a step after the first)")
     a.run_dir.parent.mkdir(parents=True, exist_ok=True)
-    result = chaos_run([*a.run_args, "--set", f"steps={a.steps}"], a.run_dir, a.kind, a.seed, a.steps,
-                       a.run_dir.parent / f"{a.run_dir.name}.log", step=a.step)
-    out = {k: v for k, v in asdict(result).items() if k != "output"}
+    step = random.Random(a.seed).randint(1, a.steps - 2) if a.step is None else a.step
+    result = chaos_run([*a.run_args, "--set", f"steps={a.steps}"], a.run_dir, [(a.kind, step)],
+                       a.run_dir.parent / f"{a.run_dir.name}.log", seed=a.seed)
+    (kill,) = result.kills
+    out = {"kind": a.kind, "seed": a.seed, "step": step, "status": result.status, "recovery_seconds": kill.seconds,
+           "killed": result.killed}
     out.update(check_log(a.run_dir), last_line=result.output.strip().splitlines()[-1] if result.output.strip() else "")
     print(json.dumps(out))
     return 0 if result.status == 0 else 1

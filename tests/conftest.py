@@ -22,6 +22,21 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def chaos():
+    """scripts/chaos.py (a script, not a package module): `chaos_run` kills processes of a
+    `trajflow run` subprocess at chosen steps."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "chaos.py"
+    spec = importlib.util.spec_from_file_location("trajflow_chaos", path)
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)  # registered first: its dataclasses look their module up
+    return module
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny matmuls gain nothing from intra-op threads, and on a loaded 2-core machine two threads

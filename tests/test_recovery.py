@@ -68,9 +68,9 @@ def test_refusal_names_the_setting(tmp_path):
         replay_plan(recorder, 4)  # no checkpoint written yet
 
 
-# -- the must-show runs (slow): `trajflow run` as a subprocess, a trainer process SIGKILLed ------
-STEPS, KILL_AT = 8, 4
-SYNC = ["--set", f"steps={STEPS}", "--set", "checkpoint_every=3", "--set", "save_all_versions=false",
+# -- the must-show runs (slow): `trajflow run` as a subprocess, trainer processes SIGKILLed ------
+STEPS, CHECKPOINT_EVERY = 8, 3
+SYNC = ["--set", f"steps={STEPS}", "--set", f"checkpoint_every={CHECKPOINT_EVERY}", "--set", "save_all_versions=false",
         "--set", "tensorboard=false", "--set", "trainer.num_workers=2", "--set", "prompts_per_step=8",
         "--set", "group_size=4", "--set", "eval_every=0", "--set", "max_staleness=0",
         "--set", "inference_dtype=float32", "--set", "seed=0", "--no-progress"]
@@ -92,59 +92,63 @@ def _exactness_gap(run_dir, first_step: int, steps: int) -> float:
                for o, i in zip(rows["old_logprobs"].to_list(), rows["inference_logprobs"].to_list()))
 
 
-def _chaos():
-    """scripts/chaos.py (a script, not a package module)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+def _recoveries(run_dir) -> list[dict]:
+    """The recoveries `run.json` records for the run's last session, in order."""
+    import json
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "chaos.py"
-    spec = importlib.util.spec_from_file_location("trajflow_chaos", path)
-    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)  # registered first: its dataclasses look their module up
-    return module
+    return json.loads((run_dir / "run.json").read_text())["sessions"][-1]["recoveries"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("base") / "run"
-    result = _chaos().chaos_run(["quickstart", *SYNC], run_dir, None, 0, STEPS, run_dir.parent / "log")
-    assert result.status == 0, result.output[-3000:]
-    return run_dir
+def _recovered_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("trajflow: recovered: ")]
+
+
+# sync: a trainer worker killed while step 4 trains, then the train step's process at step 7
+SYNC_KILLS = [("trainer_worker", 4), ("train_step", 7)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kill", ["trainer_worker", "train_step"])
-def test_killed_trainer_is_rebuilt_and_the_run_matches_an_uninterrupted_one(tmp_path, uninterrupted, kill):
-    """Sync mode, 2 trainer workers, a trainer process SIGKILLed at step 4: the run heals itself
-    (checkpoint 3 + step 3 retrained from the log) and ends with the uninterrupted run's per-step
-    metrics (1e-6) and final weights (1e-5); every step trained once, no trajectory twice."""
-    import json
+def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an_uninterrupted_one(
+        tmp_path, chaos):
+    """Sync mode, 2 trainer workers: a trainer worker SIGKILLed at step 4, then the (fused) train
+    step's process at step 7; each heals (the last checkpoint, 3 then 6, + the steps since it
+    retrained from the log) and the run ends with the uninterrupted run's per-step metrics (1e-6)
+    and final weights (1e-5); every step trained once, no trajectory twice. The uninterrupted run
+    goes alongside (its own Ray; the two share no state)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
     import polars as pl
 
     from trajflow.engines import checkpoint as ckpt
 
-    chaos = _chaos()
-    run_dir = tmp_path / "run"
-    result = chaos.chaos_run(["quickstart", *SYNC], run_dir, kill, 0, STEPS, tmp_path / "log", step=KILL_AT)
-    status, out = result.status, result.output
-    assert status == 0 and result.killed == 1, out[-3000:]
-    # the step the kill lands in: 4, or 3 when its metrics row had not yet left the killed process
-    # (Ray Data then retries step 3 itself: checkpoint 3, nothing to retrain)
-    recoveries = json.loads((run_dir / "run.json").read_text())["sessions"][-1]["recoveries"]
-    assert len(recoveries) == 1 and recoveries[0]["step"] in (KILL_AT - 1, KILL_AT), recoveries
-    step = recoveries[0]["step"]
-    assert (recoveries[0]["replayed_steps"], recoveries[0]["restarts"]) == (step - 3, 1)
-    retrained = "retrained steps 3-3" if step == KILL_AT else "retrained no steps"
-    lines = [line for line in out.splitlines() if line.startswith("trajflow: recovered: ")]
-    assert len(lines) == 1 and f"at step {step}; rebuilt from checkpoint 3, {retrained}" in lines[0], lines
+    run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
+    with ThreadPoolExecutor(1) as pool:
+        base_run = pool.submit(chaos.chaos_run, ["quickstart", *SYNC], uninterrupted, [], tmp_path / "base.log")
+        result = chaos.chaos_run(["quickstart", *SYNC], run_dir, SYNC_KILLS, tmp_path / "log")
+        assert base_run.result().status == 0, base_run.result().output[-3000:]
+    out = result.output
+    assert result.status == 0 and result.killed == len(SYNC_KILLS), out[-3000:]
+    # the step a kill lands in: k, or k - 1 when its metrics row had not yet left the killed
+    # process (Ray Data then retries step k - 1 itself: nothing to retrain past its checkpoint)
+    recoveries, lines = _recoveries(run_dir), _recovered_lines(out)
+    assert len(recoveries) == len(SYNC_KILLS) and len(lines) == len(SYNC_KILLS), (recoveries, lines)
+    steps = []
+    for n, ((_, kill_at), recovery, line) in enumerate(zip(SYNC_KILLS, recoveries, lines), start=1):
+        step = recovery["step"]
+        assert step in (kill_at - 1, kill_at), recoveries
+        checkpoint = step // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # the last one written before the step
+        assert (recovery["replayed_steps"], recovery["restarts"]) == (step - checkpoint, n), recoveries
+        retrained = f"retrained steps {checkpoint}-{step - 1}" if step > checkpoint else "retrained no steps"
+        assert f"at step {step}; rebuilt from checkpoint {checkpoint}, {retrained}" in line, lines
+        steps.append(step)
 
     base, healed_metrics = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
     assert healed_metrics["step"].to_list() == list(range(STEPS))  # none repeated or skipped
-    assert healed_metrics["recovery/restarts"].to_list() == [0] * step + [1] * (STEPS - step)
+    first, second = steps
+    restarts = [0] * first + [1] * (second - first) + [2] * (STEPS - second)
+    assert healed_metrics["recovery/restarts"].to_list() == restarts
     assert (base["recovery/restarts"] == 0).all()
     compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
     assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version"} <= set(compared)
@@ -156,7 +160,8 @@ def test_killed_trainer_is_rebuilt_and_the_run_matches_an_uninterrupted_one(tmp_
     a, b = (c.model_state() for c in final)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
-    print(f"{kill}: {result.recovery_seconds:.1f} s from the kill to step {KILL_AT}'s metrics")
+    for kill in result.kills:
+        print(f"{kill.kind}: {kill.seconds:.1f} s from the kill to step {kill.step}'s metrics")
 
 
 @pytest.mark.timeout(120)
@@ -181,90 +186,55 @@ def test_a_killed_policy_store_is_one_line_naming_resume(ray_session):
     assert store_lost(RuntimeError("some other actor died")) is None
 
 
-ASYNC = [{"max_staleness=0": "max_staleness=2"}.get(a, a) for a in SYNC] + ["--set", "strategy=snapshot"]
+# async: every version kept (a rebuilt store reads its window back); a trainer worker killed at
+# step 2, before the first periodic checkpoint (3), the policy store at 4, the train step at 6
+ASYNC = [{"max_staleness=0": "max_staleness=2", "save_all_versions=false": "save_all_versions=true"}.get(a, a)
+         for a in SYNC] + ["--set", "strategy=snapshot"]
+ASYNC_KILLS = [("trainer_worker", 2), ("store", 4), ("train_step", 6)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kill", ["trainer_worker", "train_step"])
-def test_async_run_heals_and_snapshot_stays_exact_after_the_recovery(tmp_path, kill):
-    """max_staleness 2, snapshot, float32 inference; a trainer process SIGKILLed at step 2, before
-    the first periodic checkpoint (3): rebuilt from the start checkpoint, the run completes with
-    every step once, no trajectory twice, and old log-probs equal to the inference ones
-    (the exactness invariant) on every row trained after the recovery."""
-    import json
-
-    chaos = _chaos()
+def test_async_run_heals_a_killed_worker_store_and_train_step_and_snapshot_stays_exact(tmp_path, chaos):
+    """max_staleness 2, snapshot, float32 inference, save_all_versions true; a trainer worker
+    SIGKILLed at step 2 (rebuilt from the start checkpoint), the policy store at step 4 (rebuilt
+    with the versions of its window, read back from disk), the train step's process at step 6:
+    the run completes with every step once, no trajectory twice, each recovery recorded (one
+    `recovered` line each), and old log-probs equal to the inference ones (the exactness
+    invariant) on every row trained after each recovery."""
     run_dir = tmp_path / "run"
-    result = chaos.chaos_run(["quickstart", *ASYNC], run_dir, kill, 0, STEPS, tmp_path / "log", step=2)
-    assert result.status == 0 and result.killed == 1, result.output[-3000:]
-    (recovery,) = json.loads((run_dir / "run.json").read_text())["sessions"][-1]["recoveries"]
+    result = chaos.chaos_run(["quickstart", *ASYNC], run_dir, ASYNC_KILLS, tmp_path / "log")
+    assert result.status == 0 and result.killed == len(ASYNC_KILLS), result.output[-3000:]
+    recoveries, lines = _recoveries(run_dir), _recovered_lines(result.output)
+    assert [r["restarts"] for r in recoveries] == [1, 2, 3] and len(lines) == 3, (recoveries, lines)
+    store = recoveries[1]
+    assert store["event"].startswith("the policy store died; rebuilt with versions "), recoveries
+    assert [line for line in lines if line.startswith("trajflow: recovered: the policy store")] == [lines[1]], lines
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
-    gap = _exactness_gap(run_dir, recovery["step"], STEPS)
-    assert gap <= 1e-5, gap
+    for recovery in recoveries:  # each recovery's rows onward (the first's range holds the others')
+        gap = _exactness_gap(run_dir, recovery["step"], STEPS)
+        assert gap <= 1e-5, (recovery, gap)
 
 
-# -- a killed policy store, a killed dedicated scorer (small runs: 5 steps x 16 rows) ------------
+# -- a policy store killed without its versions (a small run: 5 steps x 16 rows) ----------------
 SMALL = 5
 STORE = ["--set", f"steps={SMALL}", "--set", "checkpoint_every=3", "--set", "tensorboard=false",
          "--set", "prompts_per_step=4", "--set", "group_size=4", "--set", "eval_every=0",
-         "--set", "max_staleness=2", "--set", "inference_dtype=float32", "--set", "seed=0", "--no-progress"]
-
-
-def _small_chaos(tmp_path, kind: str, step: int, strategy: str, keep_versions: bool, completes: bool):
-    """A SMALL-step run (`strategy`, save_all_versions `keep_versions`) with its `kind` process
-    SIGKILLed at `step`: the run dir and the chaos result; `completes`: every step once, no
-    trajectory twice."""
-    chaos = _chaos()
-    run_dir = tmp_path / "run"
-    args = ["quickstart", *STORE, "--set", f"strategy={strategy}", "--set", f"save_all_versions={keep_versions}"]
-    result = chaos.chaos_run(args, run_dir, kind, 0, SMALL, tmp_path / "log", step=step)
-    assert result.killed == 1 and (result.status == 0) == completes, result.output[-3000:]
-    if completes:
-        assert chaos.check_log(run_dir) == {"steps": list(range(SMALL)), "rows": SMALL * 16, "duplicate_ids": 0}
-    return run_dir, result
+         "--set", "max_staleness=2", "--set", "inference_dtype=float32", "--set", "seed=0", "--no-progress",
+         "--set", "strategy=snapshot", "--set", "save_all_versions=false"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_killed_policy_store_is_rebuilt_from_the_versions_on_disk(tmp_path):
-    """max_staleness 2, snapshot, every version kept: the store SIGKILLed at step 3 is rebuilt
-    with versions 1-3 (the window), the run completes with every step once, no trajectory
-    twice, one recovery recorded, and snapshot exactness on the rows trained after it."""
-    import json
-
-    run_dir, result = _small_chaos(tmp_path, "store", 3, "snapshot", keep_versions=True, completes=True)
-    (recovery,) = json.loads((run_dir / "run.json").read_text())["sessions"][-1]["recoveries"]
-    assert recovery["event"].startswith("the policy store died; rebuilt with versions ") and recovery["restarts"] == 1
-    lines = [line for line in result.output.splitlines() if line.startswith("trajflow: recovered: the policy store")]
-    assert len(lines) == 1, result.output[-3000:]
-    gap = _exactness_gap(run_dir, recovery["step"], SMALL)
-    assert gap <= 1e-5, gap
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_killed_policy_store_without_its_versions_stops_naming_the_setting(tmp_path):
+def test_a_killed_policy_store_without_its_versions_stops_naming_the_setting(tmp_path, chaos):
     """Versions not kept (save_all_versions false): the store killed at step 2 needs versions
-    past checkpoint 0, so the run stops with one line naming save_all_versions (exit 1)."""
-    _, result = _small_chaos(tmp_path, "store", 2, "snapshot", keep_versions=False, completes=False)
-    assert result.status == 1, result.output[-3000:]
+    past checkpoint 0, so the run stops with one line naming save_all_versions (exit 1). (A
+    killed dedicated scorer, restarted by Ray Data: tests/test_trainer_dp_jobs.py.)"""
+    result = chaos.chaos_run(["quickstart", *STORE], tmp_path / "run", [("store", 2)], tmp_path / "log")
+    assert result.killed == 1 and result.status == 1, result.output[-3000:]
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("trajflow: the policy store's process died and is not rebuilt (version"), last
     assert "save_all_versions: true keeps them" in last and "--resume" in last, last
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_killed_dedicated_scorer_is_replaced_and_the_run_completes(tmp_path):
-    """strategy dedicated: its scorer SIGKILLed at step 2 is restarted by Ray Data, which retries
-    the batch it held whole (no row trained half-scored): every step once, no trajectory twice,
-    every trained row scored (old log-probs present)."""
-    import polars as pl
-
-    run_dir, _ = _small_chaos(tmp_path, "scorer", 2, "dedicated", keep_versions=False, completes=True)
-    rows = pl.read_parquet(run_dir / "trajectories" / "**" / "*.parquet").filter(pl.col("filter_reason").is_null())
-    assert rows.height > 0 and rows["old_logprobs"].null_count() == 0
 
 
 def test_a_restarted_train_step_with_recovery_off_refuses_to_train_on_fresh_state(tmp_path):

@@ -1,20 +1,22 @@
 """A trainer process that dies never lets a run go on with a fresh optimizer (issue #13).
 
 With `recovery.max_restarts: 0` (the default heals: tests/test_recovery.py), `trajflow run` as a
-subprocess on its own embedded Ray; once checkpoint 2 is written, a data-parallel worker
-(`TrainerRank`, 2 workers) is SIGKILLed: worker 0 sees the all-reduce fail, names the worker and
-its node, and the job exits 1 with that one line saying `--resume`; the resumed run then
-completes with every step logged once and no trajectory_id twice. The train step's
-own process restarted by Ray Data stops the run the same way instead of training on with reset
-Adam moments: tests/test_recovery.py checks that in one process.
+subprocess on its own embedded Ray (driven by scripts/chaos.py); once checkpoint 2 is written, a
+data-parallel worker (`TrainerRank`, 2 workers) is SIGKILLed: worker 0 sees the all-reduce fail,
+names the worker and its node, and the job exits 1 with that one line saying `--resume`; the
+resumed run then completes with every step logged once and no trajectory_id twice. The train
+step's own process restarted by Ray Data stops the run the same way instead of training on with
+reset Adam moments: tests/test_recovery.py checks that in one process.
+
+The run is `strategy: dedicated`, and its scorer is SIGKILLed first (issue #24): Ray Data
+restarts it and retries the batch it held whole, which the run survives (it goes on to the
+worker's kill) and which leaves no row trained half-scored (every trained row has old log-probs).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import polars as pl
@@ -27,47 +29,16 @@ from trajflow.schemas import read_parquet
 pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "trajflow.jobs.cli"]
-STEPS = 8
+STEPS = 6
 
 
-def _env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def _args(run_dir: Path, workers: int) -> list[str]:
-    return ["run", "quickstart", "--run-dir", str(run_dir), "--set", f"steps={STEPS}", "--set", "checkpoint_every=2",
+def _args(workers: int) -> list[str]:
+    return ["quickstart", "--set", f"steps={STEPS}", "--set", "checkpoint_every=2",
             "--set", "save_all_versions=false", "--set", "tensorboard=false", "--set", f"trainer.num_workers={workers}",
             # the quickstart's pre-learning-demo size: these tests are about the trainer group
             "--set", "prompts_per_step=8", "--set", "group_size=4", "--set", "eval_every=0", "--no-progress",
+            "--set", "strategy=dedicated",
             "--set", "recovery.max_restarts=0"]  # today's behaviour: stop with one line (tests/test_recovery.py heals)
-
-
-def run_and_kill(args: list[str], run_dir: Path, process_title: str, log_path: Path) -> tuple[int, str]:
-    """Start `trajflow ARGS`; once checkpoint 2 is complete, SIGKILL the run's processes whose
-    title contains `process_title`; returns (exit status, output)."""
-    import psutil
-
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(CLI + args, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-        try:
-            deadline = time.monotonic() + 240
-            while not (run_dir / "checkpoints" / "step-000002" / "meta.json").is_file():
-                assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before checkpoint 2"
-                assert time.monotonic() < deadline, "no checkpoint 2 within 240 s"
-                time.sleep(0.2)
-            victims = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                       if process_title in " ".join(p.cmdline())]
-            assert victims, f"no process titled {process_title!r} in the run"
-            for p in victims:
-                p.kill()
-            status = proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-    return status, log_path.read_text()
 
 
 def assert_stopped_with_resume_line(status: int, out: str, run_dir: Path, starts: str, says: str) -> None:
@@ -79,14 +50,19 @@ def assert_stopped_with_resume_line(status: int, out: str, run_dir: Path, starts
 
 
 @pytest.mark.timeout(600)
-def test_killed_worker_stops_the_run_with_one_line_and_resume_completes_it(tmp_path):
+def test_killed_scorer_is_replaced_then_a_killed_worker_stops_the_run_with_one_line_and_resume_completes_it(
+        tmp_path, chaos):
     run_dir = tmp_path / "run"
-    status, out = run_and_kill(_args(run_dir, workers=2), run_dir, "TrainerRank", tmp_path / "first.log")
-    assert_stopped_with_resume_line(status, out, run_dir, "trajflow: trainer worker 1 of 2 (node ", " died; ")
+    # the scorer while step 2 trains; a worker while step 3 trains (checkpoint 2 written by then)
+    result = chaos.chaos_run(_args(workers=2), run_dir, [("scorer", 2), ("trainer_worker", 3)], tmp_path / "first.log")
+    assert result.killed == 2, result.output[-3000:]
+    assert result.kills[0].seconds is not None, "no metrics of step 2 after the scorer's kill"
+    assert_stopped_with_resume_line(result.status, result.output, run_dir, "trajflow: trainer worker 1 of 2 (node ",
+                                    " died; ")
     assert len(list((run_dir / "metrics").glob("step=*.parquet"))) < STEPS, "the run finished before the kill"
 
     proc = subprocess.run(CLI + ["run", "--resume", str(run_dir), "--no-progress"], capture_output=True, text=True,
-                          timeout=300, env=_env())
+                          timeout=300, env=chaos.run_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == list(range(STEPS))  # each step once: none repeated or skipped
@@ -98,3 +74,5 @@ def test_killed_worker_stops_the_run_with_one_line_and_resume_completes_it(tmp_p
     table = pa.concat_tables([read_parquet(p) for p in parts], promote_options="permissive")
     assert table.num_rows == STEPS * 32
     assert pc.count_distinct(table["trajectory_id"]).as_py() == table.num_rows
+    trained = pl.from_arrow(table).filter(pl.col("filter_reason").is_null())
+    assert trained.height > 0 and trained["old_logprobs"].null_count() == 0  # every trained row scored
