@@ -14,7 +14,7 @@ trainer.num_workers >= 2), train_step `TrainStep` (its fused stages too, in sync
 generator `Generate`, scorer `OldLogprobs` (a dedicated or snapshot scorer stage), store
 `PolicyStoreActor`.
 
-`chaos_run` (what tests/test_recovery.py imports) takes several kills, each (kind, step), in one
+`chaos_run` (what the tests use, through conftest's `chaos` fixture) takes several kills, each (kind, step), in one
 run.
 """
 
@@ -84,7 +84,7 @@ def chaos_run(run_args: list[str], run_dir: Path, kills: list[tuple[str, int]], 
                                 if title in " ".join(p.cmdline())), key=lambda p: (p.create_time(), p.pid))
                 if not found:
                     raise RuntimeError(f"chaos: no {kind} process ({title!r}) in the run")
-                victim = found[rng.randrange(len(found))] if len(found) > 1 else found[0]
+                victim = found[rng.randrange(len(found))]
                 killed_at = time.monotonic()
                 victim.kill()
                 after = run_dir / "metrics" / f"step={step:06d}.parquet"
