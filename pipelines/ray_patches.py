@@ -83,8 +83,13 @@ The patches (measured figures: benchmarks/results/, on this 2-core machine, load
    `to(None)` puts Ray's back. Buys: a run's output is trajflow's own lines, the workers' in
    RUN/workers.log (`--verbose` prints them as Ray does). `log_to_driver=False` would silence
    them too, but leave them only in Ray's session dir under /tmp/ray, one file per worker
-   process. Drop: when `ray.init` can send worker output to a file or a callback (no upstream
-   issue found).
+   process. The errors the raylet publishes to the driver take another way: Ray's error thread
+   (`listen_error_messages`) prints them through `ray._private.worker.print_to_stdstream`, looked
+   up by name, whatever `log_to_driver` says; while the file is active that name points to the
+   file too (seen here: "(raylet) Task MapWorker(...).submit failed ... killed by `ray.kill`" on
+   stdout when a run stopping on a failed reward ended its actors on a loaded machine). Drop:
+   when `ray.init` can send worker output and error messages to a file or a callback (no
+   upstream issue found).
 
 Each patch has `apply()`/`revert()`/`active()` (the executor's `revert()` serves side-by-side
 benchmarks) or is a context manager around the `ray.init` that starts the embedded Ray.
@@ -407,6 +412,7 @@ class WorkerOutput:
 
     def __init__(self) -> None:
         self._printer: Any = None  # Ray's handler while ours replaces it
+        self._print_error: Any = None  # Ray's `print_to_stdstream` while ours replaces it
         self._file: TextIO | None = None
 
     def to(self, path: str | os.PathLike | None) -> None:
@@ -429,16 +435,34 @@ class WorkerOutput:
             dispatcher.remove_handler(self.PRINTER)
             self._file = open(Path(path), "a", buffering=1, encoding="utf-8", errors="replace")
             dispatcher.add_handler(self.HANDLER, self._write)
+        self._route_errors(self._file is not None)
         if previous is not None:
             previous.close()
+
+    def _route_errors(self, to_file: bool) -> None:
+        """Point the name Ray's error thread prints through at `_print_or_write` (to_file), or back."""
+        import ray._private.worker as ray_worker
+
+        if to_file and self._print_error is None:
+            self._print_error, ray_worker.print_to_stdstream = ray_worker.print_to_stdstream, self._print_or_write
+        elif not to_file and self._print_error is not None:
+            ray_worker.print_to_stdstream, self._print_error = self._print_error, None
+
+    def _print_or_write(self, data: dict, ignore_prefix: bool) -> None:
+        """`print_to_stdstream` while a file is active: the line goes there, else as Ray prints it."""
+        if self._file is not None:
+            self._write(data)
+        else:
+            self._print_error(data, ignore_prefix)
 
     def _write(self, data: dict) -> None:
         """Ray's dispatcher calls this (under its lock) with one batch of a worker's lines."""
         file = self._file
         if file is None:
             return
-        name = data.get("actor_name") or data.get("task_name")
-        prefix = f"({name + ' ' if name else ''}pid={data.get('pid')}{' stderr' if data.get('is_err') else ''}) "
+        name, pid = data.get("actor_name") or data.get("task_name"), data.get("pid")
+        source = pid if pid in ("raylet", "autoscaler") else f"{name + ' ' if name else ''}pid={pid}"
+        prefix = f"({source}{' stderr' if data.get('is_err') else ''}) "
         try:
             file.write("".join(prefix + line + "\n" for line in data.get("lines", [])))
         except ValueError:  # closed by a concurrent to(): the line is dropped

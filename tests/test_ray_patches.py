@@ -116,7 +116,12 @@ def test_the_patches_of_the_embedded_start_hold_for_the_start_only():
 
 
 def test_worker_output_goes_to_the_file_and_back_to_rays_printer(monkeypatch, tmp_path):
+    """The workers' lines (Ray's dispatcher) and the raylet's error messages (Ray's error thread,
+    which prints through `ray._private.worker.print_to_stdstream`) go to the file, then back."""
     from ray._private import ray_logging
+    from ray._private import worker as ray_worker
+
+    rays_print = ray_worker.print_to_stdstream
 
     dispatcher = ray_logging.WorkerStandardStreamDispatcher()  # as ray.init(log_to_driver=True) leaves it
     printed: list[dict] = []
@@ -128,13 +133,16 @@ def test_worker_output_goes_to_the_file_and_back_to_rays_printer(monkeypatch, tm
         dispatcher.emit(line)
         dispatcher.emit({"pid": 7, "is_err": False, "task_name": "read", "lines": ["hello"]})
         assert printed == []
+        ray_worker.print_to_stdstream({"pid": "raylet", "is_err": False, "lines": ["Task T failed"]},
+                                      ignore_prefix=False)  # as listen_error_messages calls it
         worker_output.to(tmp_path / "second.log")  # a later run of the same process: its own file
         dispatcher.emit({"pid": 8, "is_err": False, "lines": ["later"]})
     finally:
         worker_output.to(None)
     assert (tmp_path / "workers.log").read_text() == (
         "(MapWorker(Reward) pid=42 stderr) UserWarning: careful\n(MapWorker(Reward) pid=42 stderr) x\n"
-        "(read pid=7) hello\n")
+        "(read pid=7) hello\n(raylet) Task T failed\n")
     assert (tmp_path / "second.log").read_text() == "(pid=8) later\n"
+    assert ray_worker.print_to_stdstream is rays_print
     dispatcher.emit(line)
     assert printed == [line] and [name for name, _ in dispatcher.handlers] == [worker_output.PRINTER]
