@@ -9,7 +9,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One embedded Ray instance for the whole test session (2 logical CPUs, like this machine)."""
+    """One embedded Ray instance for the whole test session (2 logical CPUs, like this machine);
+    under pytest-xdist, one per worker."""
     import ray
 
     from trajflow.pipelines.local_ray import start_local_ray
@@ -213,3 +214,18 @@ def one_worker_sync_run(ray_session):
     from trajflow.pipelines.config import PipelineConfig
 
     return run_with_final_weights(PipelineConfig(**SYNC))
+
+
+# The files that take longest, longest first (measured in one serial run on this 2-core machine).
+# pyproject's addopts run two pytest-xdist workers that take a whole file at a time, in collection
+# order (`--no-loadscope-reorder`): the long files start first and the short ones fill in at the
+# end, so neither worker is left alone with a long file (measured: the suite in 767 s, both
+# workers busy to within 25 s of each other; 1003 s serial).
+LONGEST_FIRST = ("test_jobs_run.py", "test_pipeline.py", "test_recovery.py", "test_notebook.py",
+                 "test_byo_pipeline.py", "test_trainer_fsdp.py", "test_jobs_cluster.py", "test_trainer_dp_jobs.py",
+                 "test_strategies_pipeline.py", "test_weight_sync.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
