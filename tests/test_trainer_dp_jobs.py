@@ -15,8 +15,6 @@ worker's kill) and which leaves no row trained half-scored (every trained row ha
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
@@ -24,11 +22,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from test_jobs_run import _explain, cli_in_process
 from trajflow.schemas import read_parquet
 
 pytestmark = pytest.mark.slow
 
-CLI = [sys.executable, "-m", "trajflow.jobs.cli"]
 STEPS = 6
 
 
@@ -51,7 +49,9 @@ def assert_stopped_with_resume_line(status: int, out: str, run_dir: Path, starts
 
 @pytest.mark.timeout(600)
 def test_killed_scorer_is_replaced_then_a_killed_worker_stops_the_run_with_one_line_and_resume_completes_it(
-        tmp_path, chaos):
+        tmp_path, chaos, ray_session, capfd):
+    """The killed run is a subprocess (chaos.py); the resume is the entry point's `main` in this
+    process, on the session's Ray."""
     run_dir = tmp_path / "run"
     # the scorer while step 2 trains; a worker while step 3 trains (checkpoint 2 written by then)
     result = chaos.chaos_run(_args(workers=2), run_dir, [("scorer", 2), ("trainer_worker", 3)], tmp_path / "first.log")
@@ -61,9 +61,8 @@ def test_killed_scorer_is_replaced_then_a_killed_worker_stops_the_run_with_one_l
                                     " died; ")
     assert len(list((run_dir / "metrics").glob("step=*.parquet"))) < STEPS, "the run finished before the kill"
 
-    proc = subprocess.run(CLI + ["run", "--resume", str(run_dir), "--no-progress"], capture_output=True, text=True,
-                          timeout=300, env=chaos.run_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)
+    assert proc.returncode == 0, _explain(proc)
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == list(range(STEPS))  # each step once: none repeated or skipped
     assert metrics["version"].to_list() == list(range(1, STEPS + 1))
