@@ -14,8 +14,8 @@ trainer.num_workers >= 2), train_step `TrainStep` (its fused stages too, in sync
 generator `Generate`, scorer `OldLogprobs` (a dedicated or snapshot scorer stage), store
 `PolicyStoreActor`.
 
-`chaos_run` (what the tests use, through conftest's `chaos` fixture) takes several kills, each (kind, step), in one
-run.
+`chaos_run` (what the tests use, through conftest's `chaos` fixture) takes several kills, each
+(kind, step), in one run.
 """
 
 from __future__ import annotations

@@ -493,7 +493,7 @@ def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path
     assert latest is not None and latest.version >= 4
     assert (latest.path / ckpt.ADAPTER_FILE).is_file() and lora.is_adapter(latest.model_state())
 
-    proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)  # the killed one: a subprocess
+    proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)  # the killed run was a subprocess
     assert proc.returncode == 0, _explain(proc)
     assert f"from checkpoint step-{latest.version:06d}: steps {latest.version}..{steps - 1}" in proc.stdout
     # the resumed session trained exactly the steps from the checkpoint's version on
@@ -531,7 +531,7 @@ def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path
     assert second["steps_trained"] == steps - latest.version and second["started"] > first["started"]
 
 
-# -- in-process on the session's Ray -----------------------------------------------------------------
+# -- in-process on the session's Ray ---------------------------------------------------------------
 def test_replay_train_on_the_logged_data_retraces_the_run(quick_run, tmp_path, ray_session):
     """--train under the run's own strategy, on the first 4 logged steps, from version 0: the same
     batches, old log-probs and optimizer steps, so it ends at the run's own version 4. (The Replay
