@@ -69,7 +69,10 @@ class HeldoutEvaluation:
 
 class StoreStatistics:
     """The seconds the actors reported since the last step, and — for a strategy whose store keeps
-    a version's weights after generation (snapshot, dedicated) — the versions and bytes held."""
+    a version's weights after generation (snapshot, dedicated) — the versions and bytes held.
+    A counter lands in the row of the step during which its work ended: a version's collective
+    delivery overlaps the next step, so `weight_sync_bytes` may hold 0, 1 or 2 versions in a row
+    (their sum over the run is exact)."""
 
     def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
         stats = trainstep.store.stats(reset_counters=True)
