@@ -72,7 +72,7 @@ class StoreStatistics:
     a version's weights after generation (snapshot, dedicated) — the versions and bytes held.
     A counter lands in the row of the step during which its work ended: a version's collective
     delivery overlaps the next step, so `weight_sync_bytes` may hold 0, 1 or 2 versions in a row
-    (their sum over the run is exact)."""
+    (their running sum counts every version delivered by then)."""
 
     def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
         stats = trainstep.store.stats(reset_counters=True)
