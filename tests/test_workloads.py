@@ -231,19 +231,19 @@ def test_a_long_error_is_one_line_of_at_most_200_characters():
 def test_an_item_past_the_timeout_is_an_error_and_the_batch_finishes_in_bounded_time():
     def sleeps_on_seven(prompts, completions, **kwargs):
         if "7" in completions:
-            time.sleep(3.0)
+            time.sleep(10.0)
         return [1.0] * len(completions)
 
     over = "TimeoutError: the reward took longer than reward_timeout_seconds (0.5 s)"
     started = time.monotonic()
     scores, errors = RewardRunner(sleeps_on_seven, timeout=0.5)([""] * 8, [str(i) for i in range(8)], {})
     assert scores == [1.0] * 7 + [None] and errors == [None] * 7 + [over]
-    assert time.monotonic() - started < 2.5  # batch 0.5 s + one concurrent round of items 0.5 s
+    assert time.monotonic() - started < 5.0  # batch 0.5 s + one round of items 0.5 s, not the 10 s hang
 
     async def async_reward(prompts, completions, **kwargs):
         import asyncio
 
-        await asyncio.sleep(3.0 if "7" in completions else 0.0)
+        await asyncio.sleep(10.0 if "7" in completions else 0.0)
         if "3" in completions:
             raise RuntimeError("no")
         return [float(c) for c in completions]
@@ -252,7 +252,7 @@ def test_an_item_past_the_timeout_is_an_error_and_the_batch_finishes_in_bounded_
     scores, errors = RewardRunner(async_reward, timeout=0.5)([""] * 8, [str(i) for i in range(8)], {})
     assert scores == [0.0, 1.0, 2.0, None, 4.0, 5.0, 6.0, None]
     assert errors == [None] * 3 + ["RuntimeError: no"] + [None] * 3 + [over]
-    assert time.monotonic() - started < 2.5
+    assert time.monotonic() - started < 5.0
 
 
 def test_a_built_in_reward_runs_under_the_per_item_timeout(monkeypatch):
@@ -271,7 +271,7 @@ def test_a_built_in_reward_runs_under_the_per_item_timeout(monkeypatch):
     def parse(text, parsing_timeout=5, **kwargs):
         timeouts.append(parsing_timeout)
         if text == "hang":
-            time.sleep(3.0)
+            time.sleep(10.0)
         return real_parse(text, parsing_timeout=parsing_timeout, **kwargs)
 
     monkeypatch.setattr(math_verify, "parse", parse)
@@ -291,7 +291,7 @@ def test_a_built_in_reward_runs_under_the_per_item_timeout(monkeypatch):
             logging.getLogger(name).removeHandler(handler)
     assert scores == [1.0, None, 0.0]
     assert errors[1].startswith("TimeoutError") and errors[0] is None and errors[2] is None
-    assert elapsed < 2.5  # batch 0.5 s + one concurrent round of items 0.5 s, not the 3 s hang
+    assert elapsed < 5.0  # batch 0.5 s + one round of items 0.5 s, not the 10 s hang
     assert set(timeouts) == {None}  # math-verify's own timeouts off: not the main thread
     assert not [n for n in notices if n.startswith("Timeout is disabled")]
 
