@@ -218,7 +218,7 @@ def one_worker_sync_run(ray_session):
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """Workers for pyproject's `-n auto`: two; none when the command names tests of one file
-    only (with whole files per worker, a second worker would only add its start-up). Three were
+    only (a file goes to one worker whole, so workers would only add their start-up). Three were
     no faster on this 2-core machine: the suite is CPU-bound (710 s on two, 731 s on three at
     0.7% idle)."""
     files = {arg.split("::")[0] for arg in config.args}
@@ -226,9 +226,9 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 # The files that take longest, longest first (measured in one serial run on this 2-core machine).
-# The two pytest-xdist workers take a whole file at a time, in collection
-# order (`--no-loadscope-reorder`): the long files start first and the short ones fill in at the
-# end, so neither worker is left alone with a long file (measured: the suite in 767 s, both
+# The two pytest-xdist workers take a whole file at a time, in collection order
+# (`--no-loadscope-reorder`): the long files start first and the short ones fill in at the end,
+# so neither worker is left alone with a long file (measured: the suite in 767 s, both
 # workers busy to within 25 s of each other; 1003 s serial).
 LONGEST_FIRST = ("test_jobs_run.py", "test_pipeline.py", "test_recovery.py", "test_notebook.py",
                  "test_byo_pipeline.py", "test_trainer_fsdp.py", "test_jobs_cluster.py", "test_trainer_dp_jobs.py",
