@@ -20,9 +20,9 @@ from pathlib import Path
 
 from trajflow.engines import checkpoint as ckpt
 from trajflow.jobs.config import JobConfigError, load_job_config
-from trajflow.jobs.console import filtered_stderr, format_table
+from trajflow.jobs.console import format_table
 from trajflow.jobs.recorder import RunPaths, read_metrics, write_table_atomic
-from trajflow.jobs.run import quiet_ray_data, start_ray
+from trajflow.jobs.run import start_ray
 from trajflow.pipelines.replay import Replay, format_versions
 from trajflow.schemas import LOGPROB_COLUMNS, SchemaError, nonfinite_rows
 
@@ -86,9 +86,7 @@ def replay_job(trajectories: str | os.PathLike, checkpoints: str | os.PathLike, 
         print(f"trajflow: quarantined {sum(replay.quarantined.values())} rows with NaN/inf log-probs "
               f"(steps {format_versions(replay.quarantined)}): not trained, not in the diagnostics", flush=True)
     start_ray(job, verbose)
-    with filtered_stderr(enabled=not verbose):
-        quiet_ray_data()
-        metrics = replay.run()
+    metrics = replay.run(verbose=verbose)
 
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)

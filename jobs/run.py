@@ -47,7 +47,8 @@ from trajflow.jobs.recorder import (
     write_table_atomic,
 )
 from trajflow.pipelines.colocation import NODE_AREA
-from trajflow.pipelines.local_ray import WORKER_ENV, quiet_ray, start_local_ray
+from trajflow.pipelines.local_ray import WORKER_ENV, start_local_ray
+from trajflow.pipelines.quiet import quiet_ray, quiet_run
 
 log = logging.getLogger("trajflow")
 
@@ -232,19 +233,6 @@ def check_cluster(pipeline) -> None:
 def _resource_key(which: str, resource: str) -> str:
     name = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(resource, f"resources.{resource}")
     return f"trainer.{name}" if which == "trainer.num_workers" else name
-
-
-def quiet_ray_data() -> None:
-    from ray.data import DataContext
-
-    ctx = DataContext.get_current()
-    ctx.enable_progress_bars = False
-    try:  # the memory-request advice is about Ray's defaults, not actionable by a job's user
-        ctx.issue_detectors_config.detectors = []
-    except AttributeError:
-        pass
-    for name in ("ray.data", "ray.data._internal"):
-        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _human(n: float) -> str:
@@ -498,14 +486,11 @@ def prepare_pipeline(config: JobConfig, verbose: bool = False):
     """Ray up and the run's pipeline built, its actors checked against the cluster's resources
     (check_cluster): a cluster that cannot be reached or cannot hold the run ends here, before
     anything is written."""
-    from trajflow.jobs.console import filtered_stderr
-
     check_gpus_here(config)
     start_ray(config, verbose)
-    with filtered_stderr(enabled=not verbose):
+    with quiet_run(verbose):
         from trajflow.pipelines.rl_loop import RLPipeline
 
-        quiet_ray_data()
         pipeline = RLPipeline(config.pipeline_config(), model_path=resolved_model_path(config))
     check_cluster(pipeline)
     return pipeline
@@ -577,7 +562,6 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
     """Run `pipeline` (prepare_pipeline; None when every step is trained) from `first_step`."""
     from tqdm.auto import tqdm
 
-    from trajflow.jobs.console import filtered_stderr
     from trajflow.pipelines import ray_patches
 
     started = time.time()
@@ -593,7 +577,7 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
         # the workers' lines: to workers.log for the rest of the process (a worker's last lines
         # can reach the driver after the pipeline has ended), printed as Ray does with --verbose
         ray_patches.worker_output.to(None if verbose else paths.workers_log)
-        with filtered_stderr(enabled=not verbose):
+        with quiet_run(verbose):
             recorder = RunRecorder(
                 run_dir=str(paths.root),
                 steps=config.steps,

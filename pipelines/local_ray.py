@@ -25,7 +25,6 @@ with the process that started it.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from trajflow.pipelines.quiet import quiet_ray
 from trajflow.pipelines.ray_watchdog import MARKER_ENV
 
 # Environment for every Ray worker of a job: offline hub, no per-worker progress bars.
@@ -46,19 +46,8 @@ WORKER_ENV = {
 }
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
-# Ray notices that say nothing a trajflow user can act on: shown only with verbose.
-NOISY_LOGGERS = (
-    "ray._private.authentication.authentication_token_setup",  # "Token authentication is enabled ..."
-    "ray.data._internal.progress",  # "Progress bars disabled. To enable, ..."
-)
 
 _watchdog_write_fd: int | None = None
-
-
-def quiet_ray(verbose: bool = False) -> None:
-    level = logging.NOTSET if verbose else logging.ERROR
-    for name in NOISY_LOGGERS:
-        logging.getLogger(name).setLevel(level)
 
 
 @contextmanager

@@ -95,8 +95,8 @@ Each patch has `apply()`/`revert()`/`active()` (the executor's `revert()` serves
 benchmarks) or is a context manager around the `ray.init` that starts the embedded Ray.
 
 Not here, on purpose (they change no third-party internals): loggers set to a level or
-filtered (`local_ray.quiet_ray`, math-verify's timeout notice in tasks/rewards.py), Ray Data's public `DataContext`
-settings, the filter of Ray's C++ notices on fd 2 (jobs/console.py), operators/data_parallel.py
+filtered, Ray Data's public `DataContext` settings and the filter of Ray's C++ notices on fd 2
+(pipelines/quiet.py; math-verify's timeout notice in tasks/rewards.py), operators/data_parallel.py
 filling the underscored fields of torch's process-group options (an object it builds, as
 torch.distributed does), and engines/vllm_engine.py putting back `torch.set_num_threads` after
 vLLM's CPU worker replaced it (an undo of vLLM's own patch, scoped to engine construction;

@@ -54,6 +54,7 @@ import pyarrow.compute as pc
 from trajflow.engines import checkpoint as ckpt
 from trajflow.operators.weight_sync import WeightSyncConfig
 from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.quiet import quiet_run
 from trajflow.schemas import nonfinite_rows, read_parquet
 
 # torch, transformers and ray load lazily: every input is checked before they are needed
@@ -435,8 +436,11 @@ class Replay:
             for store in stores.values():
                 store.kill()
 
-    def run(self) -> pl.DataFrame:
-        rows = list(self.iter_rows())
+    def run(self, verbose: bool = False) -> pl.DataFrame:
+        """The rows of `iter_rows()` as a DataFrame. `verbose`: also what Ray, Ray Data and
+        transformers print of their own (pipelines/quiet.py)."""
+        with quiet_run(verbose):
+            rows = list(self.iter_rows())
         return pl.from_dicts(rows, infer_schema_length=None) if rows else pl.DataFrame()
 
 

@@ -56,6 +56,7 @@ from trajflow.pipelines.colocation import StageGroup, group_name, group_resource
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.local_ray import start_local_ray
 from trajflow.pipelines.policy_store import RayStore
+from trajflow.pipelines.quiet import quiet_run
 from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreGuard, StoreLost, StoreSpec, VersionSource
 from trajflow.tasks.workload import PromptSource
 
@@ -388,12 +389,14 @@ class RLPipeline:
         finally:
             self.shutdown()
 
-    def run(self, progress: bool = True) -> pl.DataFrame:
-        """Run to the end and return the metrics as a polars DataFrame (one row per step)."""
+    def run(self, progress: bool = True, verbose: bool = False) -> pl.DataFrame:
+        """Run to the end and return the metrics as a polars DataFrame (one row per step).
+        `verbose`: also what Ray, Ray Data and transformers print of their own (pipelines/quiet.py)."""
         from tqdm.auto import tqdm
 
         rows = []
-        with tqdm(total=self.config.steps, desc=f"trajflow {self.strategy.name}", disable=not progress) as bar:
+        with quiet_run(verbose), tqdm(total=self.config.steps, desc=f"trajflow {self.strategy.name}",
+                                      disable=not progress) as bar:
             for row in self.iter_metrics():
                 rows.append(row)
                 bar.update(1)

@@ -156,28 +156,3 @@ def test_the_watchdog_ends_exactly_the_marked_processes_when_its_parent_dies(tmp
     finally:
         for p in _alive([marked_a, marked_b, unmarked]):
             p.kill()
-
-
-def test_rays_c_notices_are_filtered_from_stderr_unless_verbose(tmp_path):
-    script = tmp_path / "noisy.py"
-    script.write_text(textwrap.dedent("""
-        import os, sys
-        from trajflow.jobs.console import filtered_stderr
-        noise = (b"[2026-11-22 21:09:21,418 E 17036 17036] core_worker.cc:2465: Actor with class name: "
-                 b"'MapWorker(MapBatches(Generate))' and ID: 'ab' has constructor arguments in the object "
-                 b"store and max_restarts > 0. If the arguments ...\\n")
-        with filtered_stderr(enabled=sys.argv[1] == "quiet"):
-            os.write(2, b"a real problem\\n" + noise + b"partial ")
-            os.write(2, b"line\\n")
-            print("python's own stderr", file=sys.stderr)
-        os.write(2, b"after\\n")
-    """))
-    quiet = subprocess.run([sys.executable, str(script), "quiet"], capture_output=True, text=True, env=_env(),
-                           timeout=60)
-    assert quiet.returncode == 0, quiet.stderr
-    lines = quiet.stderr.splitlines()
-    assert "core_worker" not in quiet.stderr
-    assert sorted(lines) == sorted(["a real problem", "partial line", "python's own stderr", "after"])
-    verbose = subprocess.run([sys.executable, str(script), "verbose"], capture_output=True, text=True, env=_env(),
-                             timeout=60)
-    assert "max_restarts > 0" in verbose.stderr and "a real problem" in verbose.stderr

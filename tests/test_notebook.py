@@ -27,6 +27,12 @@ def test_ablation_notebook_executes(tmp_path, monkeypatch):
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
+    # what Ray, Ray Data and transformers print of their own stays out (pipelines/quiet.py): no cell
+    # writes to stderr (without the filter: Ray Data's start/plan/finished lines, the core worker's
+    # max_restarts notice and a "Loading weights" bar per run)
+    stderr = [o.text for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.output_type == "stream" and o.name == "stderr" and o.text.strip()]
+    assert not stderr, stderr[:3]
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
     assert (tmp_path / "evidence_regime.png").stat().st_size > 10_000  # the evidence's headline figure
     assert (tmp_path / "evidence_outcome.png").stat().st_size > 10_000  # and its outcome study
