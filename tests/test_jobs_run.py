@@ -221,14 +221,14 @@ def _warm_start_accuracy(prompts: int) -> float:
 
 def test_status_lines_are_printed_as_their_steps_end(tmp_path):
     """`trajflow` (the installed entry point) on a tiny synchronous config whose steps take at
-    least 6 x 0.15 s of (simulated) decoding each: the line of step k arrives after step k ended
+    least 6 x 0.3 s of (simulated) decoding each: the line of step k arrives after step k ended
     (the trainer's wall-clock `time/step_end`) and before step k+1 ended. A driver that holds the
     lines back (e.g. a 40 s call after the first row) prints them in a burst after the last step."""
     steps, run_dir = 4, tmp_path / "timed"
     entry = Path(sys.executable).with_name("trajflow")
     args = ["run", "quickstart", "--run-dir", run_dir, "--no-progress", "--set", f"steps={steps}",
             "--set", "max_staleness=0", "--set", "prompts_per_step=4", "--set", "group_size=2",
-            "--set", "simulate_decode_seconds=0.15", "--set", "eval_every=0", "--set", "checkpoint_every=0",
+            "--set", "simulate_decode_seconds=0.3", "--set", "eval_every=0", "--set", "checkpoint_every=0",
             "--set", "save_all_versions=false", "--set", "trajectory_log=false", "--set", "tensorboard=false"]
     proc = subprocess.Popen([str(entry), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=_env())
