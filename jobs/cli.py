@@ -222,7 +222,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     strategies = [s for item in args.strategy for s in item.split(",") if s]
     replay_job(args.trajectories, args.checkpoints, strategies, mode="train" if args.train else "diagnose",
                config=args.config, overrides=args.set, out=args.out,
-               quarantine_nonfinite=args.quarantine_nonfinite, gradients=args.gradients, verbose=args.verbose)
+               quarantine_nonfinite=args.quarantine_nonfinite, gradients=args.gradients,
+               progress=not args.no_progress, verbose=args.verbose)
     return 0
 
 
@@ -378,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--gradients", action="store_true",
                     help="--diagnose: each strategy's gradient vs the exact strategy's on the same batch "
                          "(cosine, relative error; give an exact strategy, e.g. snapshot)")
+    rp.add_argument("--no-progress", action="store_true", help="no progress bar")
     rp.set_defaults(func=_cmd_replay)
 
     cf = command("configs", "list the bundled job configs and the strategies")

@@ -14,6 +14,7 @@ replay under the run's own strategy prints how closely it reproduces the logged 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,11 +53,12 @@ def _find_run_config(trajectories: Path) -> Path | None:
 def replay_job(trajectories: str | os.PathLike, checkpoints: str | os.PathLike, strategies: Sequence[str], *,
                mode: str = "diagnose", config: str | os.PathLike | None = None, overrides: Sequence[str] = (),
                out: str | os.PathLike | None = None, quarantine_nonfinite: bool = False,
-               gradients: bool = False, verbose: bool = False) -> Path:
+               gradients: bool = False, progress: bool = True, verbose: bool = False) -> Path:
     """Replay the log under `strategies` ("diagnose": metrics only; "train": one strategy, trained
     on the logged rows); returns the output dir. `config`: the job config (default: the run's,
     found beside the log), with `overrides` (`--set key=value`) applied. `gradients` (diagnose): each
-    strategy's parameter gradient compared with the exact strategy's on the same batch."""
+    strategy's parameter gradient compared with the exact strategy's on the same batch. `progress`:
+    a bar over the logged steps when stderr is a terminal."""
     trajectories = Path(trajectories)
     if not trajectories.exists():
         raise ReplayArgumentError(f"{trajectories}: no such file or directory")
@@ -86,7 +88,7 @@ def replay_job(trajectories: str | os.PathLike, checkpoints: str | os.PathLike, 
         print(f"trajflow: quarantined {sum(replay.quarantined.values())} rows with NaN/inf log-probs "
               f"(steps {format_versions(replay.quarantined)}): not trained, not in the diagnostics", flush=True)
     start_ray(job, verbose)
-    metrics = replay.run(verbose=verbose)
+    metrics = replay.run(progress=progress and sys.stderr.isatty(), verbose=verbose)
 
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -436,11 +436,18 @@ class Replay:
             for store in stores.values():
                 store.kill()
 
-    def run(self, verbose: bool = False) -> pl.DataFrame:
-        """The rows of `iter_rows()` as a DataFrame. `verbose`: also what Ray, Ray Data and
-        transformers print of their own (pipelines/quiet.py)."""
-        with quiet_run(verbose):
-            rows = list(self.iter_rows())
+    def run(self, progress: bool = True, verbose: bool = False) -> pl.DataFrame:
+        """The rows of `iter_rows()` as a DataFrame, with a progress bar over the logged steps.
+        `verbose`: also what Ray, Ray Data and transformers print of their own (pipelines/quiet.py)."""
+        from tqdm.auto import tqdm
+
+        rows: list[dict] = []
+        with quiet_run(verbose), tqdm(total=len(self.steps), desc=f"replay ({self.mode})", unit="step",
+                                      disable=not progress) as bar:
+            for row in self.iter_rows():  # diagnose: one row per step and strategy
+                if not rows or row["step"] != rows[-1]["step"]:
+                    bar.update(1)
+                rows.append(row)
         return pl.from_dicts(rows, infer_schema_length=None) if rows else pl.DataFrame()
 
 

@@ -130,6 +130,22 @@ def test_bad_parquet_is_a_schema_error_naming_file_and_column(tmp_path):
         load_trajectories(root)
 
 
+def test_the_progress_bar_counts_logged_steps_not_rows(tmp_path, capsys, monkeypatch):
+    """Diagnose yields one row per step and strategy; `run()`'s bar advances once per logged step.
+    (The rows themselves need Ray: here a list stands in for `iter_rows()`, which the pipeline and
+    job tests run for real.)"""
+    root = _log(tmp_path)
+    run = tmp_path / "run"
+    for v in range(3):
+        ckpt.save_weights({"w": torch.zeros(1)}, ckpt.version_file(run / "versions", v))
+    replay = Replay(_config(), root, run, ["snapshot", "behavior"], "diagnose")
+    rows = [{"step": step, "strategy": name} for step in sorted(replay.steps) for name in ("snapshot", "behavior")]
+    monkeypatch.setattr(replay, "iter_rows", lambda: iter(rows))
+    metrics = replay.run(progress=True)
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert metrics.height == 6 and bar.startswith("replay (diagnose): 100%") and " 3/3 " in bar, bar
+
+
 class EditsReward:
     """A user stage inserted live: it edits the reward and marks rows (a light stage)."""
 
