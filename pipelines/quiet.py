@@ -86,8 +86,13 @@ def filtered_stderr(enabled: bool = True) -> Iterator[None]:
         python_on_fd2 = isinstance(sys.stderr, io.TextIOWrapper) and sys.stderr.fileno() == 2
     except (OSError, ValueError):
         python_on_fd2 = False
-    sys.stderr.flush()
-    terminal = os.dup(2)  # what fd 2 was: the terminal, a file, a notebook kernel's pipe
+    try:
+        terminal = os.dup(2)  # what fd 2 was: the terminal, a file, a notebook kernel's pipe
+    except OSError:  # no fd 2 (a daemon): nothing to filter
+        yield
+        return
+    if sys.stderr is not None:
+        sys.stderr.flush()
     read_fd, write_fd = os.pipe()
     python_stderr = sys.stderr
     if python_on_fd2:  # Python's own writes go straight there, not through the pump
