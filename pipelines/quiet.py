@@ -43,6 +43,7 @@ NOISY_LOGGERS = (
 )
 RAY_DATA_LOGGERS = ("ray.data", "ray.data._internal")  # per execution: start, plan, finished
 
+DRAINED = b"\x00trajflow: end of the filtered block\x00"  # the pump's cue: the block's output is out
 _filtering = False  # fd 2 is the process's: one filter at a time, an inner block adds nothing
 
 
@@ -56,7 +57,9 @@ def is_noise(line: bytes) -> bool:
     return any(pattern.search(line) for pattern in NOISE)
 
 
-def _pump(read_fd: int, out_fd: int) -> None:
+def _pump(read_fd: int, out_fd: int, drained: threading.Event) -> None:
+    """Copy the pipe to `out_fd` line by line without NOISE until every write end is closed; set
+    `drained` on DRAINED (the block's end: all it wrote is through)."""
     pending = b""
     while True:
         try:
@@ -67,11 +70,20 @@ def _pump(read_fd: int, out_fd: int) -> None:
             break
         pending += chunk
         *lines, pending = pending.split(b"\n")
-        kept = b"".join(line + b"\n" for line in lines if not is_noise(line))
+        kept = []
+        for line in lines:
+            if line.endswith(DRAINED):  # after a child's unfinished line, if any
+                line = line[:-len(DRAINED)]
+                drained.set()
+                if not line:
+                    continue
+            if not is_noise(line):
+                kept.append(line + b"\n")
         if kept:
-            os.write(out_fd, kept)
+            os.write(out_fd, b"".join(kept))
     if pending and not is_noise(pending):
         os.write(out_fd, pending)
+    drained.set()
     os.close(read_fd)
 
 
@@ -100,7 +112,8 @@ def filtered_stderr(enabled: bool = True) -> Iterator[None]:
                           errors=python_stderr.errors)
     os.dup2(write_fd, 2)
     os.close(write_fd)
-    pump = threading.Thread(target=_pump, args=(read_fd, terminal), name="trajflow-stderr", daemon=True)
+    drained = threading.Event()
+    pump = threading.Thread(target=_pump, args=(read_fd, terminal, drained), name="trajflow-stderr", daemon=True)
     pump.start()
     _filtering = True
     try:
@@ -111,9 +124,11 @@ def filtered_stderr(enabled: bool = True) -> Iterator[None]:
             sys.stderr.flush()
             sys.stderr.close()
             sys.stderr = python_stderr
-        os.dup2(terminal, 2)  # the pipe's last write end closes (unless a child inherited fd 2)
-        pump.join(timeout=2.0)
-        if not pump.is_alive():  # else a child process still holds the pipe: the pump keeps writing
+        os.write(2, DRAINED + b"\n")
+        os.dup2(terminal, 2)  # the pipe's last write end closes, unless a child inherited fd 2 (Ray's
+        drained.wait(timeout=2.0)  # processes started in the block): then the pump goes on for them
+        pump.join(timeout=0.1)
+        if not pump.is_alive():
             os.close(terminal)
 
 

@@ -53,6 +53,29 @@ def test_rays_c_notices_are_filtered_from_fd_2_unless_verbose(tmp_path, where):
     assert "max_restarts > 0" in verbose.stderr and "a real problem" in verbose.stderr
 
 
+def test_a_child_started_in_the_block_neither_delays_its_end_nor_escapes_the_filter(tmp_path):
+    """Ray's processes started inside the block inherit its fd 2 (the pipe): the block still ends
+    at once, and what they write later is still filtered."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent("""
+        import os, subprocess, sys, time
+        from trajflow.pipelines.quiet import filtered_stderr
+        late = ("import os, time; time.sleep(1.5); "
+                "os.write(2, b'child late\\\\n[E] core_worker.cc:1: Actor with class name: x max_restarts > 0\\\\n')")
+        with filtered_stderr():
+            child = subprocess.Popen([sys.executable, "-c", late])
+            os.write(2, b"in the block\\n")
+            started = time.monotonic()
+        print(f"{time.monotonic() - started:.2f}")
+        child.wait()
+        time.sleep(0.3)  # the pump passes the child's lines on
+    """))
+    proc = _run(script)
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout) < 1.0  # not the 2 s the block waited for the pipe to close
+    assert proc.stderr.splitlines() == ["in the block", "child late"]
+
+
 def test_quiet_run_sets_ray_data_and_transformers_quiet_and_puts_them_back():
     import transformers.utils.logging as hf_logging
     from ray.data import DataContext
