@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from trajflow.algorithms.advantages import compute_advantages
 from trajflow.algorithms.config import AdvantageConfig
-from trajflow.operators.columns import KL_PENALTY_COLUMN, group_codes, list_values, replace_column
+from trajflow.schemas.columns import KL_PENALTY_COLUMN, group_codes, list_values, replace_column
 
 
 class Advantage:

@@ -554,7 +554,7 @@ def test_replay_train_on_the_logged_data_retraces_the_run(quick_run, tmp_path, r
 
 def test_the_session_ray_listens_on_loopback_only(ray_session):
     """The test session's own Ray is started like a run's (conftest: start_local_ray)."""
-    from trajflow.pipelines.local_ray import SINGLE_NODE_ENV
+    from trajflow.pipelines.ray.embedded import SINGLE_NODE_ENV
 
     assert ray_session.util.get_node_ip_address() == "127.0.0.1"
     assert SINGLE_NODE_ENV not in os.environ  # restored after the start: a later cluster connection is unaffected

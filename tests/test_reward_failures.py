@@ -27,7 +27,6 @@ import numpy as np
 import polars as pl
 import pytest
 import yaml
-
 from test_byo_pipeline import logged  # the trajectory log of a run dir
 from test_jobs_run import _explain, run_cli  # the CLI as a subprocess
 
@@ -134,8 +133,8 @@ def test_a_run_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(br
 def test_step_metrics_count_reward_errors_and_failed_steps_reset():
     import pyarrow as pa
 
-    from trajflow.operators.columns import step_metrics
     from trajflow.operators.reward import FailedRewardSteps, RewardFailed
+    from trajflow.operators.trainer.accounting import step_metrics
 
     batch = pa.table({"reward": pa.array([None, 1.0, None, None], pa.float32()),
                       "filter_reason": ["over_stale", None, "reward_error", "reward_error"],

@@ -19,7 +19,6 @@ import torch
 from trajflow.algorithms import CorrectionConfig, LossOutput, decoupled_loss
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics, checkpoint_dropout, choose_device
-from trajflow.operators.correction import PolicyHolder, StepBatch, correct, merge_outputs
 from trajflow.operators.strategies import (
     BUILTIN,
     Strategy,
@@ -28,6 +27,7 @@ from trajflow.operators.strategies import (
     strategy_class,
     strategy_names,
 )
+from trajflow.operators.trainer.correction import PolicyHolder, StepBatch, correct, merge_outputs
 from trajflow.pipelines.config import PipelineConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,7 +111,7 @@ def test_pipeline_stages_come_from_the_strategy_object():
     assert pipe.stage("generate").kwargs["scores_at_switch"]  # and so takes weights mid-generation
     assert pipe.stage("train").kwargs["spec"].strategy.name == "interrupt"
     assert "strategy interrupt (exact)" in pipe.describe() and "dropout off" in pipe.describe()
-    assert Stage is __import__("trajflow.operators.stage", fromlist=["Stage"]).Stage  # still importable there
+    assert Stage is __import__("trajflow.operators.contracts.stage", fromlist=["Stage"]).Stage  # still importable there
 
 
 # -- each strategy's proximal ------------------------------------------------------------------------

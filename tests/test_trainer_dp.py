@@ -27,7 +27,8 @@ import torch
 
 from trajflow.algorithms.objective import CorrectionConfig, decoupled_loss, loss_denominator
 from trajflow.engines.training_numerics import TrainingNumerics, choose_device
-from trajflow.operators.data_parallel import choose_backend, padded_tokens, plan_shards
+from trajflow.operators.trainer.collective import choose_backend
+from trajflow.operators.trainer.plan import padded_tokens, plan_shards
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.rl_loop import RLPipeline
 
@@ -128,7 +129,7 @@ def test_trainer_trains_on_cuda_with_bf16_needs_cuda(tiny):
 
 # -- one update on 1 worker vs 2 (two replicas in threads of this process, a real gloo group) -------
 def _step_rows(seed: int = 0, rows: int = 12):
-    """A step's trained rows: random prompts/responses over the warm start's vocabulary, behaviour
+    """A step's trained rows: random prompts/responses over the warm start's vocabulary, behavior
     log-probs far from the policy's (so clips and M2PO's mask act), one token outside the loss."""
     import pyarrow as pa
 
@@ -155,9 +156,10 @@ def _replicas_update(store, table, world_size: int, strategy_name: str, aggregat
 
     from trajflow.engines.models import WARM_START_DIR
     from trajflow.engines.sampling import SamplingParams
-    from trajflow.operators.data_parallel import Collective, listening_socket
     from trajflow.operators.strategies.registry import resolve_strategy
-    from trajflow.operators.train_step import TrainerReplica, TrainerSpec
+    from trajflow.operators.trainer.collective import Collective, listening_socket
+    from trajflow.operators.trainer.replica import ShardWork, TrainerReplica
+    from trajflow.operators.trainer.spec import TrainerSpec
 
     options = {"m2_threshold": 0.5} if strategy_name == "m2po" else {}
     config = PipelineConfig(optimizer={"minibatches_per_step": 2}, prompts_per_step=2, group_size=2)
@@ -182,7 +184,7 @@ def _replicas_update(store, table, world_size: int, strategy_name: str, aggregat
             replica.collective = Collective(rank, world_size, port=port,
                                             listen=listen if rank == 0 else None, timeout_seconds=60)
             rows = plan.rows(rank)
-            results[rank] = replica.update_shard(table.take(rows), rows, plan.microbatches[rank], 0, width)
+            results[rank] = replica.update(ShardWork(table.take(rows), rows, plan.microbatches[rank], 0, width))
         except BaseException as e:  # surfaced below: a failed thread must fail the test
             errors.append(e)
 
@@ -238,7 +240,7 @@ def test_one_update_on_two_workers_equals_one_worker(one_torch_thread, strategy,
 def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradient():
     from trajflow.engines.models import WARM_START_DIR, load_model
     from trajflow.engines.sampling import SamplingParams
-    from trajflow.operators.train_step import enable_gradient_checkpointing
+    from trajflow.operators.trainer.replica import enable_gradient_checkpointing
 
     numerics, grads = TrainingNumerics(), []
     for checkpointing in (False, True):

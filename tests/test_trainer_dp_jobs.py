@@ -21,8 +21,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-
 from test_jobs_run import _explain, cli_in_process
+
 from trajflow.schemas import read_parquet
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def _args(workers: int) -> list[str]:
             # the quickstart's pre-learning-demo size: these tests are about the trainer group
             "--set", "prompts_per_step=8", "--set", "group_size=4", "--set", "eval_every=0", "--no-progress",
             "--set", "strategy=dedicated",
-            "--set", "recovery.max_restarts=0"]  # today's behaviour: stop with one line (tests/test_recovery.py heals)
+            "--set", "recovery.max_restarts=0"]  # today's behavior: stop with one line (tests/test_recovery.py heals)
 
 
 def assert_stopped_with_resume_line(status: int, out: str, run_dir: Path, starts: str, says: str) -> None:

@@ -39,8 +39,8 @@ from trajflow.algorithms.objective import (
 )
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
-from trajflow.operators.columns import REFERENCE_COLUMN, group_codes, padded
 from trajflow.operators.strategies.base import Strategy, Trainer
+from trajflow.schemas.columns import REFERENCE_COLUMN, group_codes, padded
 
 
 @dataclass
