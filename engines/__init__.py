@@ -14,7 +14,7 @@ _EXPORTS = {
     "InferenceDtype": "numerics",
     "load_inference_weights": "numerics",
     "make_inference_model": "numerics",
-    "SamplingParams": "sampling",
+    "SamplingConfig": "sampling",
     "process_logits": "sampling",
     "token_logprobs": "sampling",
     "response_logprobs": "scoring",
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
         load_inference_weights,
         make_inference_model,
     )
-    from trajflow.engines.sampling import SamplingParams, process_logits, token_logprobs
+    from trajflow.engines.sampling import SamplingConfig, process_logits, token_logprobs
     from trajflow.engines.scoring import response_logprobs, score
     from trajflow.engines.torch_engine import Generation, TorchEngine
 

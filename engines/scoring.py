@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from trajflow.engines.sampling import SamplingParams, processed_entropy, token_logprobs
+from trajflow.engines.sampling import SamplingConfig, processed_entropy, token_logprobs
 
 
 def pack_batch(
@@ -60,7 +60,7 @@ def response_logprobs(
     model: PreTrainedModel,
     prompt_tokens: Sequence[Sequence[int]],
     response_tokens: Sequence[Sequence[int]],
-    sampling: SamplingParams,
+    sampling: SamplingConfig,
     *,
     grad: bool = False,
     entropy: list[Tensor] | None = None,
@@ -111,7 +111,7 @@ def score(
     model: PreTrainedModel,
     prompt_tokens: Sequence[Sequence[int]],
     response_tokens: Sequence[Sequence[int]],
-    sampling: SamplingParams,
+    sampling: SamplingConfig,
     *,
     batch_size: int | None = None,
 ) -> list[np.ndarray]:

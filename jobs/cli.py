@@ -13,6 +13,9 @@ CONFIG is a YAML file or the name of a bundled one (`trajflow configs` lists the
 ends with one `trajflow: ...` line that names the problem and exit status 2, before anything is
 written or started. `--verbose` shows what a normal run keeps quiet (Ray's own notices, weight
 loading bars).
+
+One module on purpose: the argparse front end of every command and the one rule that turns any
+bad input into one line and exit status 2; the commands' work lives in their own modules.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from trajflow.engines import SamplingParams, TorchEngine, score
+    from trajflow.engines import SamplingConfig, TorchEngine, score
     from trajflow.engines.models import load_model, load_tokenizer
     from trajflow.engines.tokenizer import decode_response, encode_prompt
     from trajflow.jobs.console import format_table
@@ -44,7 +47,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          "plays its episodes")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
-    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     engine = TorchEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, sampling=sampling,
                          inference_dtype=args.inference_dtype, seed=args.seed)
     stream = task.prompts("train", seed=args.seed)

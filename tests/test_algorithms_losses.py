@@ -1,6 +1,9 @@
 """The loss family, the r_d variants, the denominators and the extra terms: hand-computed values,
 peers' own test cases fed to trajflow's function, and a float64 numpy reference of the whole
-objective checked on random batches."""
+objective checked on random batches.
+
+One module on purpose: every loss of the family checked on the same small hand-computed tensors
+and against the same float64 reference."""
 
 import math
 

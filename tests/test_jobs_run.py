@@ -21,6 +21,9 @@ The other runs are the quickstart at its old, small size (8 prompts x 4 samples 
 
 Each `trajflow run` subprocess starts its own embedded Ray; `main` in this process uses the
 session's (conftest's `ray_session`: already initialised, so the command does not start another).
+
+One module on purpose: the end-to-end CLI runs share its module fixtures (one quick run, one
+logged run, read by many tests), which is what keeps them affordable.
 """
 
 from __future__ import annotations

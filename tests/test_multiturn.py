@@ -21,7 +21,7 @@ import torch
 
 from trajflow.algorithms import CorrectionConfig, decoupled_loss
 from trajflow.engines.models import REPO_ROOT, load_model, load_tokenizer
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.scoring import response_logprobs, score
 from trajflow.engines.tokenizer import CHARACTERS, decode_response
 from trajflow.engines.torch_engine import TorchEngine
@@ -45,7 +45,7 @@ def warm():
 
 def sampled_episodes(model, tok, env, n_prompts=8, n=4, seed=0):
     engine = TorchEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                         sampling=SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS), seed=seed)
+                         sampling=SamplingConfig(temperature=1.0, max_new_tokens=TURN_TOKENS), seed=seed)
     prompts = list(itertools.islice(env.prompts("train", seed), n_prompts))
     return prompts, run_episodes(engine, env, tok, prompts, n=n)
 
@@ -142,7 +142,7 @@ def test_environment_tokens_get_exactly_zero_gradient(warm, env):
     assert env_mask.any()
     inference = pad([e.logprobs for e in episodes], 0.0, torch.float32)
     advantages = torch.linspace(-1.0, 1.0, len(episodes))
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=TURN_TOKENS)
     config = CorrectionConfig(mask_level="sequence", mask_c_seq=1.05)
 
     def loss_and_grads(inference, old_shift):
@@ -172,7 +172,7 @@ def test_float32_inference_logprobs_match_full_context_scoring(warm, env):
     model, tok = warm
     _, episodes = sampled_episodes(model, tok, env, n_prompts=6, n=2, seed=2)
     scored = score(model, [e.prompt_tokens for e in episodes], [e.response_tokens for e in episodes],
-                   SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS))
+                   SamplingConfig(temperature=1.0, max_new_tokens=TURN_TOKENS))
     for e, lp in zip(episodes, scored):
         m = np.asarray(e.loss_mask)
         assert np.abs(lp[m] - np.asarray(e.logprobs)[m]).max() < 1e-5

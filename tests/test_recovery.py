@@ -283,9 +283,9 @@ class _Disk:
 def test_a_dead_store_needs_the_window_and_names_the_setting_without_it():
     """The newest published version is the newest on disk or the one after the newest logged
     step; with history kept the window is it and the max_staleness before it."""
-    from trajflow.pipelines.store_recovery import StoreSpec, needed_versions, refusal
+    from trajflow.pipelines.store_recovery import StoreConfig, needed_versions, refusal
 
-    snapshot, newest_only = StoreSpec(2, True, max_restarts=3), StoreSpec(2, False, max_restarts=3)
+    snapshot, newest_only = StoreConfig(2, True, max_restarts=3), StoreConfig(2, False, max_restarts=3)
     every = _Disk(kept=[0, 1, 2, 3, 4, 5], logged=4)  # version 5 written before it was published
     assert needed_versions(every, snapshot) == ([3, 4, 5], [])
     assert needed_versions(every, newest_only) == ([5], [])

@@ -58,9 +58,9 @@ def _wait_for_readers(server: WeightServer, n: int, timeout: float = 60.0) -> No
 
 def test_config_section_defaults_bounds_and_what_collective_refuses():
     config = PipelineConfig()
-    assert config.weight_sync.spec() == WeightSyncConfig()
+    assert config.settings.weight_sync == WeightSyncConfig()
     assert config.weight_sync.method == "object_store"
-    assert PipelineConfig(weight_sync={"bucket_mb": 1}).weight_sync.spec().bucket_mb == 1.0
+    assert PipelineConfig(weight_sync={"bucket_mb": 1}).settings.weight_sync.bucket_mb == 1.0
     assert PipelineConfig(weight_sync=COLLECTIVE, recovery=NO_RESTARTS).weight_sync.method == "collective"
     with pytest.raises(ValueError, match="collective keeps no trained version.*recovery.max_restarts: 0"):
         PipelineConfig(weight_sync=COLLECTIVE)

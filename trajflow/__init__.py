@@ -20,7 +20,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from trajflow.deprecations import serve_moved_modules
+
 __version__ = "0.1.0"
+serve_moved_modules()  # modules moved in this release still import, with a one-line notice
 
 _EXPORTS = {
     "RLPipeline": "trajflow.pipelines.rl_loop",

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-from trajflow.engines import SamplingParams, lora, score
+from trajflow.engines import SamplingConfig, lora, score
 from trajflow.engines.factory import make_engine
 from trajflow.engines.models import build_tiny_model
 from trajflow.engines.tokenizer import EOS_ID, PAD_ID, encode_prompt
 
 TOL = 1e-4  # the vLLM exactness tests' tolerance (module docstring)
-SETTINGS = lora.LoraSettings(r=8, alpha=16.0)
+SETTINGS = lora.LoraConfig(r=8, alpha=16.0)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def _merged_model(payload):
 def test_adapter_versions_are_vllm_lora_requests_resident_in_a_window(tiny):
     model, tok = tiny
     prompts = [encode_prompt(tok, t) for t in ["12+345=", "7+8=", "reverse: abcdef ="]]
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=10)
     engine = make_engine("vllm", model, eos_id=EOS_ID, pad_id=PAD_ID, sampling=sampling, seed=3,
                          kv_cache_memory_bytes=64 << 20, max_model_len=64, lora_slots=3, lora_rank=SETTINGS.r)
 
