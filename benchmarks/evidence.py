@@ -38,6 +38,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trajflow.jobs.summary import heldout_metric
 from trajflow.jobs.recorder import RunPaths, read_metrics
 
 HERE = Path(__file__).resolve().parent
@@ -313,7 +314,8 @@ def outcome(config: str, overrides: dict, strategies: list[str], seeds: int, wor
                                 **overrides}), log=log)
             m = read_metrics(RunPaths(run_dir))
             start = float((work / f"{run_dir.name}.started_at").read_text())  # enter: the command's start
-            frames.append(m.select("version", "heldout_accuracy", "time/step_end")
+            heldout = heldout_metric(m)[0]  # heldout/accuracy (0/1 rewards); heldout/mean_reward in old runs
+            frames.append(m.select("version", pl.col(heldout).alias("heldout_accuracy"), "time/step_end")
                           .filter(pl.col("heldout_accuracy").is_not_null())
                           .with_columns(pl.lit(strategy).alias("strategy"), pl.lit(seed).alias("seed"),
                                         (pl.col("time/step_end") - start).alias("seconds_from_enter")))

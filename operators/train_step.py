@@ -275,9 +275,9 @@ class TrainStep(TrainerReplica):
         metrics[f"{RECOVERY_PREFIX}restarts"] = self.restarts
         for hook in self.after_step:
             hook(self, batch, metrics)
-        metrics["train_seconds"] = time.perf_counter() - started
-        self.busy_seconds += metrics["train_seconds"]
-        metrics["trainer_busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
+        metrics["seconds/train_seconds"] = time.perf_counter() - started
+        self.busy_seconds += metrics["seconds/train_seconds"]
+        metrics["trainer/busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
         if self.on_step is not None:
             self.on_step(self, logged, metrics)
         if self.failed_rewards is not None:

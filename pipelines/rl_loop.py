@@ -386,7 +386,7 @@ class RLPipeline:
             for row in self.iter_metrics():
                 rows.append(row)
                 bar.update(1)
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", version=row["version"])
+                bar.set_postfix(reward=f"{row['reward/mean']:.3f}", version=row["version"])
         return pl.DataFrame(rows)
 
     def shutdown(self) -> None:

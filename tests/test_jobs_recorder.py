@@ -71,7 +71,7 @@ def _recorder(run_dir, **kw) -> RunRecorder:
 def _step(recorder: RunRecorder, trainer: SmallTrainer) -> dict:
     step = trainer.version
     trainer.train()
-    metrics = {"step": step, "version": trainer.version, "reward_mean": 0.5, "rows_trained": 4,
+    metrics = {"step": step, "version": trainer.version, "reward/mean": 0.5, "rows_trained": 4,
                "optimizer_steps": trainer.optimizer_steps}
     recorder.on_rows(trainer, _batch(step), step)
     recorder.on_step(trainer, _batch(step), metrics)

@@ -27,7 +27,7 @@ from trajflow.engines.tokenizer import CHARACTERS, decode_response
 from trajflow.engines.torch_engine import TorchEngine
 from trajflow.tasks import Environment, Task, get_task, is_environment
 from trajflow.tasks.environments import CalculatorEnv, calculator
-from trajflow.tasks.rollout import heldout_accuracy, heldout_success_rate, run_episodes
+from trajflow.tasks.rollout import heldout_mean_reward, heldout_success_rate, run_episodes
 
 CALC_WARM_START = REPO_ROOT / "artifacts" / "warm_start" / "calc"
 TURN_TOKENS = 8
@@ -178,10 +178,10 @@ def test_float32_inference_logprobs_match_full_context_scoring(warm, env):
         assert np.abs(lp[m] - np.asarray(e.logprobs)[m]).max() < 1e-5
 
 
-def test_heldout_accuracy_dispatches_to_episode_success(warm, env):
+def test_heldout_mean_reward_dispatches_to_episode_success(warm, env):
     model, tok = warm
     rate = heldout_success_rate(model, tok, env, 60, TURN_TOKENS)
-    assert rate == heldout_accuracy(model, tok, env, 60, TURN_TOKENS)
+    assert rate == heldout_mean_reward(model, tok, env, 60, TURN_TOKENS)
     assert 0.0 < rate < 1.0  # the warm start solves some, not all
 
 
@@ -217,14 +217,14 @@ def test_exact_strategies_on_episodes_spanning_versions(ray_session, publish_ins
     m = pipe.run(progress=False)
     print(f"\ncalc {strategy} S={max_staleness}: max|log r_d|={m['mismatch/max_abs_log_rd'].max():.2e} "
           f"max lag={m['staleness/max'].max()} spanning rows={m['rows_spanning_versions'].sum()} "
-          f"reward={m['reward_mean'].mean():.3f}")
+          f"reward={m['reward/mean'].mean():.3f}")
     assert m.height == config.steps
     assert m["mismatch/max_abs_log_rd"].max() < 1e-5
     assert m["mask/token_kept_frac"].min() == 1.0
     assert m["rows_spanning_versions"].sum() > 0, "no episode spanned two versions"
     assert m["staleness/max"].max() <= max_staleness
     assert m["staleness/max"].max() >= 1
-    assert m["over_stale_tokens_dropped"].sum() == 0
+    assert m["staleness/over_stale_tokens"].sum() == 0
 
     files = sorted(Path(tmp_path).glob("step*.parquet"))
     batches = pa.concat_tables([pq.read_table(p) for p in files], promote_options="permissive")

@@ -107,7 +107,7 @@ def test_snapshot_pipeline_runs_step_by_step_in_one_process(without_ray, one_tor
         assert m["mask/token_kept_frac"] == 1.0  # r_d == 1 exactly kept by the sequence mask
         assert abs(m["mismatch/k3"]) < 1e-9
         assert np.isfinite(m["loss"])
-        assert m["snapshot_versions_held"] >= 1  # a history-keeping strategy reports its snapshots
+        assert m["snapshot/versions_held"] >= 1  # a history-keeping strategy reports its snapshots
     # the weights moved: version 3 differs from version 0
     _, w3 = store.weights(3)
     assert store.stats().keeps_history

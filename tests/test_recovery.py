@@ -151,7 +151,7 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     assert healed_metrics["recovery/restarts"].to_list() == restarts
     assert (base["recovery/restarts"] == 0).all()
     compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version"} <= set(compared)
+    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"} <= set(compared)
     for c in compared:
         np.testing.assert_allclose(healed_metrics[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
                                    atol=1e-6, rtol=0, err_msg=c)
