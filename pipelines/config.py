@@ -282,7 +282,8 @@ class TrainerConfig(ResourceConfig):
 class PipelineConfig(_Strict):
     model: Path | None = Field(None, description="local HF model dir (a relative path that is not under the "
                                "working directory is tried under the repository root, where the built-in warm "
-                               "starts live); default: the built-in warm start")
+                               "starts live), or a model trajflow prepares once into its cache "
+                               "(engines/prepared.py: smollm2-135m-instruct-q4_1); default: the built-in warm start")
     task: str | None = Field(None, description="a registered task (addition, reverse, calc); default addition "
                              "unless data or env is given")
     data: DataConfig | None = Field(None, description="train on a dataset (Parquet/JSONL/JSON); see tasks/dataset.py")
@@ -362,8 +363,13 @@ class PipelineConfig(_Strict):
         if model is None or model.is_absolute() or model.exists():
             return model
         from trajflow.engines.paths import REPO_ROOT
+        from trajflow.engines.prepared import find_prepared, prepare
 
-        return REPO_ROOT / model if (REPO_ROOT / model).exists() else model
+        if (REPO_ROOT / model).exists():
+            return REPO_ROOT / model
+        if find_prepared(str(model)) is not None:  # a named model built once into the cache
+            return prepare(str(model))
+        return model
 
     @field_validator("task")
     @classmethod
