@@ -71,6 +71,15 @@ def test_prepared_weights_are_the_gguf_files_dequantized(smollm2_dir):
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n") and tokenizer.eos_token == "<|im_end|>"
 
 
+def test_trajflow_prepare_prints_the_directory_and_configs_name_the_model(smollm2_dir, capsys):
+    from trajflow.jobs.cli import main
+    from trajflow.jobs.config import load_job_config
+
+    assert main(["prepare", "smollm2"]) == 0
+    assert capsys.readouterr().out.strip() == str(smollm2_dir)
+    assert load_job_config("smollm2").model == smollm2_dir  # the bundled config, by the model's name
+
+
 def test_a_missing_extra_is_one_line_before_ray_starts(tmp_path):
     # the extra made to look absent in a fresh process; an empty cache, so the model must be built
     script = textwrap.dedent(f"""
