@@ -68,8 +68,10 @@ def _machine() -> dict:
 
 
 def _child(python: Path | str, script: str, spec: dict, timeout: float = 3600) -> dict:
+    # vLLM in-process, as .ci/vllm-tests runs it
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.run([str(python), "-c", script, json.dumps(spec)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          timeout=timeout, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode or line is None:
         raise RuntimeError(f"child failed ({proc.returncode}):\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}")

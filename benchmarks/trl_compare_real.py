@@ -121,11 +121,13 @@ def run_trajflow(spec: dict, overrides: dict, work: Path, name: str) -> dict:
     from trajflow.pipelines.replay import load_trajectories
 
     run_dir = work / name
+    # sync: one process runs every stage in turn and gets all threads; async: a process per side
+    threads = spec["threads"] if overrides.get("max_staleness", 0) == 0 else 1
     sets = {"model": spec["model"], "steps": spec["steps"], "prompts_per_step": spec["prompts"],
             "group_size": spec["group"], "sampling.max_new_tokens": spec["max_new_tokens"], "optimizer.lr": spec["lr"],
             "seed": spec["seed"], "inference_dtype": "float32", "eval_every": 0, "tensorboard": False,
-            "checkpoint_every": 0, "trainer.torch_threads": spec["threads"],
-            "generator.torch_threads": spec["threads"], "scorer.torch_threads": spec["threads"], **overrides}
+            "checkpoint_every": 0, "trainer.torch_threads": threads, "generator.torch_threads": threads,
+            "scorer.torch_threads": threads, **overrides}
     command = [sys.executable, "-m", "trajflow.jobs.cli", "run", "smollm2", "--run-dir", str(run_dir), "--no-progress"]
     for key, value in sets.items():
         command += ["--set", f"{key}={json.dumps(value) if isinstance(value, bool) else value}"]
