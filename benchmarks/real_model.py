@@ -206,7 +206,7 @@ def _plot_learning(data: dict, path: Path) -> None:
     left.errorbar(versions, accuracy, yerr=errors, marker="o", capsize=3)
     left.set_xlabel("version (optimizer steps)")
     left.set_ylabel(f"held-out greedy accuracy on {n} problems")
-    left.set_title("SmolLM2-135M-Instruct (Q4_1, dequantized): held-out", fontsize=9)
+    left.set_title("SmolLM2-135M-Instruct (Q4_1, dequantized): held-out (bars: ± 1 s.e.)", fontsize=9)
     right.plot(range(len(data["reward"])), data["reward"], marker=".")
     right.set_xlabel("step")
     right.set_ylabel("mean sampled reward (fraction correct)")
