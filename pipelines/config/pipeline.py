@@ -66,7 +66,8 @@ class PipelineConfig(_Strict):
 
     model: Path | None = Field(None, description="local HF model dir (a relative path that is not under the "
                                "working directory is tried under the repository root, where the built-in warm "
-                               "starts live); default: the built-in warm start")
+                               "starts live), or a model trajflow prepares once into its cache "
+                               "(engines/prepared.py: smollm2-135m-instruct-q4_1); default: the built-in warm start")
     task: str | None = Field(None, description="a registered task (addition, reverse, calc); default addition "
                              "unless data or env is given")
     data: DataSection | None = Field(None, description="train on a dataset (Parquet/JSONL/JSON); see "

@@ -21,9 +21,26 @@ from trajflow.pipelines.config.pipeline import PipelineConfig
 Config = TypeVar("Config", bound=PipelineConfig)
 
 
+def _prepared_model(config: Config) -> Config:
+    """A `model:` naming a model trajflow prepares from a package's files (engines/prepared.py):
+    built into the cache on first use, and the config holds its directory from then on."""
+    if config.model is None or config.model.exists():
+        return config
+    from trajflow.engines.prepared import find_prepared, prepare
+
+    if find_prepared(str(config.model)) is None:
+        return config
+    try:
+        path = prepare(str(config.model))
+    except ValueError as e:  # a missing extra, a changed source file: one line
+        raise ValueError(f"model: {e}") from None
+    return config.model_copy(update={"model": path})
+
+
 def preflight(config: Config) -> Config:
     """`config` checked against the disk (see the module docstring); the same config, or a copy
-    with `steps` derived from `data.epochs`."""
+    with `steps` derived from `data.epochs` and a named prepared model built into its cache."""
+    config = _prepared_model(config)
     if config.model is not None:
         try:
             check_model_dir(config.model)
