@@ -6,8 +6,9 @@ needs to check a run dir, does not pay for importing torch and transformers.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from trajflow.lazy import lazy_exports
 
 _EXPORTS = {
     "INFERENCE_DTYPES": "numerics",
@@ -36,14 +37,4 @@ if TYPE_CHECKING:
     from trajflow.engines.torch_engine import Generation, TorchEngine
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, {name: f"{__name__}.{module}" for name, module in _EXPORTS.items()})

@@ -203,5 +203,8 @@ LONGEST_FIRST = ("test_jobs_run.py", "test_pipeline.py", "test_recovery.py", "te
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # the session's Ray is seconds to start and its tests run pipelines: slow
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -7,7 +7,7 @@ of the evaluation; an untrained or randomly perturbed model does not gain 15 cor
 
 from __future__ import annotations
 
-import torch
+import pytest
 
 from trajflow.engines.models import WARM_START_DIR, load_model, load_tokenizer
 from trajflow.pipelines.config import PipelineConfig
@@ -20,8 +20,8 @@ EVAL_PROMPTS = 400
 STEPS = 40
 
 
-def test_sync_rl_improves_heldout_accuracy():
-    torch.set_num_threads(1)
+@pytest.mark.slow
+def test_sync_rl_improves_heldout_accuracy(one_torch_thread):  # one thread, restored after the module
     before = heldout_mean_reward(load_model(WARM_START_DIR), load_tokenizer(WARM_START_DIR), get_task("addition"),
                               EVAL_PROMPTS, max_new_tokens=6)
     config = PipelineConfig(strategy="snapshot", steps=STEPS, eval_every=STEPS, eval_prompts=EVAL_PROMPTS, seed=0)

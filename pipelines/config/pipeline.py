@@ -311,16 +311,17 @@ class RunSettings:
 
     @property
     def correction(self) -> CorrectionConfig:
-        spec = self._config.correction.spec()
-        if spec.loss_norm_tokens is None:
-            spec = dataclasses.replace(spec, loss_norm_tokens=self._config.sampling.max_new_tokens)
-        return spec
+        return self._budget_default("correction", "loss_norm_tokens")  # token-sum-norm's tokens per sequence
 
     @property
     def advantage(self) -> AdvantageConfig:
-        spec = self._config.advantage.spec()
-        if spec.overlong_max_tokens is None:
-            spec = dataclasses.replace(spec, overlong_max_tokens=self._config.sampling.max_new_tokens)
+        return self._budget_default("advantage", "overlong_max_tokens")  # DAPO's overlong shaping budget
+
+    def _budget_default(self, section: str, key: str) -> Any:
+        """The section's dataclass, its token budget `key` sampling.max_new_tokens unless given."""
+        spec = getattr(self._config, section).spec()
+        if getattr(spec, key) is None:
+            spec = dataclasses.replace(spec, **{key: self._config.sampling.max_new_tokens})
         return spec
 
     @property

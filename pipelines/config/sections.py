@@ -132,15 +132,9 @@ def settings_section(settings: type, name: str) -> type[_Section]:
     return model
 
 
-SamplingSection = settings_section(SamplingConfig, "SamplingSection")
-CorrectionSection = settings_section(CorrectionConfig, "CorrectionSection")
-AdvantageSection = settings_section(AdvantageConfig, "AdvantageSection")
-KLSection = settings_section(KLConfig, "KLSection")
-OptimizerSection = settings_section(OptimizerConfig, "OptimizerSection")
-VllmSection = settings_section(VllmConfig, "VllmSection")
-RecoverySection = settings_section(RecoveryConfig, "RecoverySection")
-LoraSection = settings_section(LoraConfig, "LoraSection")
-WeightSyncSection = settings_section(WeightSyncConfig, "WeightSyncSection")
-DataSection = settings_section(DataConfig, "DataSection")
-ResourceSection = settings_section(ResourceConfig, "ResourceSection")
-TrainerSection = settings_section(TrainerConfig, "TrainerSection")
+# the YAML model of each section, named after its dataclass (CorrectionConfig -> CorrectionSection)
+(SamplingSection, CorrectionSection, AdvantageSection, KLSection, OptimizerSection, VllmSection, RecoverySection,
+ LoraSection, WeightSyncSection, DataSection, ResourceSection, TrainerSection) = (
+    settings_section(settings, settings.__name__.removesuffix("Config") + "Section")
+    for settings in (SamplingConfig, CorrectionConfig, AdvantageConfig, KLConfig, OptimizerConfig, VllmConfig,
+                     RecoveryConfig, LoraConfig, WeightSyncConfig, DataConfig, ResourceConfig, TrainerConfig))
