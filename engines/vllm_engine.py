@@ -356,7 +356,7 @@ class VllmEngine:
         self._abort_requested = True
 
     def _request_params(self, max_tokens: int, n: int = 1):
-        from vllm import SamplingConfig as VllmSamplingParams
+        from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         s = self.sampling
