@@ -160,15 +160,17 @@ def learning_result(run_dir: Path, command: str, wall: float, output: str) -> di
     import yaml
 
     from trajflow.jobs.recorder import RunPaths, read_metrics
+    from trajflow.jobs.summary import heldout_metric
 
     m = read_metrics(RunPaths(run_dir))
-    curve = [{"version": 0, "accuracy": float(m["heldout_accuracy_start"].drop_nulls()[0])}]
-    curve += [{"version": int(r["version"]), "accuracy": float(r["heldout_accuracy"])}
-              for r in m.select("version", "heldout_accuracy").drop_nulls().iter_rows(named=True)]
+    heldout = heldout_metric(m)[0]  # heldout/accuracy: `reward: math` is 0 or 1
+    curve = [{"version": 0, "accuracy": float(m[f"{heldout}_start"].drop_nulls()[0])}]
+    curve += [{"version": int(r["version"]), "accuracy": float(r[heldout])}
+              for r in m.select("version", heldout).drop_nulls().iter_rows(named=True)]
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     return {"command": command, "wall_s": wall, "curve": curve, "run_dir": str(run_dir),
             "summary": [line for line in output.splitlines() if "held-out accuracy" in line],
-            "reward": m.sort("step")["reward_mean"].to_list(),
+            "reward": m.sort("step")["reward/mean"].to_list(),
             "seconds_per_step": float(m.sort("step")["time/step_end"].diff().drop_nulls().mean() or 0.0),
             "eval_prompts": int(config["eval_prompts"]), "settings": {
                 k: config[k] for k in ("steps", "prompts_per_step", "group_size", "max_staleness", "inference_dtype")}
