@@ -216,6 +216,84 @@ def test_async_run_heals_a_killed_worker_store_and_train_step_and_snapshot_stays
     assert gap <= 1e-5, (recoveries, gap)
 
 
+# -- weight_sync collective with recovery at its default (issue #35) ------------------------------
+# the trainer's process killed while step 4 trains; only weight_sync.method is set (recovery on)
+COLLECTIVE_KILLS = [("train_step", 4)]
+
+
+def _one_worker(mode: list[str]) -> list[str]:
+    return [a.replace("trainer.num_workers=2", "trainer.num_workers=1") for a in mode]
+
+
+ONLY_COLLECTIVE = ["--set", "weight_sync.method=collective"]
+
+
+def _healed_once(result, run_dir) -> dict:
+    """The run completed after its one kill: every step once, no trajectory twice, one recovery
+    in run.json and one `recovered` line; the recovery's entry."""
+    assert result.status == 0 and result.killed == 1, result.output[-3000:]
+    recoveries, lines = _recoveries(run_dir), _recovered_lines(result.output)
+    assert len(recoveries) == 1 and len(lines) == 1, (recoveries, lines)
+    (recovery,) = recoveries
+    assert recovery["step"] in (3, 4) and "rebuilt from checkpoint 3" in recovery["event"], recovery
+    return recovery
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_collective_sync_heals_a_killed_trainer_and_matches_an_uninterrupted_object_store_run(tmp_path, chaos):
+    """Sync mode (every stage in the trainer's process, the readers too), only
+    `weight_sync.method: collective` set: the train step's process SIGKILLed at step 4 is rebuilt
+    from checkpoint 3 (its weights from the checkpoint: the store holds no tensors of a version)
+    and serves its recovered version before the restarted generator's first batch; the run ends
+    with old = inference (<= 1.5e-5) on every row trained after the recovery, and with the metrics
+    and final weights of an uninterrupted object_store run (float32 readers: the same numbers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import polars as pl
+
+    from trajflow.engines import checkpoint as ckpt
+
+    args = ["quickstart", *_one_worker(SYNC)]
+    run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
+    with ThreadPoolExecutor(1) as pool:
+        base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
+        result = chaos.chaos_run([*args, *ONLY_COLLECTIVE], run_dir, COLLECTIVE_KILLS, tmp_path / "log")
+        assert base_run.result().status == 0, base_run.result().output[-3000:]
+    recovery = _healed_once(result, run_dir)
+    assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
+    gap = _exactness_gap(run_dir, recovery["step"], STEPS)
+    print(f"\ncollective sync, trainer killed at step 4: max |old - inference| {gap:.2e} after the recovery")
+    assert gap <= 1.5e-5
+    base, healed = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
+    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
+    assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version"} <= set(compared)
+    for c in compared:
+        np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
+                                   atol=1e-6, rtol=0, err_msg=c)
+    a, b = (ckpt.latest_checkpoint(d / "checkpoints").model_state() for d in (uninterrupted, run_dir))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_collective_async_readers_keep_their_versions_and_join_the_rebuilt_trainer(tmp_path, chaos):
+    """max_staleness 1 (generator, scorer and trainer in three processes), only
+    `weight_sync.method: collective` set: the train step's process SIGKILLed at step 4; the
+    generator's and the snapshot scorer's receivers keep the versions they hold, join the rebuilt
+    trainer's server, and the run completes with old = inference (<= 1.5e-5) on every row trained
+    after the recovery."""
+    run_dir = tmp_path / "run"
+    args = [{"max_staleness=0": "max_staleness=1"}.get(a, a) for a in _one_worker(SYNC)]
+    result = chaos.chaos_run(["quickstart", *args, *ONLY_COLLECTIVE], run_dir, COLLECTIVE_KILLS, tmp_path / "log")
+    recovery = _healed_once(result, run_dir)
+    assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
+    gap = _exactness_gap(run_dir, recovery["step"], STEPS)
+    print(f"\ncollective async, trainer killed at step 4: max |old - inference| {gap:.2e} after the recovery")
+    assert gap <= 1.5e-5
+
+
 # -- a policy store killed without its versions (a small run: 5 steps x 16 rows) ----------------
 SMALL = 5
 STORE = ["--set", f"steps={SMALL}", "--set", "checkpoint_every=3", "--set", "tensorboard=false",

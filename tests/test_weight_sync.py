@@ -61,11 +61,11 @@ def test_config_section_defaults_bounds_and_what_collective_refuses():
     assert config.weight_sync.spec() == WeightSyncConfig()
     assert config.weight_sync.method == "object_store"
     assert PipelineConfig(weight_sync={"bucket_mb": 1}).weight_sync.spec().bucket_mb == 1.0
-    assert PipelineConfig(weight_sync=COLLECTIVE, recovery=NO_RESTARTS).weight_sync.method == "collective"
-    with pytest.raises(ValueError, match="collective keeps no trained version.*recovery.max_restarts: 0"):
-        PipelineConfig(weight_sync=COLLECTIVE)
+    # the one key is enough: recovery stays on at its default (a rebuilt trainer reads its checkpoint)
+    config = PipelineConfig(weight_sync={"method": "collective"})
+    assert config.weight_sync.method == "collective" and config.recovery.max_restarts == 3
     with pytest.raises(ValueError, match="collective sends full weights; a lora adapter"):
-        PipelineConfig(weight_sync=COLLECTIVE, recovery=NO_RESTARTS, lora={"r": 4})
+        PipelineConfig(weight_sync=COLLECTIVE, lora={"r": 4})
     with pytest.raises(ValueError, match="bucket_mb"):
         PipelineConfig(weight_sync={"bucket_mb": 0})
     with pytest.raises(ValueError, match="method"):
@@ -239,8 +239,69 @@ def test_a_lost_trainer_is_one_line_where_the_reader_needs_a_version(ray_session
         if receiver is not None:
             receiver.close()
         store.kill()
-    assert str(info.value).startswith("trajflow: weight_sync (reader") and "\n" not in str(info.value)
+    message = str(info.value)
+    assert message.startswith("trajflow: weight_sync (reader side): version 1 did not arrive (its trainer was lost: ")
+    assert "no rebuilt trainer served it" in message and "\n" not in message
     assert elapsed <= config.timeout_seconds + 5
+
+
+@pytest.mark.timeout(300)
+def test_a_reader_keeps_its_versions_and_joins_the_server_of_a_rebuilt_trainer(ray_session):
+    """Recovery under collective: the trainer's process is killed between versions; the reader
+    (an exact scorer: the window v-1..v) keeps what it holds, and joins the server the rebuilt
+    trainer starts, which serves the recovered version again (the store numbers it already: no
+    change) and then the next ones, bitwise."""
+    import ray
+
+    from trajflow.pipelines.policy_store import RayStore
+
+    class ServingTrainer:
+        """A trainer's weight server in a Ray process of its own (the test kills it)."""
+
+        def __init__(self, store, config: WeightSyncConfig, weights: dict) -> None:
+            self.server = WeightServer(store, config, weights, ["float32"])
+
+        def readers(self) -> int:
+            return len(self.server.readers)
+
+        def serve(self, version: int, weights: dict) -> None:
+            self.server.offer(version, weights.items())
+            self.server.wait()
+
+    weights = _weights()
+    versions = {v: {k: t + v for k, t in weights.items()} for v in range(4)}
+    config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=60)
+    store = RayStore.start(max_staleness=1, keep_history=True)
+    remote = ray.remote(ServingTrainer).options(num_cpus=0)
+    receiver = None
+    try:
+        store.publish(weights, 0)
+        first = remote.remote(store, config, weights)
+        receiver = WeightReceiver(store, config, "float32", history=True)
+        deadline = time.monotonic() + 60
+        while ray.get(first.readers.remote()) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for v in (1, 2):
+            ray.get(first.serve.remote(v, versions[v]))
+        assert store.weight_server().generation == 1 and store.latest_version() == 2
+        ray.kill(first)
+        deadline = time.monotonic() + 60
+        while receiver.lost is None:  # it noticed: its server is gone
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for v in (1, 2):  # kept while no trainer serves
+            assert all(torch.equal(receiver.weights(v)[k], t) for k, t in versions[v].items())
+        rebuilt = remote.remote(store, config, weights)
+        ray.get(rebuilt.serve.remote(2, versions[2]))  # the version it recovered: every joined reader gets it
+        ray.get(rebuilt.serve.remote(3, versions[3]))
+        assert store.weight_server().generation == 2 and store.latest_version() == 3
+        assert all(torch.equal(receiver.weights(3)[k], t) for k, t in versions[3].items())
+        assert sorted(receiver.held) == [2, 3] and receiver.joins == 2 and receiver.lost is None
+    finally:
+        if receiver is not None:
+            receiver.close()
+        store.kill()
 
 
 def test_backend_choice_nccl_between_gpus_gloo_otherwise_no_gpu_needed():

@@ -11,7 +11,7 @@ before its forward and backward, freed after). What this module decides on top o
   replicated trainer's, is neither: so a sharded worker initialises torch.distributed's default
   group (`Collective(default_group=True)`, on the same TCP store) and the mesh is that group. One
   sharded trainer per process; `Collective.close()` destroys the group, so tests can build and
-  tear down trainers again in one process. Gloo is bound to the rendezvous host (127.0.0.1 when
+  tear down trainers again in one process. Gloo binds each worker to its own address (127.0.0.1 when
   all workers share a node) through `BOUND_GLOO`, a registered gloo backend that takes the
   device from the group options, since the built-in "gloo" picks its interface from the host name.
 - The sum, not the mean. FSDP2 divides reduced gradients by the number of workers by default; the

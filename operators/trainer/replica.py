@@ -73,7 +73,8 @@ class TrainerReplica(ReplicaState, PolicyHolder):
     (over the shards) and binds its strategy; from then on every forward and backward pass of the
     policy is a collective, so the workers run the same passes in the same order."""
 
-    def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, version: int | None = None) -> None:
+    def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, version: int | None = None,
+                 rebuilt: bool = False) -> None:
         torch.set_num_threads(spec.torch_threads)
         self.store = store
         self.spec = spec
@@ -86,14 +87,17 @@ class TrainerReplica(ReplicaState, PolicyHolder):
         self.sharded = spec.data_parallel.sharding == "fsdp"
         self.collective = Collective()  # world size 1 until a group is joined
         # The store's newest weights (version 0 on a fresh run, the resumed one later), or the
-        # version worker 0 started from.
-        self.version, weights = store.weights(version)
+        # version worker 0 started from. A worker `rebuilt` after a fault loads its checkpoint next
+        # (operators/trainer/recovery.py): the model directory's weights until then, since the
+        # store may hold no tensors of its versions (weight_sync collective).
+        self.version, weights = (store.latest_version(), {}) if rebuilt else store.weights(version)
         model = load_model(spec.model_path)
         if lora.is_adapter(weights):  # a resumed LoRA run: the model directory's base + the version's adapter
             model = lora.wrap(model, spec.lora)
             lora.load_adapter(model, weights)
         else:
-            model.load_state_dict(weights)
+            if weights:
+                model.load_state_dict(weights)
             if spec.lora.enabled:
                 model = lora.wrap(model, spec.lora)
         # sharded, the model reaches the device shard by shard (operators/trainer/fsdp.py), never whole
@@ -310,8 +314,9 @@ class TrainerRank(TrainerReplica):
     """Worker `rank` (1..N-1) of a data-parallel train step: a Ray actor started by worker 0 from
     the same spec and version; worker 0 restores its checkpoint state when resuming."""
 
-    def __init__(self, rank: int, world_size: int, store: PolicyStoreClient, spec: TrainerSpec, version: int) -> None:
-        super().__init__(store, spec, version)
+    def __init__(self, rank: int, world_size: int, store: PolicyStoreClient, spec: TrainerSpec, version: int | None,
+                 rebuilt: bool = False) -> None:
+        super().__init__(store, spec, version, rebuilt)
         self.rank, self.world_size = rank, world_size
 
     def node_id(self) -> str:

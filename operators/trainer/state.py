@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trajflow.engines import checkpoint as ckpt
+from trajflow.engines import lora
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +82,11 @@ class ReplicaState:
             self.load_shards(directory)
         else:
             checkpoint = ckpt.Checkpoint(Path(directory), version)
-            self.model.load_state_dict(checkpoint.model_state())
+            weights = checkpoint.model_state()
+            if lora.is_adapter(weights):  # a LoRA trainer's checkpoint: its adapter over the model directory's base
+                lora.load_adapter(self.model, weights)
+            else:
+                self.model.load_state_dict(weights)
             self.strategy = copy.deepcopy(self.spec.strategy)
             self.optimizer_steps = 0
             self._start()

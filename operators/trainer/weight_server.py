@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from trajflow.operators.contracts.store import PolicyStoreClient
+from trajflow.operators.trainer.addresses import LOOPBACK
 from trajflow.operators.trainer.weight_sync import (
     CollectiveChannel,
     WeightSyncConfig,
@@ -31,10 +32,12 @@ class WeightServer:
     """The trainer's end of `collective` (see the module docstring); in the train step's process.
 
     `shapes`: the model's state dict (names and full shapes; tensors shared by several names, tied
-    weights, travel once). `dtypes`: the reader dtypes to serve (`reader_dtype` of each reader)."""
+    weights, travel once). `dtypes`: the reader dtypes to serve (`reader_dtype` of each reader).
+    `host`: the address it listens on and binds its links to (operators/trainer/addresses.py
+    `serving_host`: 127.0.0.1 on one node, this node's address when readers may be elsewhere)."""
 
     def __init__(self, store: PolicyStoreClient, config: WeightSyncConfig, shapes: Mapping[str, Tensor],
-                 dtypes: Iterable[str], device: str = "cpu") -> None:
+                 dtypes: Iterable[str], device: str = "cpu", host: str = LOOPBACK) -> None:
         import torch
         import torch.distributed as dist
 
@@ -65,10 +68,11 @@ class WeightServer:
                 for t in bucket.tensors:
                     self.slots[name][t.name] = (i, offset, t.numel)
                     offset += t.numel
-        listen = listening_socket("127.0.0.1")
+        self.host = host
+        listen = listening_socket(host)
         port = listen.getsockname()[1]
         self.timeout = timedelta(seconds=config.timeout_seconds)
-        self.tcp = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=listen.fileno(),
+        self.tcp = dist.TCPStore(host, port, is_master=True, master_listen_fd=listen.fileno(),
                                  wait_for_workers=False, timeout=self.timeout)
         listen.detach()  # the store owns the descriptor now
         self.tcp.set("layout", json.dumps({"bucket_bytes": bucket_bytes, "aliases": self.aliases, "device": device,
@@ -86,7 +90,7 @@ class WeightServer:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="trajflow-weight-server", daemon=True)
         self._thread.start()
-        store.set_weight_server("127.0.0.1", port)
+        store.set_weight_server(host, port)
 
     def version_bytes(self, dtype: str) -> int:
         """Bytes of one version in `dtype` as sent (tied weights once)."""
@@ -172,7 +176,7 @@ class WeightServer:
             store = dist.PrefixStore(f"join/{n}/", self.tcp)
             channel = CollectiveChannel(rank=0, store=store, prefix=f"reader {n}", dtype=torch_dtype(dtype),
                                         bucket_mb=self.config.bucket_mb, timeout_seconds=self.config.timeout_seconds,
-                                        device=link_device(self.device, reader_device))
+                                        device=link_device(self.device, reader_device), bind=self.host)
             self.readers.append((channel, dtype, store))
             if self.version is not None:  # a late joiner gets the current version at once
                 started = time.perf_counter()

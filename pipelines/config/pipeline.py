@@ -273,9 +273,6 @@ class PipelineConfig(_Strict):
         if self.lora.r > 0:
             raise ValueError("weight_sync.method: collective sends full weights; a lora adapter version is small: "
                              "use object_store")
-        if self.recovery.max_restarts > 0:
-            raise ValueError("weight_sync.method: collective keeps no trained version in the policy store, where a "
-                             "rebuilt trainer would read its weights: set recovery.max_restarts: 0")
 
     def reader_dtypes(self, strategy) -> tuple[str, ...]:
         """The dtypes the trainer serves under `collective` (operators/trainer/weight_sync.py): the
