@@ -75,6 +75,10 @@ class TrainStep(TrainerReplica):
     """Worker 0: the pipeline's operator. Workers 1..N-1 are built from the same `spec` by a
     `workers` group (operators/trainer/group.py; the Ray pipeline passes its own)."""
 
+    # a restart of its process is a recovery, reported as one (`recovery/event`), not as a
+    # restarted stage process (pipelines/colocation.py)
+    recovers_itself = True
+
     def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, max_staleness: int,
                  after_step: Sequence[AfterStep], hooks: StepHooks,
                  recovery: RecoveryConfig = RecoveryConfig(), failed_rewards: FailedRewardSteps | None = None,

@@ -228,14 +228,16 @@ def _one_worker(mode: list[str]) -> list[str]:
 ONLY_COLLECTIVE = ["--set", "weight_sync.method=collective"]
 
 
-def _healed_once(result, run_dir) -> dict:
-    """The run completed after its one kill: every step once, no trajectory twice, one recovery
-    in run.json and one `recovered` line; the recovery's entry."""
-    assert result.status == 0 and result.killed == 1, result.output[-3000:]
+def _healed_once(result, run_dir, kills: int = 1) -> dict:
+    """The run completed after its kills: one trainer recovery in run.json and one `recovered`
+    line, from checkpoint 3 (the kill at step k lands in k or, when k - 1's metrics row had not yet
+    left the killed process, k - 1); the recovery's entry."""
+    assert result.status == 0 and result.killed == kills, result.output[-3000:]
     recoveries, lines = _recoveries(run_dir), _recovered_lines(result.output)
     assert len(recoveries) == 1 and len(lines) == 1, (recoveries, lines)
     (recovery,) = recoveries
-    assert recovery["step"] in (3, 4) and "rebuilt from checkpoint 3" in recovery["event"], recovery
+    kill_at = result.kills[-1].step
+    assert recovery["step"] in (kill_at - 1, kill_at) and "rebuilt from checkpoint 3" in recovery["event"], recovery
     return recovery
 
 
@@ -278,19 +280,30 @@ def test_collective_sync_heals_a_killed_trainer_and_matches_an_uninterrupted_obj
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_collective_async_readers_keep_their_versions_and_join_the_rebuilt_trainer(tmp_path, chaos):
+def test_collective_async_heals_a_killed_generator_and_trainer_and_stays_exact(tmp_path, chaos):
     """max_staleness 1 (generator, scorer and trainer in three processes), only
-    `weight_sync.method: collective` set: the train step's process SIGKILLed at step 4; the
-    generator's and the snapshot scorer's receivers keep the versions they hold, join the rebuilt
-    trainer's server, and the run completes with old = inference (<= 1.5e-5) on every row trained
-    after the recovery."""
+    `weight_sync.method: collective` set. The generator's process SIGKILLed at step 2: the trainer
+    drops the lost reader, Ray restarts the process (one `restarted` line, an entry under the
+    session's `restarts` in run.json) and its new receiver joins as a late joiner. The train
+    step's process SIGKILLed at step 5: the generator's and the snapshot scorer's receivers keep
+    the versions they hold and join the rebuilt trainer's server. The run completes with every
+    step once and old = inference (<= 1.5e-5) on every row trained after the recovery."""
+    import json
+
     run_dir = tmp_path / "run"
     args = [{"max_staleness=0": "max_staleness=1"}.get(a, a) for a in _one_worker(SYNC)]
-    result = chaos.chaos_run(["quickstart", *args, *ONLY_COLLECTIVE], run_dir, COLLECTIVE_KILLS, tmp_path / "log")
-    recovery = _healed_once(result, run_dir)
+    kills = [("generator", 2), ("train_step", 5)]
+    result = chaos.chaos_run(["quickstart", *args, *ONLY_COLLECTIVE], run_dir, kills, tmp_path / "log")
+    recovery = _healed_once(result, run_dir, kills=2)
+    restarted = [line for line in result.output.splitlines() if line.startswith("trajflow: restarted: ")]
+    assert len(restarted) == 1 and restarted[0].startswith(
+        "trajflow: restarted: the Generate process died; Ray restarted it"), result.output[-3000:]
+    (entry,) = json.loads((run_dir / "run.json").read_text())["sessions"][-1]["restarts"]
+    assert entry["process"] == "Generate" and entry["count"] == 1 and entry["step"] in (2, 3, 4), entry
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
     gap = _exactness_gap(run_dir, recovery["step"], STEPS)
-    print(f"\ncollective async, trainer killed at step 4: max |old - inference| {gap:.2e} after the recovery")
+    print(f"\ncollective async, generator killed at step 2, trainer at 5: max |old - inference| {gap:.2e} "
+          "after the recovery")
     assert gap <= 1.5e-5
 
 
@@ -389,3 +402,26 @@ def test_a_rebuilt_store_keeps_its_restored_versions_until_they_leave_the_window
     assert sorted(store.versions) == [4, 5, 6]  # 3 < 6 - 2 left the window
     store.put("w7", 1, 7)
     assert sorted(store.versions) == [5, 7]  # 6, neither restored nor pinned, is freed as before
+
+
+def test_a_restarted_stage_process_is_one_line_and_an_entry_in_run_json(tmp_path):
+    """A metrics row carrying `recovery/restarted/<process>` (a generator's process restarted by
+    Ray, counted by its stage group in the store) gives one console line per process and an
+    entry under the session's `restarts` in run.json; a row without one, nothing."""
+    import json
+
+    from trajflow.jobs.recorder import RunPaths, write_state
+    from trajflow.jobs.run import record_restarts
+
+    paths = RunPaths(tmp_path)
+    write_state(paths, sessions=[{"first_step": 0, "state": "running"}])
+    assert record_restarts(paths, {"step": 2, "recovery/restarted/Generate": 0.0}) == []
+    lines = record_restarts(paths, {"step": 3, "recovery/restarted/Generate": 1.0,
+                                    "recovery/restarted/Reward+Advantage+Filter+OldLogprobs": 2.0})
+    assert lines == ["the Generate process died; Ray restarted it and Ray Data retried the batch it held "
+                     "(noticed at step 3)",
+                     "the Reward+Advantage+Filter+OldLogprobs process died (2 times); Ray restarted it and Ray "
+                     "Data retried the batch it held (noticed at step 3)"]
+    restarts = json.loads(paths.state.read_text())["sessions"][-1]["restarts"]
+    assert [(r["process"], r["count"], r["step"]) for r in restarts] == [
+        ("Generate", 1, 3), ("Reward+Advantage+Filter+OldLogprobs", 2, 3)]

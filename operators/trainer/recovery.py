@@ -37,6 +37,9 @@ import pyarrow as pa
 from trajflow.settings import setting
 
 RECOVERY_PREFIX = "recovery/"  # the metrics of recoveries: restarts, seconds, replayed_steps, event
+# `recovery/restarted/<process>`: times Ray restarted a stage process that died (a generator, a
+# scorer: pipelines/colocation.py), counted in the row of the step during which it came back
+RESTARTED_PREFIX = f"{RECOVERY_PREFIX}restarted/"
 
 
 @dataclass(frozen=True)

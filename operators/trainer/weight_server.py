@@ -81,6 +81,7 @@ class WeightServer:
         self.joined = 0
         self.version: int | None = None  # the version packed in the buffers
         self.error: WeightSyncError | None = None
+        self.lost_readers: list[str] = []  # the line of each reader lost (its process died)
         self.moved_bytes = 0  # by the last transfer, to every reader
         self.seconds = 0.0
         self._queue: queue.Queue = queue.Queue()
@@ -151,18 +152,25 @@ class WeightServer:
         moved = 0
         for reader in list(self.readers):
             channel, dtype, store = reader
-            try:
-                if not store.check(["left"]):
-                    channel.send(version, self.buffers[dtype])
-                    moved += self.version_bytes(dtype)
-                    continue
-            except WeightSyncError:
-                if not store.check(["left"]):
-                    raise  # lost, not left: the run stops
-            self.readers.remove(reader)  # its process ended its work (Ray Data ends finished stages)
+            if not store.check(["left"]) and self._send(channel, dtype, version):
+                moved += self.version_bytes(dtype)
+                continue
+            self.readers.remove(reader)  # it left (Ray Data ends finished stages) or was lost
         self.seconds, self.moved_bytes = time.perf_counter() - started, moved
         self.store.register(version)
         self.store.add_counters({"weight_sync_seconds": self.seconds, "weight_sync_bytes": float(moved)})
+
+    def _send(self, channel: CollectiveChannel, dtype: str, version: int) -> bool:
+        """Send `version` to one reader; False when the reader is lost (its process died: Ray
+        restarts it, and the restarted reader joins again and is sent the current version), which
+        the store counts (`weight_sync_readers_lost`) and the other readers never wait for."""
+        try:
+            channel.send(version, self.buffers[dtype])
+            return True
+        except WeightSyncError as error:
+            self.lost_readers.append(str(error))
+            self.store.add_counters({"weight_sync_readers_lost": 1.0})
+            return False
 
     def _serve_joins(self) -> None:
         import torch.distributed as dist
@@ -174,13 +182,21 @@ class WeightServer:
                 raise WeightSyncError(f"trajflow: weight_sync: reader {n} asked for {dtype} weights; the trainer "
                                       f"serves {sorted(self.buffers)}")
             store = dist.PrefixStore(f"join/{n}/", self.tcp)
-            channel = CollectiveChannel(rank=0, store=store, prefix=f"reader {n}", dtype=torch_dtype(dtype),
-                                        bucket_mb=self.config.bucket_mb, timeout_seconds=self.config.timeout_seconds,
-                                        device=link_device(self.device, reader_device), bind=self.host)
+            try:
+                channel = CollectiveChannel(rank=0, store=store, prefix=f"reader {n}", dtype=torch_dtype(dtype),
+                                            bucket_mb=self.config.bucket_mb,
+                                            timeout_seconds=self.config.timeout_seconds,
+                                            device=link_device(self.device, reader_device), bind=self.host)
+            except WeightSyncError as error:  # it died while joining
+                self.lost_readers.append(str(error))
+                self.store.add_counters({"weight_sync_readers_lost": 1.0})
+                continue
+            started = time.perf_counter()
+            # a late joiner (a pool's next reader, a restarted one) gets the current version at once
+            if self.version is not None and not self._send(channel, dtype, self.version):
+                continue
             self.readers.append((channel, dtype, store))
-            if self.version is not None:  # a late joiner gets the current version at once
-                started = time.perf_counter()
-                channel.send(self.version, self.buffers[dtype])
+            if self.version is not None:
                 self.store.add_counters({"weight_sync_seconds": time.perf_counter() - started,
                                          "weight_sync_bytes": float(self.version_bytes(dtype))})
 

@@ -31,7 +31,9 @@ join, so a recreated reader joins again instead of wedging a fixed-size group. B
 reader waits on a key of the TCP store (announce, then transfer). Every collective waits at most
 `timeout_seconds`: a peer lost mid-transfer is a `WeightSyncError` (one line), never a hang. A
 reader that ends (`close()`, also at its process's exit: Ray Data ends a finished stage's actors)
-leaves first, and the trainer stops sending to it; one that vanishes without leaving stops the run.
+leaves first, and the trainer stops sending to it. One that vanishes without leaving (its process
+died) is dropped and counted (`weight_sync_readers_lost`): the other readers get the version, the
+store registers it, and Ray's restart of the reader's process joins again as a late joiner.
 
 A trainer that dies takes its server along; readers keep the versions they hold. The policy store
 numbers each server started (`ServerAddress.generation`): a reader that loses its server (between
@@ -70,8 +72,9 @@ class WeightSyncConfig:
         "trainer sends them to each reader over torch.distributed (gloo on CPU, NCCL on CUDA), in the reader's dtype")
     bucket_mb: float = setting(64.0, "collective: size of each flat buffer sent (MiB); a tensor larger than it "
                                "travels alone", gt=0.0)
-    timeout_seconds: float = setting(120.0, "collective: a join or transfer that does not finish within this "
-                                     "stops the run with one line", gt=0.0)
+    timeout_seconds: float = setting(120.0, "collective: how long a join or transfer may take (a reader lost "
+                                     "mid-transfer is dropped; its restart joins again) and how long a reader waits "
+                                     "for a version it needs (then the run stops with one line)", gt=0.0)
 
     def __post_init__(self) -> None:
         check_settings(self)
