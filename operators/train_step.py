@@ -27,8 +27,9 @@ loses a worker rebuilds that state from the last checkpoint and the trajectory l
 on with a fresh optimizer.
 
 Public for the jobs layer: `version`, `strategy`, `full_weights()` (the current version's full
-tensors, one at a time: every worker takes part under FSDP), `publish()`, `save_checkpoint()` /
-`restore()` (weights, optimizer and strategy state on every worker), `unsharded_policy()`.
+tensors, one at a time: every worker takes part under FSDP), `publish()`, `save_version()` (the
+version as kept on disk), `save_checkpoint()` / `restore()` (weights, optimizer and strategy state
+on every worker), `unsharded_policy()`.
 """
 
 from __future__ import annotations
@@ -172,6 +173,16 @@ class TrainStep(TrainerReplica):
             for _ in gathered:
                 pass
         self.group.results(pending)
+
+    def save_version(self, directory: Path) -> Path:
+        """Write version `self.version` under `directory` (a run's versions/, engines/checkpoint.py):
+        the full weights as one file, or with LoRA the adapter in PEFT's format, the base weights
+        once beside it. Every worker takes part when sharded."""
+        if self.spec.lora.enabled:
+            return ckpt.save_adapter_version(directory, self.version, self.version_payload(),
+                                             lambda: load_model(self.spec.model_path).state_dict().items(),
+                                             self.spec.model_path)
+        return ckpt.save_weights(self.full_weights(), ckpt.version_file(directory, self.version))
 
     def unsharded_policy(self) -> torch.nn.Module:
         """The policy as one module in this process, for work outside the workers' lockstep

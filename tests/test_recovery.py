@@ -307,6 +307,65 @@ def test_collective_async_heals_a_killed_generator_and_trainer_and_stays_exact(t
     assert gap <= 1.5e-5
 
 
+# -- a policy store killed in sync mode; a LoRA run's store rebuilt from its adapters (issue #35) --
+STORE_KILLS = [("store", 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_store_killed_in_sync_mode_is_rebuilt_and_the_run_matches_an_uninterrupted_one(tmp_path, chaos):
+    """Sync mode (max_staleness 0: every stage in one process, the store holds the newest
+    version only), every version kept: the store SIGKILLed at step 3 is rebuilt with the newest
+    version read back from versions/; the run completes with the uninterrupted run's metrics
+    (1e-6) and final weights (1e-5)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import polars as pl
+
+    from trajflow.engines import checkpoint as ckpt
+
+    args = ["quickstart", *[{"save_all_versions=false": "save_all_versions=true"}.get(a, a) for a in _one_worker(SYNC)]]
+    run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
+    with ThreadPoolExecutor(1) as pool:
+        base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
+        result = chaos.chaos_run(args, run_dir, STORE_KILLS, tmp_path / "log")
+        assert base_run.result().status == 0, base_run.result().output[-3000:]
+    assert result.status == 0 and result.killed == 1, result.output[-3000:]
+    (recovery,) = _recoveries(run_dir)
+    assert recovery["event"].startswith("the policy store died; rebuilt with version "), recovery
+    assert _recovered_lines(result.output) == [f"trajflow: recovered: {recovery['event']}"]
+    assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
+    base, healed = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
+    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
+    assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version"} <= set(compared)
+    for c in compared:
+        np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
+                                   atol=1e-6, rtol=0, err_msg=c)
+    a, b = (ckpt.latest_checkpoint(d / "checkpoints").model_state() for d in (uninterrupted, run_dir))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lora_runs_store_is_rebuilt_from_its_adapters_and_snapshot_stays_exact(tmp_path, chaos):
+    """A LoRA run (r 8, snapshot, max_staleness 2, every version kept: versions/ holds each
+    version's PEFT adapter and the base once): the store SIGKILLed at step 3 is rebuilt with the
+    versions of its window, adapters read back from disk; the run completes with every step once
+    and old = inference (1e-5) on every row trained after the recovery."""
+    run_dir = tmp_path / "run"
+    args = ["quickstart", *_one_worker(ASYNC), "--set", "lora.r=8"]
+    result = chaos.chaos_run(args, run_dir, STORE_KILLS, tmp_path / "log")
+    assert result.status == 0 and result.killed == 1, result.output[-3000:]
+    (recovery,) = _recoveries(run_dir)
+    assert recovery["event"].startswith("the policy store died; rebuilt with versions "), recovery
+    assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
+    assert (run_dir / "versions" / "base").is_dir() and not list((run_dir / "versions").glob("*.safetensors"))
+    gap = _exactness_gap(run_dir, recovery["step"], STEPS)
+    print(f"\nLoRA store killed at step 3: {recovery['event']}; max |old - inference| {gap:.2e} after it")
+    assert gap <= 1e-5
+
+
 # -- a policy store killed without its versions (a small run: 5 steps x 16 rows) ----------------
 SMALL = 5
 STORE = ["--set", f"steps={SMALL}", "--set", "checkpoint_every=3", "--set", "tensorboard=false",
@@ -425,3 +484,53 @@ def test_a_restarted_stage_process_is_one_line_and_an_entry_in_run_json(tmp_path
     restarts = json.loads(paths.state.read_text())["sessions"][-1]["restarts"]
     assert [(r["process"], r["count"], r["step"]) for r in restarts] == [
         ("Generate", 1, 3), ("Reward+Advantage+Filter+OldLogprobs", 2, 3)]
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_store_is_rebuilt_from_checkpoints_holding_adapters(ray_session, tmp_path):
+    """A LoRA run keeps only checkpoints (save_all_versions off): a store that dies is rebuilt
+    from the checkpoints' adapters, the window of a snapshot run (versions 2 and 3 at
+    max_staleness 1); a reader's client of the dead store finds the new one and reads each
+    version's adapter bitwise (every reader merges it into the base, as live)."""
+    import torch
+
+    from trajflow.engines import checkpoint as ckpt
+    from trajflow.engines import lora
+    from trajflow.engines.models import WARM_START_DIR, load_model
+    from trajflow.jobs.recorder import RunPaths, RunRecorder
+    from trajflow.pipelines.policy_store import RayStore
+    from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreSpec, needed_versions, rebuild, refusal
+
+    settings = lora.LoraSettings(r=8)
+    model = lora.wrap(load_model(WARM_START_DIR), settings)
+    adapters = {}
+    for version in (1, 2, 3):  # checkpoints of versions 1..3, each its own adapter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.fill_(0.01 * version)
+        adapters[version] = {k: v.clone() for k, v in lora.adapter_payload(model, settings.scaling).items()}
+        with ckpt.writing_checkpoint(RunPaths(tmp_path).checkpoints, version) as tmp:
+            ckpt.write_replica(tmp, adapters[version], weights_file=ckpt.ADAPTER_FILE)
+    recorder = RunRecorder(run_dir=str(tmp_path), steps=4, checkpoint_every=1, keep_checkpoints=5,
+                           save_all_versions=False, trajectory_log=True)
+    spec = StoreSpec(max_staleness=1, keep_history=True, max_restarts=3, adapters=True)
+    assert recorder.kept_versions(adapters=True) == [1, 2, 3] and recorder.kept_versions() == [1, 2, 3]
+    assert needed_versions(recorder, spec) == ([2, 3], []) and refusal(recorder, spec, 1) is None
+
+    store = RayStore.start(1, True, reconnect_seconds=RECONNECT_SECONDS)
+    reader = RayStore(store.actor, store.name, store.reconnect_seconds)  # what a generator holds
+    for version in (1, 2, 3):
+        store.publish(adapters[version], version)
+    store.kill()
+    store.wait_until_dead()
+    rebuilt, held = rebuild(store, recorder, spec, restarts=1)
+    try:
+        assert held == [2, 3] and rebuilt.generation == 1
+        for version in (2, 3):  # the old client reconnects to the next generation
+            got_version, got = reader.weights(version)
+            assert got_version == version and lora.is_adapter(got)
+            assert all(torch.equal(got[k], adapters[version][k]) for k in adapters[version])
+        assert reader.generation == 1 and rebuilt.stats().counters["recovery/store_rebuilds"] == 1
+    finally:
+        rebuilt.kill()
