@@ -34,21 +34,26 @@ import pyarrow as pa
 from trajflow.engines.models import load_model
 from trajflow.operators.contracts.stage import Stage
 from trajflow.operators.contracts.store import PolicyStoreClient
-from trajflow.operators.trainer.group import InProcessGroup
+from trajflow.operators.trainer.group import InProcessGroup, WorkerGroup
 from trajflow.pipelines.policy_store import InProcessStore
 from trajflow.pipelines.rl_loop import RLPipeline
 
 
-def run_in_process(pipe: RLPipeline, final_weights: bool = False):
-    """Run `pipe.config.steps` steps of `pipe`'s stages here; the metrics as a polars DataFrame
-    (one row per step), and with `final_weights=True` also the last version's weights."""
-    config = pipe.config
-    store = InProcessStore(config.max_staleness, pipe.strategy.keep_history)
-    store.publish(load_model(pipe.model_path).state_dict(), 0)  # version 0: the model at model_path
-    operators = [build(stage, store) for stage in pipe.stages]
+def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: range | None = None,
+                   store: PolicyStoreClient | None = None, workers: type[WorkerGroup] = InProcessGroup):
+    """Run `pipe`'s stages here for `steps` (default: all of `pipe.config.steps`); the metrics as
+    a polars DataFrame (one row per step), and with `final_weights=True` also the last version's
+    weights. `store`: a policy store holding the first step's version (default: a new in-process
+    one with the model at `pipe.model_path` as version 0); `workers`: how the train step starts
+    its data-parallel workers 1..N-1 (default: threads of this process)."""
+    steps = range(pipe.config.steps) if steps is None else steps
+    if store is None:
+        store = InProcessStore(pipe.config.max_staleness, pipe.strategy.keep_history)
+        store.publish(load_model(pipe.model_path).state_dict(), steps.start)  # the model at model_path
+    operators = [build(stage, store, workers) for stage in pipe.stages]
     try:
         rows = []
-        for step in range(config.steps):
+        for step in steps:
             batch = pipe.prompts.step_rows(step)  # this step's prompt rows
             for operator in operators:  # generate -> reward -> ... -> train: one Arrow table to the next
                 batch = operator(batch)
@@ -60,15 +65,16 @@ def run_in_process(pipe: RLPipeline, final_weights: bool = False):
     metrics = pl.from_dicts(rows, infer_schema_length=None)
     if not final_weights:
         return metrics
-    return metrics, {k: v.clone() for k, v in store.weights(config.steps)[1].items()}
+    return metrics, {k: v.clone() for k, v in store.weights(steps.stop)[1].items()}
 
 
-def build(stage: Stage, store: PolicyStoreClient) -> Callable[[pa.Table], pa.Table]:
+def build(stage: Stage, store: PolicyStoreClient,
+          workers: type[WorkerGroup] = InProcessGroup) -> Callable[[pa.Table], pa.Table]:
     """The stage's operator: a class stage constructed as its actor would be (with `store=`;
-    a train step's workers as threads of this process), a function stage as it is."""
+    a train step's data-parallel workers from `workers`), a function stage as it is."""
     if not stage.is_actor:
         return stage.fn
     kwargs = {"store": store, **stage.kwargs}
     if "workers" in kwargs:
-        kwargs["workers"] = InProcessGroup
+        kwargs["workers"] = workers
     return stage.fn(**kwargs)

@@ -175,7 +175,7 @@ def user_strategy_module(tmp_path):
 def one_worker_sync_run(ray_session):
     """tests/test_trainer_dp.py's SYNC pipeline on one worker, in this process: (metrics, final
     weights), the run that data-parallel and sharded workers must reproduce (computed once)."""
-    from test_trainer_dp import SYNC, run_with_final_weights
+    from support import SYNC, run_with_final_weights
 
     from trajflow.pipelines.config import PipelineConfig
 

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_trainer_dp import SYNC, _step_rows, max_abs_difference, run_with_final_weights
+from support import SYNC, max_abs_difference, run_with_final_weights, step_rows
 
 from trajflow.pipelines.config import PipelineConfig
 
@@ -95,7 +95,7 @@ def test_entropy_term_changes_the_step_loss_and_gradient_by_hand(one_torch_threa
     from trajflow.operators.trainer.correction import StepBatch, correct
 
     coef = 0.3
-    table = _step_rows(rows=4)
+    table = step_rows(rows=4)
     batch = StepBatch.from_table(table, 0)
     positions = list(range(table.num_rows))
     plain, with_entropy = _replica(0.0), _replica(coef)

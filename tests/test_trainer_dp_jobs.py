@@ -21,7 +21,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from test_jobs_run import _explain, cli_in_process
+from support import cli_in_process, explain
 
 from trajflow.schemas import read_parquet
 
@@ -62,7 +62,7 @@ def test_killed_scorer_is_replaced_then_a_killed_worker_stops_the_run_with_one_l
     assert len(list((run_dir / "metrics").glob("step=*.parquet"))) < STEPS, "the run finished before the kill"
 
     proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)
-    assert proc.returncode == 0, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == list(range(STEPS))  # each step once: none repeated or skipped
     assert metrics["version"].to_list() == list(range(1, STEPS + 1))

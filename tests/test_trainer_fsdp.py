@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_trainer_dp import SYNC, max_abs_difference, run_with_final_weights
+from support import SYNC, max_abs_difference, run_with_final_weights
 
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.trainer.collective import Collective

@@ -12,9 +12,9 @@ and per step
      worker's rows are cut into micro-batches of at most `max_tokens_per_microbatch`;
   2. sends every worker its rows (one call per worker and step) and trains its own;
   3. every worker runs forward/backward on its micro-batches with the loss in *sum form*
-     (denominator 1), then one all-reduce per optimizer update sums the gradients, the loss sums
-     and the aggregation counts (`algorithms.loss_denominator`) of all workers; each divides by
-     the global count and steps. So token-mean divides by the update's kept tokens, seq-mean by
+     (`LossOutput.loss_sum`, with its aggregation count `LossOutput.count`), then one all-reduce
+     per optimizer update sums the gradients, the loss sums and the counts of all workers; each
+     divides once by the global count (`algorithms.objective.LossSum`) and steps. So token-mean divides by the update's kept tokens, seq-mean by
      its sequences and token-sum by its rows, whatever the split: N workers and any micro-batch
      budget give the update one worker with one batch gives (tests/test_trainer_dp.py);
   4. gathers the workers' per-token results and computes the step's diagnostics once; the

@@ -23,13 +23,13 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from trajflow.algorithms.objective import LossOutput
+from trajflow.algorithms.objective import LossOutput, LossSum
 from trajflow.algorithms.schedules import lr_multiplier
 from trajflow.engines import lora
 from trajflow.engines.models import load_model
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.trainer.collective import Collective, this_node
-from trajflow.operators.trainer.correction import PolicyHolder, StepBatch, correct, finite_loss_mask
+from trajflow.operators.trainer.correction import Correction, PolicyHolder, StepBatch, correct, finite_loss_mask
 from trajflow.operators.trainer.fsdp import clip_grad_norm, full_tensors, local_bytes, shard_model
 from trajflow.operators.trainer.spec import TrainerSpec
 from trajflow.operators.trainer.state import ReplicaState
@@ -168,79 +168,111 @@ class TrainerReplica(ReplicaState, PolicyHolder):
 
     # -- the update of this worker's rows ------------------------------------------------------
     def update(self, work: ShardWork) -> ShardResult:
-        """Train this worker's `rows` (at `positions` in the step): per minibatch, forward and
-        backward each micro-batch (lists of step positions) with the loss in sum form, then one
-        all-reduce of gradients, loss sums and aggregation counts over the workers, the division
-        by the global count, the clip and the optimizer update. Every worker calls this once per
-        step with the same number of minibatches (a worker without rows in one still joins its
-        all-reduce). Sharded, the gradients are summed by FSDP in the backward passes (only the
-        loss sums and counts are all-reduced), and an empty micro-batch is a dummy pass: the
-        same forward, proximal and backward passes on a one-row batch, with weight 0."""
-        rows, positions, microbatches = work.rows, work.positions, work.microbatches
-        trainer_version, width = work.trainer_version, work.width
+        """Train this worker's share of a step: per minibatch, forward -> correct -> backward each
+        micro-batch (the loss in sum form), reduce the gradients and the loss's (sum, count) over
+        the workers, divide once by the global count, clip, step. Every worker calls this once per
+        step with the same minibatches (one without rows in a minibatch still joins its reduce);
+        sharded, a worker's missing micro-batches are dummy passes (operators/trainer/plan.py)."""
         result = ShardResult()
-        batch = StepBatch.from_table(rows, trainer_version, width=width, rows=np.asarray(positions)) if len(positions) else None
-        if batch is not None:
-            self.strategy.before_step(batch, self)
-        elif self.sharded:  # the strategy's forward passes (recompute's scoring) are collectives
-            self.strategy.before_step(self._dummy(trainer_version, width), self)
-        local = {position: i for i, position in enumerate(positions)}
+        minibatches = self._before_step(work)
         params = [p for p in self._parameters() if p.requires_grad]
-        for minibatch in microbatches:
+        for minibatch in minibatches:
             self.optimizer.zero_grad(set_to_none=True)
-            shards = [batch.select(torch.tensor([local[p] for p in micro])) if micro
-                      else self._dummy(trainer_version, width) for micro in minibatch]
             if self.strategy.needs_update_pass:
-                self._begin_update(shards)
-            loss_sum, count, first_part = 0.0, 0.0, len(result.parts)
-            for micro, shard in zip(minibatch, shards):
-                entropy: list[Tensor] | None = [] if self.correction.entropy_coef > 0 else None
-                current = self.current(shard, grad=True, entropy=entropy)
-                fixed = correct(self.strategy, shard, current, self, self.correction, denominator=1.0,
-                                kl=self.spec.kl, entropy=entropy[0] if entropy else None)
-                if not micro:  # every parameter takes part in the backward, with gradient 0
-                    (torch.where(torch.isfinite(current), current, 0.0).sum() * 0.0).backward()
-                    result.dummy_passes += 1
-                    continue
-                fixed.loss.loss.backward()
-                loss_sum += float(fixed.loss.loss.detach())
-                count += fixed.denominator
-                result.outside_support += fixed.outside_support
-                result.parts.append((shard.rows, dataclasses.replace(fixed.loss, loss=fixed.loss.loss.detach())))
-                result.olds.append((shard.rows, fixed.old))
-                result.microbatches += 1
-            for p in params:  # every worker steps every parameter (zeros where it had no rows)
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            if self.collective.world_size > 1:
-                started = time.perf_counter()
-                if self.sharded:  # gradients: summed by FSDP's reduce-scatters in the backward passes
-                    scalars = torch.tensor([loss_sum, count], dtype=torch.float64, device=self.collective.device)
-                    self.collective.all_reduce_sum(scalars)
-                    loss_sum, count = float(scalars[0]), float(scalars[1])
-                else:  # one flat all-reduce: gradients, loss sum, count
-                    loss_sum, count = self._all_reduce(params, loss_sum, count)
-                result.allreduce_seconds += time.perf_counter() - started
-            denominator = max(count, 1.0)
+                self._begin_update(minibatch)  # M2PO: a statistic of the whole update, before any backward
+            loss = LossSum()
+            for batch in minibatch:
+                current, entropy = self._forward(batch)  # pi_theta under the training numerics
+                fixed = correct(self.strategy, batch, current, self, self.correction, kl=self.spec.kl,
+                                entropy=entropy)  # the strategy's pi_old, masks and loss
+                loss += self._backward(batch, current, fixed, result)
+            loss = self._reduce(params, loss, result)  # over the workers
             for p in params:
-                p.grad.div_(denominator)
-            result.losses.append(loss_sum / denominator)
-            for i in range(first_part, len(result.parts)):  # the weights each token had in the global loss
-                rows_i, out = result.parts[i]
-                result.parts[i] = (rows_i, dataclasses.replace(out, token_weights=out.token_weights / denominator))
+                p.grad.div_(loss.divisor)  # the aggregation's one division, by the update's global count
+            result.losses.append(loss.mean)
             norm = clip_grad_norm(params, self.grad_clip or math.inf)
             if not math.isfinite(norm):  # never step on a NaN/inf gradient: count it instead
                 result.skipped += 1
                 self.optimizer.zero_grad(set_to_none=True)
                 continue
-            result.norms.append(norm)
-            result.lr = self._schedule_lr()
-            self.optimizer.step()
-            self.optimizer_steps += 1
-            result.state_bytes = self.state_bytes()
-            self.strategy.after_update(self)
+            self._optimizer_step(norm, result)
         self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _before_step(self, work: ShardWork) -> list[list[StepBatch]]:
+        """This worker's micro-batches per minibatch (an empty one: a dummy batch), after the
+        strategy's before-step hook on all its rows (sharded without rows: on a dummy batch, since
+        the hook's forward passes, recompute's scoring, are collectives)."""
+        local = {position: i for i, position in enumerate(work.positions)}
+        batch = StepBatch.from_table(work.rows, work.trainer_version, width=work.width,
+                                     rows=np.asarray(work.positions)) if work.positions else None
+        if batch is not None:
+            self.strategy.before_step(batch, self)
+        elif self.sharded:
+            self.strategy.before_step(self._dummy(work), self)
+        return [[batch.select(torch.tensor([local[p] for p in micro])) if micro else self._dummy(work)
+                 for micro in minibatch] for minibatch in work.microbatches]
+
+    def _forward(self, batch: StepBatch) -> tuple[Tensor, Tensor | None]:
+        """pi_theta [B, T] with gradient, and its per-token entropy when the loss has an entropy term."""
+        entropy: list[Tensor] | None = [] if self.correction.entropy_coef > 0 else None
+        current = self.current(batch, grad=True, entropy=entropy)
+        return current, entropy[0] if entropy else None
+
+    def _backward(self, batch: StepBatch, current: Tensor, fixed: Correction, result: ShardResult) -> LossSum:
+        """Backpropagate the micro-batch's loss in sum form and record its per-token results; its
+        (sum, count). A dummy pass sends a zero gradient through every parameter (a sharded
+        worker's backward is a collective) and counts nothing."""
+        if batch.dummy:
+            (torch.where(torch.isfinite(current), current, 0.0).sum() * 0.0).backward()
+            result.dummy_passes += 1
+            return LossSum()
+        fixed.loss.loss_sum.backward()
+        detached = dataclasses.replace(fixed.loss, loss=fixed.loss.loss.detach(), loss_sum=fixed.loss.loss_sum.detach())
+        result.parts.append((batch.rows, detached))
+        result.olds.append((batch.rows, fixed.old))
+        result.outside_support += fixed.outside_support
+        result.microbatches += 1
+        return LossSum(float(detached.loss_sum), float(detached.count))
+
+    def _reduce(self, params: list[Tensor], loss: LossSum, result: ShardResult) -> LossSum:
+        """The update's gradients and (loss sum, count) summed over the workers. Every worker
+        steps every parameter (zeros where it had no rows). Replicated: one flat all-reduce of
+        the gradients and both scalars; sharded: FSDP's reduce-scatters summed the gradients in
+        the backward passes, so only the scalars are all-reduced."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.collective.world_size == 1:
+            return loss
+        started = time.perf_counter()
+        if self.sharded:  # the gradients: summed by FSDP's reduce-scatters in the backward passes
+            scalars = torch.tensor([loss.total, loss.count], dtype=torch.float64, device=self.collective.device)
+            self.collective.all_reduce_sum(scalars)
+        else:
+            scalars = self._all_reduce(params, loss)
+        result.allreduce_seconds += time.perf_counter() - started
+        return LossSum(float(scalars[0]), float(scalars[1]))
+
+    def _all_reduce(self, params: list[Tensor], loss: LossSum) -> Tensor:
+        """Sum the gradients (replaced in place), the loss sum and the count over the workers in
+        one flat all-reduce; returns the global (loss sum, count) as a tensor."""
+        scalars = torch.tensor([loss.total, loss.count], dtype=params[0].grad.dtype, device=params[0].grad.device)
+        flat = self.collective.all_reduce_sum(torch.cat([p.grad.reshape(-1) for p in params] + [scalars]))
+        offset = 0
+        for p in params:
+            p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        return flat[-2:]
+
+    def _optimizer_step(self, norm: float, result: ShardResult) -> None:
+        """The optimizer update at the schedule's learning rate, then the strategy's after-update hook."""
+        result.norms.append(norm)
+        result.lr = self._schedule_lr()
+        self.optimizer.step()
+        self.optimizer_steps += 1
+        result.state_bytes = self.state_bytes()
+        self.strategy.after_update(self)
 
     def _schedule_lr(self) -> float:
         """Set the lr of the next optimizer update from the schedule (algorithms/schedules.py).
@@ -253,34 +285,24 @@ class TrainerReplica(ReplicaState, PolicyHolder):
             group["lr"] = lr
         return lr
 
-    def _all_reduce(self, params: list[Tensor], loss_sum: float, count: float) -> tuple[float, float]:
-        """Sum the gradients (replaced in place), loss sums and counts over the workers in one
-        flat all-reduce; returns the global (loss sum, count)."""
-        scalars = torch.tensor([loss_sum, count], dtype=params[0].grad.dtype, device=params[0].grad.device)
-        flat = self.collective.all_reduce_sum(torch.cat([p.grad.reshape(-1) for p in params] + [scalars]))
-        offset = 0
-        for p in params:
-            p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        return float(flat[-2]), float(flat[-1])
-
-    def _dummy(self, trainer_version: int, width: int) -> StepBatch:
+    def _dummy(self, work: ShardWork) -> StepBatch:
         """A one-row batch without loss tokens: the input of a sharded worker's dummy pass."""
         token = [int(getattr(self.model.config, "bos_token_id", None) or 0)]
+        width = work.width
         return StepBatch(prompts=[token], responses=[token], inference=torch.zeros((1, width)),
-                         versions=torch.full((1, width), trainer_version, dtype=torch.int64),
+                         versions=torch.full((1, width), work.trainer_version, dtype=torch.int64),
                          loss_mask=torch.zeros((1, width), dtype=torch.bool), advantages=torch.zeros(1),
                          old=torch.zeros((1, width)), rows=torch.zeros(1, dtype=torch.int64),
-                         groups=torch.zeros(1, dtype=torch.int64), reference=None)
+                         groups=torch.zeros(1, dtype=torch.int64), reference=None, dummy=True)
 
-    def _begin_update(self, shards: list[StepBatch]) -> None:
+    def _begin_update(self, minibatch: list[StepBatch]) -> None:
         """Hand the strategy the update's log-ratios (this worker's loss tokens, no gradient) and
         a gather over the workers, before any backward pass of the update (M2PO's cutoff)."""
         ratios = [torch.zeros(0)]
-        for shard in shards:
-            current = self.current(shard, grad=False)
-            old = self.strategy.proximal(shard, current, self).detach()
-            ratios.append((current - old)[finite_loss_mask(shard, current, old)])
+        for batch in minibatch:
+            current = self.current(batch, grad=False)
+            old = self.strategy.proximal(batch, current, self).detach()
+            ratios.append((current - old)[finite_loss_mask(batch, current, old)])
         self.strategy.begin_update(torch.cat(ratios), self.collective.all_gather)
 
     def finish_step(self, diagnostics: dict) -> dict:
