@@ -406,7 +406,7 @@ def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path
     sessions. The versions on disk are PEFT adapters (each under 15 % of a full version) and the
     base once, across both sessions; a `--train` replay of the whole log reads them and retraces
     the run: the same losses (1e-6) and the same final adapter (1e-6)."""
-    from test_trainer_dp import max_abs_difference
+    from support import max_abs_difference
     from transformers import AutoModelForCausalLM
 
     from trajflow.engines import lora
