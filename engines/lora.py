@@ -115,15 +115,32 @@ def base_weights(model: "torch.nn.Module") -> Iterator[tuple[str, "Tensor"]]:
 def merged(base: Mapping[str, "Tensor"], payload: Mapping[str, "Tensor"]) -> dict[str, "Tensor"]:
     """Full weights: `base` with W + scaling x B @ A for each adapted layer of `payload` (the
     untouched tensors are `base`'s own, not copies)."""
-    scaling = float(payload[ADAPTER_SCALING])
     out = dict(base)
+    for weight, delta in deltas(payload).items():
+        out[weight] = delta.apply(base[weight])
+    return out
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One adapted layer's update: W -> W + scaling x B @ A."""
+
+    a: "Tensor"
+    b: "Tensor"
+    scaling: float
+
+    def apply(self, weight: "Tensor") -> "Tensor":
+        return weight + self.scaling * (self.b.to(weight.dtype) @ self.a.to(weight.dtype))
+
+
+def deltas(payload: Mapping[str, "Tensor"]) -> dict[str, Delta]:
+    """The adapted layers of an adapter payload, by the plain model's name of their weight."""
+    scaling = float(payload[ADAPTER_SCALING])
+    out = {}
     for key, a in payload.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        layer = key[len(ADAPTER_PREFIX):].removeprefix(_PEFT_PREFIX).removesuffix(".lora_A.weight")
-        b = payload[key.replace(".lora_A.", ".lora_B.")]
-        weight = f"{layer}.weight"
-        out[weight] = base[weight] + scaling * (b.to(base[weight].dtype) @ a.to(base[weight].dtype))
+        if key.endswith(".lora_A.weight"):
+            layer = key[len(ADAPTER_PREFIX):].removeprefix(_PEFT_PREFIX).removesuffix(".lora_A.weight")
+            out[f"{layer}.weight"] = Delta(a, payload[key.replace(".lora_A.", ".lora_B.")], scaling)
     return out
 
 

@@ -155,6 +155,13 @@ class TrainStep(TrainerReplica):
         payload = self.version_payload() if self.spec.lora.enabled else dict(self.full_weights())
         self.store.publish(payload, self.version)
 
+    def version_payload(self) -> dict[str, Tensor]:
+        """`TrainerReplica.version_payload` on worker 0, with workers 1..N-1 gathering in step
+        when sharded (the adapter's shards are theirs too)."""
+        if self.group is None or not self.sharded:
+            return super().version_payload()
+        return self._on_every_worker(super().version_payload, WorkerGroup.gather_adapter)[0]
+
     def full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """`TrainerReplica.full_weights` on worker 0, with workers 1..N-1 running the same gathers
         meanwhile when sharded. Iterate to the end: a consumer that stops early still finishes the
@@ -204,6 +211,8 @@ class TrainStep(TrainerReplica):
         with ckpt.writing_checkpoint(root, self.version, meta) as tmp:
             if self.sharded:
                 self._on_every_worker(lambda: self.save_shards(str(tmp)), lambda group: group.save_shards(str(tmp)))
+                if self.spec.lora.enabled:  # the adapter whole too: what a resumed run publishes first
+                    ckpt.write_replica(tmp, self.version_payload(), weights_file=ckpt.ADAPTER_FILE)
             else:
                 state = self.checkpoint_state()
                 if self.spec.lora.enabled:  # the adapter: the base is the model directory's

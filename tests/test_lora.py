@@ -42,8 +42,8 @@ def test_the_section_is_checked_before_anything_starts():
                        ({"r": 8, "target_modules": []}, "target_modules")]:
         with pytest.raises(ValueError, match=words):
             PipelineConfig(lora=bad)
-    with pytest.raises(ValueError, match="lora: an adapter is trained by a replicated trainer"):
-        PipelineConfig(lora={"r": 8}, trainer={"sharding": "fsdp"})
+    # sharded too: the adapter is sharded with its layer (operators/trainer/fsdp.py; tests/test_trainer_fsdp.py)
+    assert PipelineConfig(lora={"r": 8}, trainer={"sharding": "fsdp"}).trainer.sharding == "fsdp"
 
 
 def test_a_version_is_the_adapter_under_15_percent_of_the_full_bytes():

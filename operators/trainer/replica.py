@@ -134,20 +134,29 @@ class TrainerReplica(ReplicaState, PolicyHolder):
         worker of the group runs this iteration in step, to the end (`TrainStep.full_weights`
         drives workers 1..N-1; they drop what they gather). LoRA: the base with the adapter merged
         in, under the plain model's names."""
-        if self.spec.lora.enabled:
-            return full_tensors(lora.merged(dict(lora.base_weights(self.model)), self.version_payload()), dtype)
-        return full_tensors(self.model.state_dict(), dtype)
+        if not self.spec.lora.enabled:
+            return full_tensors(self.model.state_dict(), dtype)
+        payload = TrainerReplica.version_payload(self)  # this worker's part, not worker 0's driver of all
+        if not self.sharded:
+            return full_tensors(lora.merged(dict(lora.base_weights(self.model)), payload), dtype)
+        return _merged_in_step(lora.base_weights(self.model), lora.deltas(payload), dtype)
 
     def version_payload(self) -> dict[str, Tensor]:
-        """What a LoRA trainer publishes and checkpoints per version: the adapter (engines/lora.py)."""
-        return lora.adapter_payload(self.model, self.spec.lora.scaling)
+        """What a LoRA trainer publishes and checkpoints per version: the adapter (engines/lora.py),
+        whole. Sharded, the adapter is sharded with its layer (operators/trainer/fsdp.py): each
+        tensor is all-gathered, a collective every worker runs in step."""
+        payload = lora.adapter_payload(self.model, self.spec.lora.scaling)
+        return dict(full_tensors(payload)) if self.sharded else payload
 
     def policy_copy(self) -> torch.nn.Module:
         """A frozen copy of the policy with the current weights; sharded like it (its forward
         passes are collectives too, run by every worker in step) when the trainer is sharded."""
         if not self.sharded:
             return super().policy_copy()
-        model = load_model(self.spec.model_path).eval().requires_grad_(False)
+        model = load_model(self.spec.model_path)
+        if self.spec.lora.enabled:  # the same module tree as the policy's, so its state dict loads
+            model = lora.wrap(model, self.spec.lora)
+        model = model.eval().requires_grad_(False)
         shard_model(model, self.collective.mesh, self.spec.data_parallel.cpu_offload, frozen=True)
         model.load_state_dict(self.model.state_dict())
         return model
@@ -317,6 +326,16 @@ class TrainerReplica(ReplicaState, PolicyHolder):
         self.version += 1
 
 
+def _merged_in_step(base: Iterator[tuple[str, Tensor]], deltas: dict[str, lora.Delta],
+                    dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
+    """A sharded LoRA policy's full weights, one tensor at a time: each base tensor gathered (in
+    float32: the adapter is merged before any cast), its layer's adapter merged in, then cast."""
+    for name, weight in full_tensors(dict(base)):
+        if name in deltas:
+            weight = deltas[name].apply(weight)
+        yield name, weight.to(dtype) if dtype is not None and weight.is_floating_point() else weight
+
+
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass, with dropout still off.
 
@@ -352,3 +371,7 @@ class TrainerRank(TrainerReplica):
         """Take part in worker 0's `full_weights()`: the same gathers in step (their tensors dropped)."""
         for _ in self.full_weights(dtype):
             pass
+
+    def gather_adapter(self) -> None:
+        """Take part in worker 0's `version_payload()` of a sharded LoRA trainer (tensors dropped)."""
+        self.version_payload()

@@ -153,8 +153,6 @@ class PipelineConfig(_Strict):
                 raise ValueError(f"model: {e}") from None
         if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("engine: vllm is not installed (pip install 'trajflow[vllm]'), or use engine: torch")
-        if self.lora.r > 0 and self.trainer.sharding == "fsdp":
-            raise ValueError("lora: an adapter is trained by a replicated trainer; use trainer.sharding: none")
         if self.lora.r > 0 and "lm_head" in self.lora.target_modules and ties_embeddings(self.model_path):
             raise ValueError("lora.target_modules: lm_head on a model whose output layer is its input embedding "
                              "(tie_word_embeddings): the readers' merged weights would not be the trained model; "
