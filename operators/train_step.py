@@ -358,10 +358,12 @@ class TrainStep(TrainerReplica):
         worker 0's and stays: the readers keep their link."""
         self.restarts = self.store.claim_trainer()  # the store counts every trainer rebuilt
         why = refusal(self.recovery, self.source, self.restarts)
-        if why is not None or self.group is None or self.sharded:  # a sharded model is not re-sharded in place
+        if why is not None or self.group is None:
             raise lost
         self.fault = Fault(str(lost).split(";")[0], time.time())
         self._leave_group()
+        if self.sharded:  # this worker's shards belonged to the dead group: sharded again in the new one
+            self.reload_unsharded()
         ranks = dict(store=self.store, spec=self.spec, version=None, rebuilt=True)  # the checkpoint's weights next
         self.group = self.workers(ranks, self.data_parallel, device=self.numerics.torch_device())
         self.join_group(self.group.collective)

@@ -164,6 +164,53 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
         print(f"{kill.kind}: {kill.seconds:.1f} s from the kill to step {kill.step}'s metrics")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_killed_fsdp_worker_and_train_step_are_rebuilt_and_the_run_matches_an_uninterrupted_one(tmp_path, chaos):
+    """The sharded case of the test above: FSDP x 2 (each worker holds half of the parameters,
+    gradients and Adam moments), a trainer worker SIGKILLed at step 4, then the train step's
+    process at step 7. Worker 0 leaves the dead group, reloads an unsharded model, shards it again
+    in a new group with a new worker 1, and both load their shards of checkpoint 3 and retrain
+    the steps since; the run ends with the uninterrupted sharded run's per-step metrics (1e-6)
+    and final weights (1e-5)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import polars as pl
+
+    from trajflow.engines import checkpoint as ckpt
+
+    args = ["quickstart", *SYNC, "--set", "trainer.sharding=fsdp"]
+    run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
+    with ThreadPoolExecutor(1) as pool:
+        base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
+        result = chaos.chaos_run(args, run_dir, SYNC_KILLS, tmp_path / "log")
+        assert base_run.result().status == 0, base_run.result().output[-3000:]
+    assert result.status == 0 and result.killed == len(SYNC_KILLS), result.output[-3000:]
+    recoveries, lines = _recoveries(run_dir), _recovered_lines(result.output)
+    assert len(recoveries) == len(SYNC_KILLS) and len(lines) == len(SYNC_KILLS), (recoveries, lines)
+    assert recoveries[0]["event"].startswith("trainer worker 1 of 2 (node "), recoveries
+    for (_, kill_at), recovery in zip(SYNC_KILLS, recoveries):
+        assert recovery["step"] in (kill_at - 1, kill_at), recoveries
+        checkpoint = recovery["step"] // CHECKPOINT_EVERY * CHECKPOINT_EVERY
+        assert f"rebuilt from checkpoint {checkpoint}," in recovery["event"], recoveries
+    base, healed = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
+    assert healed["step"].to_list() == list(range(STEPS))
+    assert (healed["trainer/num_workers"] == 2).all()
+    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
+    assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version", "trainer/dummy_passes"} <= set(compared)
+    for c in compared:
+        np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
+                                   atol=1e-6, rtol=0, err_msg=c)
+    final = [ckpt.latest_checkpoint(d / "checkpoints") for d in (uninterrupted, run_dir)]
+    assert [c.version for c in final] == [STEPS, STEPS] and all(c.sharded for c in final)
+    a, b = (c.model_state() for c in final)
+    gap = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"\nFSDP x 2 healed twice: final weights differ from the uninterrupted run's by {gap:.1e}")
+    assert gap <= 1e-5
+    assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_policy_store_is_one_line_naming_resume(ray_session):
     """A store that the run does not rebuild (recovery.max_restarts 0): the ActorDiedError a

@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,6 +91,16 @@ class TrainerReplica(ReplicaState, PolicyHolder):
         # (operators/trainer/recovery.py): the model directory's weights until then, since the
         # store may hold no tensors of its versions (weight_sync collective).
         self.version, weights = (store.latest_version(), {}) if rebuilt else store.weights(version)
+        self.model = self._load_policy(weights)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_steps = 0
+        if not self.sharded:
+            self._start()
+
+    def _load_policy(self, weights: Mapping[str, Tensor]) -> torch.nn.Module:
+        """The policy: the model directory's weights, then `weights` (full weights, a LoRA
+        adapter over the directory's base, or none), in the training numerics."""
+        spec = self.spec
         model = load_model(spec.model_path)
         if lora.is_adapter(weights):  # a resumed LoRA run: the model directory's base + the version's adapter
             model = lora.wrap(model, spec.lora)
@@ -101,13 +111,18 @@ class TrainerReplica(ReplicaState, PolicyHolder):
             if spec.lora.enabled:
                 model = lora.wrap(model, spec.lora)
         # sharded, the model reaches the device shard by shard (operators/trainer/fsdp.py), never whole
-        self.model = model.eval() if self.sharded else spec.numerics.prepare(model)
+        model = model.eval() if self.sharded else spec.numerics.prepare(model)
         if spec.data_parallel.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.optimizer_steps = 0
-        if not self.sharded:
-            self._start()
+            enable_gradient_checkpointing(model)
+        return model
+
+    def reload_unsharded(self) -> None:
+        """A sharded worker whose group is gone (a worker died): a fresh unsharded policy (FSDP
+        does not re-shard a model in place), optimizer and strategy, to join a new group and load
+        a checkpoint into (operators/trainer/recovery.py)."""
+        self.model = self._load_policy({})
+        self.optimizer, self.optimizer_steps = None, 0
+        self.strategy = copy.deepcopy(self.spec.strategy)
 
     def join_group(self, collective: Collective) -> None:
         """Train in `collective`'s group from now on. A sharded worker shards its model over it
