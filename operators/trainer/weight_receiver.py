@@ -68,6 +68,8 @@ class WeightReceiver:
 
     def __init__(self, store: PolicyStoreClient, config: WeightSyncConfig, dtype: str, history: bool,
                  device: str = "cpu") -> None:
+        import torch  # noqa: F401 - the store's versions arrive as tensors only where torch is loaded (schemas/weights.py)
+
         self.store, self.config, self.dtype, self.history, self.device = store, config, dtype, history, device
         self.held: dict[int, dict[str, Tensor]] = {}
         self.keep: int | None = None  # versions kept: 1, or the staleness window S+1 (history)
