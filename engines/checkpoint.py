@@ -45,6 +45,10 @@ runs that keep every version for exact offline replay. A LoRA run's version is i
                                  `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), v000012)`
 
 `load_version` reads either kind back as the version's payload (full weights, or the adapter).
+
+One module on purpose: the on-disk formats (replicated, sharded, exported, version files) and
+their atomic writing and checked reading are one contract; a writer and a reader kept apart
+could drift.
 """
 
 from __future__ import annotations

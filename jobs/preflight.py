@@ -89,7 +89,7 @@ def check_version_space(config: JobConfig, model_path: Path, root: Path) -> str:
     if config.lora.r > 0:
         from trajflow.engines.lora import adapter_nbytes
 
-        nbytes = adapter_nbytes(model_path, config.lora.spec())
+        nbytes = adapter_nbytes(model_path, config.settings.lora)
         total = full + nbytes * versions
         estimate = (f"save_all_versions: the base once ({_human(full)}) + {versions} adapters x {_human(nbytes)} = "
                     f"{_human(total)} of weights")

@@ -151,7 +151,7 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     assert healed_metrics["recovery/restarts"].to_list() == restarts
     assert (base["recovery/restarts"] == 0).all()
     compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version"} <= set(compared)
+    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"} <= set(compared)
     for c in compared:
         np.testing.assert_allclose(healed_metrics[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
                                    atol=1e-6, rtol=0, err_msg=c)
@@ -198,7 +198,7 @@ def test_killed_fsdp_worker_and_train_step_are_rebuilt_and_the_run_matches_an_un
     assert healed["step"].to_list() == list(range(STEPS))
     assert (healed["trainer/num_workers"] == 2).all()
     compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version", "trainer/dummy_passes"} <= set(compared)
+    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version", "trainer/dummy_passes"} <= set(compared)
     for c in compared:
         np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
                                    atol=1e-6, rtol=0, err_msg=c)
@@ -317,7 +317,7 @@ def test_collective_sync_heals_a_killed_trainer_and_matches_an_uninterrupted_obj
     assert gap <= 1.5e-5
     base, healed = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
     compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version"} <= set(compared)
+    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"} <= set(compared)
     for c in compared:
         np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
                                    atol=1e-6, rtol=0, err_msg=c)
@@ -385,7 +385,7 @@ def test_a_store_killed_in_sync_mode_is_rebuilt_and_the_run_matches_an_uninterru
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
     base, healed = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
     compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version"} <= set(compared)
+    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"} <= set(compared)
     for c in compared:
         np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
                                    atol=1e-6, rtol=0, err_msg=c)
@@ -480,9 +480,9 @@ class _Disk:
 def test_a_dead_store_needs_the_window_and_names_the_setting_without_it():
     """The newest published version is the newest on disk or the one after the newest logged
     step; with history kept the window is it and the max_staleness before it."""
-    from trajflow.pipelines.store_recovery import StoreSpec, needed_versions, refusal
+    from trajflow.pipelines.store_recovery import StoreConfig, needed_versions, refusal
 
-    snapshot, newest_only = StoreSpec(2, True, max_restarts=3), StoreSpec(2, False, max_restarts=3)
+    snapshot, newest_only = StoreConfig(2, True, max_restarts=3), StoreConfig(2, False, max_restarts=3)
     every = _Disk(kept=[0, 1, 2, 3, 4, 5], logged=4)  # version 5 written before it was published
     assert needed_versions(every, snapshot) == ([3, 4, 5], [])
     assert needed_versions(every, newest_only) == ([5], [])
@@ -546,9 +546,9 @@ def test_a_lora_store_is_rebuilt_from_checkpoints_holding_adapters(ray_session, 
     from trajflow.engines.models import WARM_START_DIR, load_model
     from trajflow.jobs.recorder import RunPaths, RunRecorder
     from trajflow.pipelines.policy_store import RayStore
-    from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreSpec, needed_versions, rebuild, refusal
+    from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreConfig, needed_versions, rebuild, refusal
 
-    settings = lora.LoraSettings(r=8)
+    settings = lora.LoraConfig(r=8)
     model = lora.wrap(load_model(WARM_START_DIR), settings)
     adapters = {}
     for version in (1, 2, 3):  # checkpoints of versions 1..3, each its own adapter
@@ -561,7 +561,7 @@ def test_a_lora_store_is_rebuilt_from_checkpoints_holding_adapters(ray_session, 
             ckpt.write_replica(tmp, adapters[version], weights_file=ckpt.ADAPTER_FILE)
     recorder = RunRecorder(run_dir=str(tmp_path), steps=4, checkpoint_every=1, keep_checkpoints=5,
                            save_all_versions=False, trajectory_log=True)
-    spec = StoreSpec(max_staleness=1, keep_history=True, max_restarts=3, adapters=True)
+    spec = StoreConfig(max_staleness=1, keep_history=True, max_restarts=3, adapters=True)
     assert recorder.kept_versions(adapters=True) == [1, 2, 3] and recorder.kept_versions() == [1, 2, 3]
     assert needed_versions(recorder, spec) == ([2, 3], []) and refusal(recorder, spec, 1) is None
 
