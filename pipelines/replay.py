@@ -25,8 +25,9 @@ you pass, with the stages you inserted), turned into a replay by one rule:
 The weights of each needed version are read from the checkpoints dir (`versions/v000012.safetensors`
 as written with `save_all_versions: true`, a LoRA run's adapter directory `versions/v000012/`, or
 `checkpoints/step-000012/model.safetensors` / `adapter.safetensors`) and published into a policy
-store (a LoRA run's adapters as such: each reader merges them into the base, as live). Every needed version is checked before Ray starts: the ones missing
-are reported by number (`ReplayError`).
+store (a LoRA run's adapters as such: each reader merges them into the base, as live). Every
+needed version is checked before Ray starts: the ones missing are reported by number
+(`ReplayError`).
 
     --diagnose  needs, per step k, the trainer's weights of version k (pi_theta), plus what each
                 strategy asks (`Strategy.replay_versions`: each token's behavior version for the

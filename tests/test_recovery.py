@@ -103,6 +103,37 @@ def _recovered_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("trajflow: recovered: ")]
 
 
+COMPARED_AT_LEAST = {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"}
+
+
+def _assert_same_metrics(base, healed, at_least: set[str] = COMPARED_AT_LEAST) -> None:
+    """Every numeric metric but the timings of the uninterrupted run `base` within 1e-6 in `healed`."""
+    import numpy as np
+    import polars as pl
+
+    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
+    assert at_least <= set(compared)
+    for c in compared:
+        np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
+                                   atol=1e-6, rtol=0, err_msg=c)
+
+
+def _weights_gap(checkpoints) -> float:
+    """max |a - b| over the weights of two checkpoints."""
+    a, b = (c.model_state() for c in checkpoints)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _assert_matches_uninterrupted(uninterrupted, run_dir) -> None:
+    """The healed run's metrics (1e-6) and last checkpoint's weights (1e-5) are the uninterrupted run's."""
+    import polars as pl
+
+    from trajflow.engines import checkpoint as ckpt
+
+    _assert_same_metrics(*(pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir)))
+    assert _weights_gap([ckpt.latest_checkpoint(d / "checkpoints") for d in (uninterrupted, run_dir)]) <= 1e-5
+
+
 # sync: a trainer worker killed while step 4 trains, then the train step's process at step 7
 SYNC_KILLS = [("trainer_worker", 4), ("train_step", 7)]
 
@@ -118,7 +149,6 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     goes alongside (its own Ray; the two share no state)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
     import polars as pl
 
     from trajflow.engines import checkpoint as ckpt
@@ -150,15 +180,10 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     restarts = [0] * first + [1] * (second - first) + [2] * (STEPS - second)
     assert healed_metrics["recovery/restarts"].to_list() == restarts
     assert (base["recovery/restarts"] == 0).all()
-    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"} <= set(compared)
-    for c in compared:
-        np.testing.assert_allclose(healed_metrics[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
-                                   atol=1e-6, rtol=0, err_msg=c)
+    _assert_same_metrics(base, healed_metrics)
     final = [ckpt.latest_checkpoint(d / "checkpoints") for d in (uninterrupted, run_dir)]
     assert [c.version for c in final] == [STEPS, STEPS]
-    a, b = (c.model_state() for c in final)
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+    assert _weights_gap(final) <= 1e-5
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
     for kill in result.kills:
         print(f"{kill.kind}: {kill.seconds:.1f} s from the kill to step {kill.step}'s metrics")
@@ -175,7 +200,6 @@ def test_killed_fsdp_worker_and_train_step_are_rebuilt_and_the_run_matches_an_un
     and final weights (1e-5)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
     import polars as pl
 
     from trajflow.engines import checkpoint as ckpt
@@ -197,15 +221,10 @@ def test_killed_fsdp_worker_and_train_step_are_rebuilt_and_the_run_matches_an_un
     base, healed = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
     assert healed["step"].to_list() == list(range(STEPS))
     assert (healed["trainer/num_workers"] == 2).all()
-    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version", "trainer/dummy_passes"} <= set(compared)
-    for c in compared:
-        np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
-                                   atol=1e-6, rtol=0, err_msg=c)
+    _assert_same_metrics(base, healed, COMPARED_AT_LEAST | {"trainer/dummy_passes"})
     final = [ckpt.latest_checkpoint(d / "checkpoints") for d in (uninterrupted, run_dir)]
     assert [c.version for c in final] == [STEPS, STEPS] and all(c.sharded for c in final)
-    a, b = (c.model_state() for c in final)
-    gap = max(float((a[k] - b[k]).abs().max()) for k in a)
+    gap = _weights_gap(final)
     print(f"\nFSDP x 2 healed twice: final weights differ from the uninterrupted run's by {gap:.1e}")
     assert gap <= 1e-5
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
@@ -299,11 +318,6 @@ def test_collective_sync_heals_a_killed_trainer_and_matches_an_uninterrupted_obj
     and final weights of an uninterrupted object_store run (float32 readers: the same numbers)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
-    import polars as pl
-
-    from trajflow.engines import checkpoint as ckpt
-
     args = ["quickstart", *_one_worker(SYNC)]
     run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
     with ThreadPoolExecutor(1) as pool:
@@ -315,14 +329,7 @@ def test_collective_sync_heals_a_killed_trainer_and_matches_an_uninterrupted_obj
     gap = _exactness_gap(run_dir, recovery["step"], STEPS)
     print(f"\ncollective sync, trainer killed at step 4: max |old - inference| {gap:.2e} after the recovery")
     assert gap <= 1.5e-5
-    base, healed = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
-    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"} <= set(compared)
-    for c in compared:
-        np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
-                                   atol=1e-6, rtol=0, err_msg=c)
-    a, b = (ckpt.latest_checkpoint(d / "checkpoints").model_state() for d in (uninterrupted, run_dir))
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+    _assert_matches_uninterrupted(uninterrupted, run_dir)
 
 
 @pytest.mark.slow
@@ -367,11 +374,6 @@ def test_a_store_killed_in_sync_mode_is_rebuilt_and_the_run_matches_an_uninterru
     (1e-6) and final weights (1e-5)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
-    import polars as pl
-
-    from trajflow.engines import checkpoint as ckpt
-
     args = ["quickstart", *[{"save_all_versions=false": "save_all_versions=true"}.get(a, a) for a in _one_worker(SYNC)]]
     run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
     with ThreadPoolExecutor(1) as pool:
@@ -383,14 +385,7 @@ def test_a_store_killed_in_sync_mode_is_rebuilt_and_the_run_matches_an_uninterru
     assert recovery["event"].startswith("the policy store died; rebuilt with version "), recovery
     assert _recovered_lines(result.output) == [f"trajflow: recovered: {recovery['event']}"]
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
-    base, healed = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
-    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"} <= set(compared)
-    for c in compared:
-        np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
-                                   atol=1e-6, rtol=0, err_msg=c)
-    a, b = (ckpt.latest_checkpoint(d / "checkpoints").model_state() for d in (uninterrupted, run_dir))
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+    _assert_matches_uninterrupted(uninterrupted, run_dir)
 
 
 @pytest.mark.slow
