@@ -26,9 +26,8 @@ what runs where Ray cannot.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-import polars as pl
 import pyarrow as pa
 
 from trajflow.engines.models import load_model
@@ -46,26 +45,35 @@ def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: rang
     weights. `store`: a policy store holding the first step's version (default: a new in-process
     one with the model at `pipe.model_path` as version 0); `workers`: how the train step starts
     its data-parallel workers 1..N-1 (default: threads of this process)."""
+    import polars as pl
+
     steps = range(pipe.config.steps) if steps is None else steps
     if store is None:
         store = InProcessStore(pipe.config.max_staleness, pipe.strategy.keep_history)
         store.publish(load_model(pipe.model_path).state_dict(), steps.start)  # the model at model_path
-    operators = [build(stage, store, workers) for stage in pipe.stages]
-    try:
-        rows = []
-        for step in steps:
-            batch = pipe.prompts.step_rows(step)  # this step's prompt rows
-            for operator in operators:  # generate -> reward -> ... -> train: one Arrow table to the next
-                batch = operator(batch)
-            rows += batch.to_pylist()  # the train step's metrics row
-    finally:
-        for operator in operators:  # a train step with data-parallel workers ends them
-            if hasattr(operator, "close"):
-                operator.close()
+    rows = [row for _, row in iter_in_process(pipe, store, steps, workers)]
     metrics = pl.from_dicts(rows, infer_schema_length=None)
     if not final_weights:
         return metrics
     return metrics, {k: v.clone() for k, v in store.weights(steps.stop)[1].items()}
+
+
+def iter_in_process(pipe: RLPipeline, store: PolicyStoreClient, steps: range,
+                    workers: type[WorkerGroup] = InProcessGroup) -> Iterator[tuple[pa.Table, dict]]:
+    """The loop itself: per step, the batch as it reached the train step and the step's metrics
+    row. Needs neither Ray nor polars (scripts/gpu_check.sh runs it where neither is installed)."""
+    operators = [build(stage, store, workers) for stage in pipe.stages]
+    try:
+        for step in steps:
+            batch = pipe.prompts.step_rows(step)  # this step's prompt rows
+            for operator in operators[:-1]:  # generate -> reward -> ... : one Arrow table to the next
+                batch = operator(batch)
+            for row in operators[-1](batch).to_pylist():  # the train step's metrics row (none: nothing trained)
+                yield batch, row
+    finally:
+        for operator in operators:  # a train step with data-parallel workers ends them
+            if hasattr(operator, "close"):
+                operator.close()
 
 
 def build(stage: Stage, store: PolicyStoreClient,
