@@ -38,7 +38,7 @@ import torch
 torch.set_num_threads(spec["threads"])
 from trajflow.engines.factory import make_engine
 from trajflow.engines.models import load_tokenizer
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.tokenizer import encode_prompts, stop_token_ids
 rows = [json.loads(line) for line in open(spec["data"])][: spec["prompts"]]
 tokenizer = load_tokenizer(spec["model"])
@@ -46,7 +46,7 @@ prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows])
 extra = {"kv_cache_memory_bytes": 1 << 30} if spec["engine"] == "vllm" else {}
 started = time.perf_counter()
 engine = make_engine(spec["engine"], spec["model"], eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                     sampling=SamplingParams(max_new_tokens=spec["max_new_tokens"]),
+                     sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"]),
                      inference_dtype=spec["dtype"], seed=0, stop_token_ids=stop_token_ids(tokenizer, spec["model"]),
                      tokenizer=tokenizer, **extra)
 load = time.perf_counter() - started
