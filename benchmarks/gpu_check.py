@@ -336,10 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":  # every operator picks the GPU it sees: let it see none
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import_trajflow()
-    import torch
-
     shape = CPU_SHAPE if args.small else GPU_SHAPE
-    device = args.device or ("cuda" if torch.cuda.is_available() else None)
+    try:
+        import torch
+    except ImportError:  # a dry run needs no torch: a machine without one has no CUDA either
+        torch = None
+        if args.device is None:
+            print(f"gpu_check: {sys.executable} has no torch (on the GPU machine, python3 has)")
+    device = args.device or ("cuda" if torch is not None and torch.cuda.is_available() else None)
     if device is None:
         print("gpu_check: no CUDA device here; on a GPU machine this runs, in one process:")
         for line in plan(shape, "cuda"):
