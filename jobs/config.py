@@ -77,11 +77,27 @@ def format_validation_error(error: ValidationError) -> str:
         kind = e.get("type", "")
         if kind == "extra_forbidden":
             msg = "unknown key"
+        elif kind in MAPPING_ERRORS:  # a section or a dict-typed key given something else
+            msg = f"expected a mapping of keys to values (e.g. {{key: value}}), got {_described(e.get('input'))}"
         elif kind != "value_error" and isinstance(e.get("input"), (str, int, float)) and len(repr(e["input"])) < 40:
             msg += f" (got {e['input']!r})"
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         parts.append(f"{key}: {msg}" if key else msg)
     return "; ".join(parts).replace("\n", " ")
+
+
+# pydantic's error types for a value that should be a mapping: a dict-typed key, or a section
+MAPPING_ERRORS = ("dict_type", "model_type", "model_attributes_type", "dataclass_type")
+
+
+def _described(value: Any) -> str:
+    """`a list [1, 2]`, `the string 'abc'`: what was given instead of a mapping, briefly."""
+    if value is None:
+        return "null"
+    kind = {list: "a list", str: "the string", bool: "the boolean", int: "the number",
+            float: "the number"}.get(type(value), type(value).__name__)
+    text = repr(value) if not isinstance(value, bool) else str(value).lower()
+    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -70,6 +70,8 @@ def _kind(annotation: Any) -> str:
     for a in (annotation, *typing.get_args(annotation)):
         if a in names:
             return names[a]
+        if typing.get_origin(a) is dict or (isinstance(a, type) and issubclass(a, BaseModel)):
+            return "a mapping of keys to values (e.g. {key: value})"
     return "a value of another type"
 
 
@@ -438,9 +440,10 @@ class PipelineConfig(_Strict):
         from trajflow.tasks.dataset import checked_dataset
 
         # every row of every file, read and tokenized once (kept for the run's prompt source)
-        train = checked_dataset(self.data, workload.train_files(), tokenizer)
+        required = workload.required_columns()  # the reward's; other columns may be null
+        train = checked_dataset(self.data, workload.train_files(), tokenizer, required=required)
         if self.data.test_files:
-            checked_dataset(self.data, workload.test_files(), tokenizer, key="data.test_files")
+            checked_dataset(self.data, workload.test_files(), tokenizer, key="data.test_files", required=required)
         if self.data.epochs is not None:
             epoch = train.epoch_size
             available = self.data.epochs * epoch // self.prompts_per_step
@@ -553,7 +556,10 @@ def migrate_deprecated_keys(data: dict) -> dict:
     per key. A strategy setting goes under `strategy_options` only if the configured strategy
     takes it (it used to be ignored by the others); else it is dropped, and the notice says so."""
     data = dict(data)
-    options = dict(data.get("strategy_options") or {})
+    given = data.get("strategy_options")
+    if given is not None and not isinstance(given, dict):
+        return data  # not a mapping: the field's own validation names the key
+    options = dict(given or {})
     accepted = _strategy_parameters(data.get("strategy", PipelineConfig.model_fields["strategy"].default))
     for old, new in RENAMED_KEYS.items():
         section, _, key = old.rpartition(".")
