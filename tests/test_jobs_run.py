@@ -552,6 +552,44 @@ def test_replay_train_on_the_logged_data_retraces_the_run(quick_run, tmp_path, r
     assert max(float((trained[k] - original[k]).abs().max()) for k in original) < 1e-5
 
 
+LOUD_STRATEGY = """
+import sys
+import warnings
+
+from trajflow.operators.strategies.snapshot import Snapshot
+
+
+class Loud(Snapshot):
+    name = "loud"
+
+    def proximal(self, batch, current, trainer):
+        warnings.warn("loud: a warning from the strategy")
+        print("loud: a line on stderr", file=sys.stderr, flush=True)
+        return super().proximal(batch, current, trainer)
+"""
+
+
+def test_replay_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(quick_run, tmp_path):
+    """`trajflow replay` (a subprocess: its own Ray forwards the workers' lines) is as quiet as
+    `run`: a strategy that warns and writes to stderr in the Ray worker shows in OUT/workers.log,
+    not in the output; with --verbose it is printed."""
+    run_dir, _ = quick_run
+    (tmp_path / "loud.py").write_text(LOUD_STRATEGY)
+    log = _copy_log(run_dir, tmp_path / "log", steps=range(2))
+    args = ["replay", log, "--checkpoints", run_dir / "versions", "--strategy", f"{tmp_path / 'loud.py'}:Loud",
+            "--config", run_dir / "config.yaml", "--no-progress"]
+    proc = run_cli([*args, "--out", tmp_path / "quiet"])
+    assert proc.returncode == 0, _explain(proc)
+    assert proc.stderr == "", _explain(proc)
+    assert "loud:" not in proc.stdout and "pid=" not in proc.stdout, _explain(proc)
+    workers = (tmp_path / "quiet" / "workers.log").read_text()
+    assert "loud: a warning from the strategy" in workers and "loud: a line on stderr" in workers
+    proc = run_cli([*args, "--out", tmp_path / "loud", "--verbose"])
+    assert proc.returncode == 0, _explain(proc)
+    assert "loud: a line on stderr" in proc.stdout + proc.stderr, _explain(proc)
+    assert not (tmp_path / "loud" / "workers.log").exists()
+
+
 def test_the_session_ray_listens_on_loopback_only(ray_session):
     """The test session's own Ray is started like a run's (conftest: start_local_ray)."""
     from trajflow.pipelines.local_ray import SINGLE_NODE_ENV
