@@ -160,11 +160,12 @@ def _prepare(table: pa.Table) -> pa.Table:
         KL_PENALTY_COLUMN,
         PROXIMAL_COLUMN,
         REFERENCE_COLUMN,
+        TOKEN_ADVANTAGE_COLUMN,
         replace_column,
     )
 
-    table = table.drop_columns([c for c in (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN)
-                                if c in table.column_names])
+    table = table.drop_columns([c for c in (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN,
+                                            TOKEN_ADVANTAGE_COLUMN) if c in table.column_names])
     table = replace_column(table, "old_logprobs", pa.nulls(table.num_rows, pa.list_(pa.float32())))
     return replace_column(table, "advantage", pa.nulls(table.num_rows, pa.float32()))
 

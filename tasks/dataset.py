@@ -59,7 +59,7 @@ RESERVED_COLUMNS = (
     "trajectory_id", "group_id", "prompt_id", "prompt_tokens", "response_tokens", "loss_mask",
     "inference_logprobs", "versions", "old_logprobs", "finish_reason", "reward", "advantage",
     "rollout_step", "filter_reason", "trainer_version", "turns", "reward_error", "step",
-    "proximal_logprobs", "reference_logprobs", "kl_penalty", "prompts", "completions",
+    "proximal_logprobs", "reference_logprobs", "kl_penalty", "token_advantages", "prompts", "completions",
 )
 BATCH_ROWS = 2048  # rows read, checked and tokenized at a time: validation's memory bound
 PROGRESS_AFTER_SECONDS = 3.0  # a longer check prints a progress line ...

@@ -63,8 +63,12 @@ def _kind(annotation: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_kind(a) for a in args)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"a list of {_kind(args[0])}"
     if origin is tuple:
         return f"a list of {len(args)} numbers"
+    if dataclasses.is_dataclass(annotation):
+        return f"mappings with the keys {', '.join(f.name for f in dataclasses.fields(annotation))}"
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
@@ -104,6 +108,11 @@ def _converted(annotation: Any, value: Any) -> tuple[bool, Any]:
         else:
             return False, value
         return all(ok for ok, _ in items), tuple(v for _, v in items)
+    if dataclasses.is_dataclass(annotation) and isinstance(value, dict):  # a nested settings group
+        try:
+            return True, annotation(**value)
+        except TypeError:  # an unknown or missing key
+            return False, value
     if isinstance(annotation, type):
         return isinstance(value, annotation), value
     return True, value
