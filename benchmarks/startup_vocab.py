@@ -79,7 +79,7 @@ def build_assets(root: Path) -> Path:
         "data": {"train_files": [str(root / "train.jsonl")], "test_files": [str(root / "test.jsonl")],
                  "prompt_key": "prompt", "max_prompt_tokens": 128},
         "prompts_per_step": 16, "group_size": 8, "max_staleness": 1, "eval_every": 0,
-        "sampling": {"max_new_tokens": 6}, "checkpoint_every": 0, "tensorboard": False,
+        "sampling": {"max_new_tokens": 6}, "checkpoint_every": 0, "report_to": [],
     }))
     return path
 

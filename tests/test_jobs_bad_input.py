@@ -276,7 +276,7 @@ CASES = [
     Case("compare-out-not-png", ["compare", "plain", "--out", "plots.pdf"], ("ending in .png",)),
     Case("compare-out-exists", ["compare", "plain", "--out", "mine.png"], ("mine.png already exists", "--overwrite"),
          {"mine.png": b"not yours"}),
-    Case("compare-nothing", ["compare"], ("run_dirs",)),
+    Case("compare-nothing", ["compare"], ("the following arguments are required: RUN",)),
     # -- generate / eval (no Ray)
     Case("generate-model-missing", ["generate", "--model", "/missing"], ("--model: /missing is not a local model",)),
     Case("generate-n-zero", ["generate", "--n", "0"], ("--n: must be at least 1, got 0",)),

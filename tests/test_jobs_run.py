@@ -229,7 +229,7 @@ def test_status_lines_are_printed_as_their_steps_end(tmp_path):
     args = ["run", "quickstart", "--run-dir", run_dir, "--no-progress", "--set", f"steps={steps}",
             "--set", "max_staleness=0", "--set", "prompts_per_step=4", "--set", "group_size=2",
             "--set", "simulate_decode_seconds=0.3", "--set", "eval_every=0", "--set", "checkpoint_every=0",
-            "--set", "save_all_versions=false", "--set", "trajectory_log=false", "--set", "tensorboard=false"]
+            "--set", "save_all_versions=false", "--set", "trajectory_log=false", "--set", "report_to=[]"]
     proc = subprocess.Popen([str(entry), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=_env())
     arrived: dict[int, float] = {}
@@ -484,7 +484,7 @@ def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path
     run_dir = tmp_path / "killed"
     args = ["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={steps}", *SMALL, "--set", "lora.r=8",
             "--set", "max_staleness=2", "--set", "inference_dtype=float32", "--set", "checkpoint_every=2",
-            "--set", "keep_checkpoints=2", "--set", "save_all_versions=false", "--set", "tensorboard=false",
+            "--set", "keep_checkpoints=2", "--set", "save_all_versions=false", "--set", "report_to=[]",
             "--set", "eval_every=4", "--set", "eval_prompts=16"]
     run_until_checkpoint_then_kill(args, run_dir, 4, tmp_path / "first.log")
     logged_before = sorted((run_dir / "metrics").glob("step=*.parquet"))
