@@ -48,12 +48,13 @@ from trajflow.jobs.recorder import (
     write_table_atomic,
 )
 from trajflow.pipelines.colocation import NODE_AREA
-from trajflow.pipelines.local_ray import WORKER_ENV, start_local_ray
+from trajflow.pipelines.local_ray import WORKER_ENV, keep_session_logs, session_logs_to, start_local_ray
 from trajflow.pipelines.quiet import quiet_ray, quiet_run
 
 log = logging.getLogger("trajflow")
 
 NODE_PREFIX = f"{NODE_AREA}/"  # metrics-row columns naming the node of a stage's process
+RAY_LOGS = "ray-logs"  # a failed run's embedded Ray logs (pipelines/local_ray.py), in the run dir
 
 # (label, metrics key, format) of a status line, in the order they are dropped last to first
 STATUS_KEYS = (
@@ -156,9 +157,10 @@ def default_run_dir(config: JobConfig) -> Path:
     return path
 
 
-def start_ray(config: JobConfig, verbose: bool = False) -> None:
-    """The embedded Ray (pipelines/local_ray.py: 127.0.0.1 only, ended with this process), or a
-    connection to `ray_address` / RAY_ADDRESS."""
+def start_ray(config: JobConfig, verbose: bool = False, logs: Path | None = None) -> None:
+    """The embedded Ray (pipelines/local_ray.py: 127.0.0.1 only, ended with this process, its
+    session dir removed at exit; kept in `logs` if the run fails), or a connection to
+    `ray_address` / RAY_ADDRESS."""
     import ray
 
     if ray.is_initialized():
@@ -166,6 +168,8 @@ def start_ray(config: JobConfig, verbose: bool = False) -> None:
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
     if not address:  # torch and transformers (the pipeline's model code) load while Ray starts
         start_local_ray(dashboard=config.dashboard, verbose=verbose, imports=("trajflow.engines.models",))
+        if logs is not None:
+            session_logs_to(logs)
         return
     quiet_ray(verbose)
     runtime_env = {"env_vars": dict(WORKER_ENV)}
@@ -460,7 +464,7 @@ def prepare_pipeline(config: JobConfig, verbose: bool = False):
     (check_cluster): a cluster that cannot be reached or cannot hold the run ends here, before
     anything is written."""
     check_gpus_here(config)
-    start_ray(config, verbose)
+    start_ray(config, verbose, logs=Path(config.run_dir) / RAY_LOGS if config.run_dir is not None else None)
     with quiet_run(verbose):
         from trajflow.pipelines.rl_loop import RLPipeline
 
@@ -577,6 +581,8 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
 
         stopped = isinstance(e, (KeyboardInterrupt, SystemExit))
         _end_session(paths, "stopped" if stopped else "failed", f"{type(e).__name__}: {e}"[:500])
+        if not stopped:  # the embedded Ray's logs survive the process, in RUN/ray-logs
+            keep_session_logs()
         if trackers is not None:
             trackers.finish(tracked_summary(paths.root), "stopped" if stopped else "failed")
         if isinstance(e, (RewardFailed, StoreLost)):  # the reward is broken, or a store not rebuilt: one line
@@ -648,6 +654,8 @@ def _finish(config: JobConfig, paths: RunPaths, first_step: int, started: float,
     print(summary, flush=True)
     missing = sorted(set(range(config.steps)) - set(metrics["step"].to_list() if not metrics.is_empty() else []))
     state = "failed" if missing else "finished"
+    if missing:
+        keep_session_logs()
     _end_session(paths, state, f"steps without metrics: {missing}" if missing else None)
     if trackers is not None:  # the summary and the run's files (PNGs drawn now) to W&B / MLflow / TensorBoard
         trackers.finish(tracked_summary(paths.root), state)
