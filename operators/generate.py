@@ -37,7 +37,7 @@ from trajflow.engines.factory import VllmOptions, make_engine
 from trajflow.engines.lora import VersionWeights, is_adapter
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
-from trajflow.engines.tokenizer import stop_token_ids
+from trajflow.engines.tokenizer import TokenIds
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.engines.torch_engine import Generation, TorchEngine
 from trajflow.operators.store import PolicyStoreClient
@@ -81,6 +81,7 @@ class Generate:
         weight_sync: WeightSyncConfig,
         lora_slots: int = 0,
         lora_rank: int = 0,
+        token_ids: TokenIds | None = None,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
@@ -88,7 +89,11 @@ class Generate:
         self.source = version_source(store, weight_sync, reader_dtype(inference_dtype, exact=scores_at_switch),
                                      history=False, device=str(numerics.torch_device()))
         self.environment = workload.environment()
-        self.tokenizer = load_tokenizer(model_path)
+        # The tokenizer only to decode (stop strings, an environment's turns): eos, pad and the
+        # stop ids come from the driver's (`token_ids`), which had it loaded already
+        decodes = bool(sampling.stop) or self.environment is not None or token_ids is None
+        self.tokenizer = load_tokenizer(model_path) if decodes else None
+        token_ids = token_ids or TokenIds.of(self.tokenizer, model_path)
         self.group_size = group_size
         self.sampling = sampling
         self.seed = seed
@@ -107,9 +112,9 @@ class Generate:
             engine,
             model if engine == "torch" else model_path,
             vllm=vllm,
-            eos_id=self.tokenizer.eos_token_id,
-            pad_id=self.tokenizer.pad_token_id,
-            stop_token_ids=stop_token_ids(self.tokenizer, model_path),
+            eos_id=token_ids.eos_id,
+            pad_id=token_ids.pad_id,
+            stop_token_ids=list(token_ids.stop_ids),
             tokenizer=self.tokenizer,
             sampling=sampling,
             inference_dtype=inference_dtype,

@@ -163,6 +163,13 @@ def end_sessions(wait: float = SESSION_EXIT_WAIT_SECONDS) -> list[Path]:
     if ray.is_initialized():
         return []  # still in use: at exit, after Ray's own shutdown
     _tell_watchdog("clean")  # the driver ends normally: the session dirs are dealt with here
+    try:  # also a session a ray.init of this process left when it failed to start (named by our pid)
+        from ray._common.utils import get_default_ray_temp_dir
+
+        started = Path(get_default_ray_temp_dir()).glob(f"session_*_{os.getpid()}")
+    except ImportError:
+        started = ()
+    _sessions[:0] = [p for p in started if p.is_dir() and p not in _sessions]
     done = []
     deadline = time.monotonic() + wait
     latest_started = _sessions[-1] if _sessions else None  # a failed run's is the latest

@@ -39,6 +39,7 @@ import ray
 from ray.data import ActorPoolStrategy, DataContext
 
 from trajflow.engines.models import WARM_START_DIR
+from trajflow.engines.tokenizer import TokenIds
 from trajflow.engines.training_numerics import checkpoint_dropout
 from trajflow.operators.advantage import Advantage
 from trajflow.operators.after_step import HeldoutEvaluation, PublishWeights, StoreStatistics
@@ -222,6 +223,7 @@ class RLPipeline:
                 weight_sync=c.weight_sync.spec(),
                 lora_slots=c.engine_lora_slots(),
                 lora_rank=c.lora.r,
+                token_ids=self.token_ids(),
             ),
             c.generator,
             pool_size=c.num_generators,
@@ -238,6 +240,13 @@ class RLPipeline:
         if c.kl.beta > 0:  # a frozen reference model, scored like an old log-prob (beta 0 builds none)
             place(stages, self.reference_stage())
         return stages
+
+    def token_ids(self) -> TokenIds:
+        """eos, pad and stop ids of the tokenizer the config's validation loaded (the generator
+        then loads it only to decode)."""
+        from trajflow.pipelines.config import checked_tokenizer
+
+        return TokenIds.of(checked_tokenizer(self.model_path), self.model_path)
 
     def reference_stage(self) -> Placement:
         """The reference model's log-probs (operators/reference.py): before the advantage when the
