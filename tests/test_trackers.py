@@ -149,3 +149,32 @@ def test_the_tensorboard_key_still_works_with_a_notice(capfd):
     err = capfd.readouterr().err.splitlines()
     assert err[0] == "trajflow: deprecated: tensorboard: use report_to: []; the old key goes in the next release"
     assert build_job_config({}).report_to == ["tensorboard"]
+
+
+def test_a_resumed_run_continues_the_same_tracker_runs(ray_session, tmp_path):
+    """Two sessions of one run dir (steps 0-1, then --resume to 4 steps): one MLflow run holds
+    steps 0-3, and the W&B run keeps its id (an offline resume writes a second directory of the
+    same run, which `wandb sync` merges)."""
+    pytest.importorskip("wandb", reason="report_to wandb needs the wandb extra (pip install 'trajflow[wandb]')")
+    pytest.importorskip("mlflow", reason="report_to mlflow needs the mlflow extra (pip install 'trajflow[mlflow]')")
+    from mlflow import MlflowClient
+
+    from trajflow.jobs.config import load_job_config
+    from trajflow.jobs.run import resume_job, run_job
+    from trajflow.jobs.trackers import load_wandb_run
+
+    run_dir = tmp_path / "run"
+    small = {**SMALL, "steps": 2, "checkpoint_every": 1}
+    config = load_job_config("quickstart", [f"{k}={json.dumps(v)}" for k, v in small.items()] + [
+        "report_to=[wandb, mlflow]", "wandb_mode=offline"])
+    run_job(config.model_copy(update={"run_dir": run_dir}), progress=False)
+    first = json.loads((run_dir / "trackers.json").read_text())
+    resume_job(run_dir, ["steps=4"], progress=False)
+    assert json.loads((run_dir / "trackers.json").read_text()) == first
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    history = sorted(m.step for m in client.get_metric_history(first["mlflow"], "reward_mean"))
+    assert history == [0, 1, 2, 3]
+    assert client.get_run(first["mlflow"]).info.status == "FINISHED"
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(first["wandb"]) for r in runs)
+    assert load_wandb_run(runs[1]).metrics["step"].to_list() == [2, 3]
