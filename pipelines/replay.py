@@ -407,7 +407,8 @@ class Replay:
         ds = ray.data.from_arrow([_prepare(t) for _, t in sorted(self.steps.items())])
         # Everything before the last stage shares one process, the last (diagnose or train) its own:
         # every logged step is available at once, so scoring step b + 1 overlaps diagnosing step b.
-        groups = plan_groups(self.stages(stores), synchronous=False, colocate=self.config.colocate == "auto")
+        groups = plan_groups(self.stages(stores), synchronous=False, colocate=self.config.colocate != "off",
+                             rollout=self.config.colocate == "rollout")
         rows = self.config.rows_per_step
         return map_stages(ds, groups, store=stores["logged"], rows=rows, first_rows=rows,
                           light_stage_cpus=self.config.light_stage_cpus)

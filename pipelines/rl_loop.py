@@ -299,7 +299,7 @@ class RLPipeline:
         set, else the default plan for the config (see pipelines/colocation.py)."""
         if self.colocation is None:
             return plan_groups(self.stages, synchronous=self.config.max_staleness == 0,
-                               colocate=self.config.colocate == "auto")
+                               colocate=self.config.colocate != "off", rollout=self.config.colocate == "rollout")
         names = [name for group in self.colocation for name in group]
         if names != [s.name for s in self.stages]:
             raise ValueError(f"colocation {self.colocation} must list every stage once, in order: "
