@@ -75,6 +75,7 @@ _EXPORTS = {
     "masked_mean": "trajflow.algorithms.masked",
     "masked_sum": "trajflow.algorithms.masked",
     "LossOutput": "trajflow.algorithms.objective",
+    "LossSum": "trajflow.algorithms.objective",
     "aggregation_weights": "trajflow.algorithms.objective",
     "decoupled_loss": "trajflow.algorithms.objective",
     "discrepancy_mask": "trajflow.algorithms.objective",
@@ -107,7 +108,7 @@ if TYPE_CHECKING:
     from .m2po import M2Mask, m2_cutoff, m2po_mask
     from .masked import LOG_RATIO_CLAMP, broadcast_to_tokens, log_ratio, masked_mean, masked_sum
     from .objective import (
-        LossOutput, aggregation_weights, decoupled_loss, discrepancy_mask, discrepancy_weights,
+        LossOutput, LossSum, aggregation_weights, decoupled_loss, discrepancy_mask, discrepancy_weights,
         loss_denominator, off_policy_sequence_mask, prompt_token_counts)
     from .proximal import (
         behavior_logprobs, linear_logprobs, loglinear_alpha, loglinear_logprobs, recompute_logprobs)

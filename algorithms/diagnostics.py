@@ -22,7 +22,7 @@ All fractions are over loss tokens (loss_mask true) unless the key says seq.
                            loss was given reference log-probs (`reference=True`)
     mismatch/k1            mean(log mu - log pi_old)            } estimators of KL(mu || pi_old) on
     mismatch/k3            mean(rho - 1 - log rho), rho = pi_old/mu }  samples from mu; k3 >= 0
-    mismatch/max_abs_log_rd  max |log pi_old - log mu| (0 when old logits are exact and numerics match)
+    mismatch/max_abs_log_rd  max |log pi_old - log mu| (0 when old log-probs are exact and numerics match)
     staleness_ratio/max_abs_log  max |log pi_theta - log pi_old| per token (0 on-policy when pi_old is
                            computed in the same numerics as pi_theta)
     split/var_log_rd       variance over loss tokens of log r_d = log pi_old - log mu: with exact old

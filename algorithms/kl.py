@@ -1,6 +1,6 @@
 r"""KL to a frozen reference model: per-token estimators and the two places the KL enters.
 
-On tokens sampled by the behaviour policy, with x = log pi_theta - log pi_ref per token
+On tokens sampled by the behavior policy, with x = log pi_theta - log pi_ref per token
 (Schulman, "Approximating KL divergence", 2020):
 
     k1       x                               unbiased for KL(pi_theta || pi_ref), can be < 0

@@ -1,6 +1,6 @@
 r"""M2PO's second-moment trust mask (Zheng et al., arXiv 2510.01161).
 
-With the behaviour log-probs as "old", M2PO bounds the update by the second moment of the
+With the behavior log-probs as "old", M2PO bounds the update by the second moment of the
 log-ratio instead of a PPO clip:
 
     M2 = mean_t (log pi_theta(t) - log mu(t))^2          over the loss tokens of one update

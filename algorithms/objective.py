@@ -44,8 +44,12 @@ The paper's runs bound both factors at sequence level with [1/c, c]:
 `CorrectionConfig.paper(c_ti=1.003, c_stale=1.004)` gives M_d on the geometric mean with
 c_seq = c_ti, and the sequence-level clip with eps_low = 1 - 1/c_stale, eps_high = c_stale - 1.
 
-Data parallel: every aggregation's count is a sum over rows (loss_denominator), so shards of a
-batch given the global count (`denominator=`) add up to the whole batch's loss and gradient. Two
+Normalisation: the loss is computed in sum form (`LossOutput.loss_sum`, token weights before the
+division) together with the aggregation's count (`LossOutput.count`, loss_denominator), and
+divided once (`LossSum`: loss = loss_sum / max(count, 1)). Every count is a sum over rows, so the
+shards of a batch (data-parallel workers, micro-batches) add their (loss_sum, count) pairs and
+divide at the end — the train step does exactly that, gradients included — or are each given
+the global count (`denominator=`): either way they give the whole batch's loss and gradient. Two
 statistics are not per row: prompt-mean's per-prompt counts (`group_counts`, prompt_token_counts)
 and Clip-Cov / KL-Cov's selection (`cov_selected`, losses.covariance_selection); compute them on
 the whole update (e.g. decoupled_loss on it without gradient) and hand each shard its rows.
@@ -73,8 +77,33 @@ from .masked import LOG_RATIO_CLAMP, broadcast_to_tokens, log_ratio, masked_mean
 from .rejection import rejection_mask
 
 __all__ = ["AGGREGATIONS", "CLIP_LEVELS", "LOG_RATIO_CLAMP", "LOSSES", "MASK_LEVELS", "CorrectionConfig",
-           "LossOutput", "aggregation_weights", "decoupled_loss", "discrepancy_mask", "discrepancy_weights",
+           "LossOutput", "LossSum", "aggregation_weights", "decoupled_loss", "discrepancy_mask", "discrepancy_weights",
            "loss_denominator", "off_policy_sequence_mask", "prompt_token_counts"]
+
+
+@dataclass(frozen=True)
+class LossSum:
+    """A loss in sum form and the aggregation's count it is divided by (loss_denominator). The
+    parts of one update (micro-batches, data-parallel workers) add up; the one division of the
+    aggregation comes last: `mean` = total / `divisor`, and the train step divides the summed
+    gradients by the same `divisor`. Floats or scalar tensors (the loss's total keeps its graph)."""
+
+    total: float | Tensor = 0.0
+    count: float | Tensor = 0.0
+
+    def __add__(self, other: "LossSum") -> "LossSum":
+        return LossSum(self.total + other.total, self.count + other.count)
+
+    @property
+    def divisor(self) -> float | Tensor:
+        """The count, at least 1: a batch with nothing counted has loss 0, not NaN."""
+        if isinstance(self.count, Tensor):
+            return self.count.clamp(min=1.0)
+        return max(float(self.count), 1.0)
+
+    @property
+    def mean(self) -> float | Tensor:
+        return self.total / self.divisor
 
 
 @dataclass
@@ -82,7 +111,11 @@ class LossOutput:
     """The loss and the per-token bookkeeping diagnostics need. All [B, T] tensors are detached.
     What `clipped_*`, `dual_clipped` and `active` mean under each loss: algorithms/losses.py.
 
-    loss              scalar; gradient flows to current_logprobs (and entropy) only
+    loss              scalar, loss_sum / max(count, 1); gradient flows to current_logprobs (and
+                      entropy) only
+    loss_sum          scalar, the loss in sum form (before the division; with gradient)
+    count             scalar, what the aggregation divides by: loss_denominator on this batch,
+                      or the `denominator` given
     loss_mask         [B, T] bool, as given
     discrepancy_mask  [B, T] bool, loss tokens kept by the r_d mask (M_d & loss_mask)
     counted           [B, T] bool, the tokens the aggregation counts: discrepancy_mask
@@ -101,13 +134,16 @@ class LossOutput:
                       clip_level="sequence"; 0 off loss tokens)
     log_rs_token      [B, T] clamped per-token log r_s = current - old (0 off loss tokens)
     is_weights        [B, T] w_d (1 without TIS)
-    token_weights     [B, T] aggregation weight of each token (0 off counted tokens), so that
-                      loss = -sum(token_weights · w_d · J) (+ the KL and entropy terms)
+    token_weights     [B, T] aggregation weight of each token before the division (0 off counted
+                      tokens), so that loss_sum = -sum(token_weights · w_d · J) (+ the KL and
+                      entropy terms): additive over the shards of a batch
     kl                [B, T] per-token KL estimate to the reference (0 without reference
                       log-probs, and off loss tokens)
     """
 
     loss: Tensor
+    loss_sum: Tensor
+    count: Tensor
     loss_mask: Tensor
     discrepancy_mask: Tensor
     counted: Tensor
@@ -211,22 +247,18 @@ def loss_denominator(counted: Tensor, config: CorrectionConfig, group_counts: Te
     return torch.tensor(float(norm_tokens * batch))
 
 
-def aggregation_weights(counted: Tensor, config: CorrectionConfig, denominator: float | Tensor | None = None,
-                        group_counts: Tensor | None = None) -> Tensor:
-    """Constant per-token weights [B, T] (zero off `counted`) that turn per-token losses into one scalar.
+def aggregation_weights(counted: Tensor, config: CorrectionConfig, group_counts: Tensor | None = None) -> Tensor:
+    """Constant per-token weights [B, T] (zero off `counted`) that turn per-token losses into the
+    loss in sum form; divided by the aggregation's count (loss_denominator) they give its mean.
 
-    `denominator`: the aggregation's count over the whole batch when `counted` is one shard of it
-    (see loss_denominator); None: this batch's own count. `group_counts`: prompt-mean's per-row
-    prompt counts (prompt_token_counts, over the whole batch when this is a shard)."""
+    `group_counts`: prompt-mean's per-row prompt counts (prompt_token_counts, over the whole batch
+    when this is a shard)."""
     counted_f = counted.float()
-    if denominator is None:
-        denominator = loss_denominator(counted, config, group_counts)
-    denominator = torch.as_tensor(denominator, dtype=counted_f.dtype).clamp(min=1.0)
     if config.aggregation == "seq-mean-token-mean":
-        return counted_f / counted_f.sum(dim=-1, keepdim=True).clamp(min=1.0) / denominator
+        return counted_f / counted_f.sum(dim=-1, keepdim=True).clamp(min=1.0)
     if config.aggregation == "prompt-mean":
-        return counted_f / group_counts.to(counted_f.dtype).clamp(min=1.0)[:, None] / denominator
-    return counted_f / denominator
+        return counted_f / group_counts.to(counted_f.dtype).clamp(min=1.0)[:, None]
+    return counted_f
 
 
 def _policy_term(config: CorrectionConfig, log_rs: Tensor, cur: Tensor, old: Tensor, adv: Tensor, m: Tensor,
@@ -285,7 +317,8 @@ def decoupled_loss(
     constants), advantages [B] or [B, T], loss_mask [B, T] bool, trust_mask [B, T] bool or None
     (None: every token may carry gradient). `denominator`: the aggregation's count over the
     whole batch when these rows are a shard of it (loss_denominator summed over the shards);
-    None: this batch's own count. Data-parallel workers and micro-batches pass the global one.
+    None: this batch's own count. (The train step instead adds the shards' `loss_sum` and
+    `count` and divides once: LossSum.)
 
     reference_logprobs [B, T]: pi_ref of the sampled tokens; adds kl.beta x the aggregated
     estimator `kl.estimator` (kl.in_ must be "loss"). entropy [B, T]: per-token entropy of
@@ -355,20 +388,25 @@ def decoupled_loss(
     counted = keep if config.denominator == "kept" else m.clone()
     if config.aggregation == "prompt-mean" and group_counts is None:
         group_counts = prompt_token_counts(counted, groups)
-    weights = aggregation_weights(counted, config, denominator, group_counts)
+    # The loss in sum form and its count, divided once (LossSum): shards add both, then divide.
+    weights = aggregation_weights(counted, config, group_counts)
+    count = loss_denominator(counted, config, group_counts) if denominator is None else denominator
     per_token = torch.where(policy, -w_d * term.value, zero)
-    loss = (per_token * weights).sum()
+    loss_sum = (per_token * weights).sum()
     if reference_logprobs is not None:
         ref = torch.where(m, reference_logprobs.detach().to(cur.dtype), zero)
         kl_tokens = torch.where(m, kl_estimate(cur, ref, kl.estimator), zero)
-        loss = loss + kl.beta * (kl_tokens * weights).sum()
+        loss_sum = loss_sum + kl.beta * (kl_tokens * weights).sum()
     else:
         kl_tokens = torch.zeros_like(cur)
     if config.entropy_coef > 0:
-        loss = loss - config.entropy_coef * (torch.where(m, entropy, zero) * weights).sum()
+        loss_sum = loss_sum - config.entropy_coef * (torch.where(m, entropy, zero) * weights).sum()
+    total = LossSum(loss_sum, torch.as_tensor(count, dtype=loss_sum.dtype, device=loss_sum.device))
 
     return LossOutput(
-        loss=loss,
+        loss=total.mean,
+        loss_sum=loss_sum,
+        count=total.count,
         loss_mask=m,
         discrepancy_mask=keep,
         counted=counted,

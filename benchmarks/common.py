@@ -186,9 +186,9 @@ class RunResult:
 
 def run_pipeline(*, executor_patch: bool = True, **config) -> RunResult:
     """Run one pipeline to the end on the current Ray; `executor_patch=False` runs Ray Data's
-    executor as shipped (pipelines/ray_patches.py, patch 4), for side-by-side comparisons."""
-    from trajflow.pipelines.ray_patches import executor as patch
+    executor as shipped (pipelines/ray/patches.py, patch 4), for side-by-side comparisons."""
     from trajflow.pipelines.config import PipelineConfig
+    from trajflow.pipelines.ray.patches import executor as patch
     from trajflow.pipelines.rl_loop import RLPipeline
 
     pipe = RLPipeline(PipelineConfig(**config))

@@ -88,7 +88,7 @@ def measure(extra: tuple[str, ...] = ()) -> dict:
     """One cold `trajflow run quickstart` (plus `extra` arguments), from this process."""
     from benchmarks.common import RunResult
     from trajflow.jobs.config import load_job_config
-    from trajflow.jobs.run import heldout_line
+    from trajflow.jobs.summary import heldout_line
     from trajflow.pipelines.rl_loop import RLPipeline
 
     overrides = [a for flag, a in zip(extra, extra[1:]) if flag == "--set"]

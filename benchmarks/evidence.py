@@ -177,7 +177,7 @@ def pivot(summary: pl.DataFrame, value: str, fmt: str = "{:.3f}") -> list[dict]:
 
 
 def split_rows(summary: pl.DataFrame) -> list[dict]:
-    """The mismatch / staleness split under exact old logits (snapshot's rows)."""
+    """The mismatch / staleness split under exact old log-probs (snapshot's rows)."""
     exact = summary.filter(pl.col("strategy") == "snapshot")
     return [{"setting": r["setting"], "S": r["staleness"], "var log r_d (mismatch)": f"{r['var_log_rd']:.2e}",
              "var log r_s (staleness)": f"{r['var_log_rs']:.2e}",
@@ -207,7 +207,7 @@ def plot_regime(summary: pl.DataFrame, path: Path) -> None:
     axes[1][0].set_ylabel("mask kept fraction (tokens)")
     handles, labels = axes[0][0].get_legend_handles_labels()  # outside the panels: covers no data
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
-    fig.suptitle("Each proxy's gradient against exact old logits on the same batch, mean over steps\n"
+    fig.suptitle("Each proxy's gradient against exact old log-probs on the same batch, mean over steps\n"
                  "solid: every token S versions stale; dotted: ages spread over 0..S", fontsize=9)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
@@ -244,13 +244,13 @@ def regime_report(metrics: pl.DataFrame) -> str:
         "Relative error of the gradient |g - g_exact| / |g_exact| (median over steps):\n\n"
         + table(pivot(summary, "rel_err")),
         "Share of loss tokens the strategy's r_d mask keeps (mean over steps):\n\n" + table(pivot(summary, "kept")),
-        "The split under exact old logits: variance over loss tokens of log r_d (engine mismatch) and "
+        "The split under exact old log-probs: variance over loss tokens of log r_d (engine mismatch) and "
         "log r_s (staleness), mean over steps:\n\n" + table(split_rows(summary)),
     ])
 
 
 def ewma_study(run_dir: Path, delays=(2, 4, 8), thresholds=(0.9, 0.5, 0.0)) -> list[dict]:
-    """EWMA against exact old logits on a logged run, ages spread over 0..S: its window (W = S/2, S,
+    """EWMA against exact old log-probs on a logged run, ages spread over 0..S: its window (W = S/2, S,
     2S versions, one optimizer update per version) x its reset threshold tau (0: never reset)."""
     work = Path(tempfile.mkdtemp(prefix="trajflow-ewma-"))
     log, rows = work / "commands.log", []

@@ -1,5 +1,5 @@
 """Benchmark: what one Ray Data operator hop costs while a long task is active — the diagnosis
-behind pipelines/ray_patches.py (patch 4), isolated from trajflow's operators.
+behind pipelines/ray/patches.py (patch 4), isolated from trajflow's operators.
 
 Four one-actor stages, each sleeping 20 ms per item, in a synchronous chain like trajflow's sync
 mode: the first stage of item i blocks (inside its task, as the generator blocks on its
@@ -18,7 +18,7 @@ import ray
 from ray.data import DataContext
 
 from benchmarks.common import ensure_ray
-from trajflow.pipelines.ray_patches import executor
+from trajflow.pipelines.ray.patches import executor
 from trajflow.pipelines.rl_loop import in_order_pool
 
 SLEEP_S, STAGES = 0.02, 4

@@ -2,7 +2,7 @@
 tokens, `snapshot`), sync (`max_staleness` 0) and async (2), three set-ups side by side:
 
 1. Ray Data's executor as shipped, one actor process per operator stage (the layout before #15);
-2. the event-driven executor wake-ups (pipelines/ray_patches.py, patch 4), same layout;
+2. the event-driven executor wake-ups (pipelines/ray/patches.py, patch 4), same layout;
 3. plus stages sharing processes (pipelines/colocation.py): the default.
 
 Per row: wall s/step measured by the driver as metrics rows arrive (outside the stages); the

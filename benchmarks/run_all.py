@@ -110,7 +110,7 @@ def run_section(name: str, quick: bool, strategies: list[str] | None = None) -> 
         return ("10. Side by side with TRL's GRPOTrainer (quickstart size: 16 prompts x 8 samples, 6 tokens)",
                 table(trl_compare.run(steps=12 if q else 60, repeats=1 if q else 3)))
     if name == "evidence_regime":
-        return ("11. Evidence, the mechanism: each proxy's gradient against exact old logits on the same batch, "
+        return ("11. Evidence, the mechanism: each proxy's gradient against exact old log-probs on the same batch, "
                 "by replay at staleness S (benchmarks/evidence.py)", evidence.run_regime(quick=q))
     raise ValueError(f"unknown benchmark {name!r}; choose from {ORDER}")
 

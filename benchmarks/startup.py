@@ -97,7 +97,7 @@ sys.exit(code)
 
 # (role, how to recognise it in a process's command line): first match wins
 ROLES = (
-    ("watchdog", "ray_watchdog.py"),
+    ("watchdog", "ray/watchdog.py"),
     ("gcs_server", "gcs_server"),
     ("raylet", "/raylet"),
     ("dashboard agent", "dashboard/agent.py"),

@@ -31,7 +31,7 @@ def run(steps: int = 30, max_staleness: int = 2) -> list[dict]:
             if "snapshot_bytes" in m.columns else 0.0,
             "max versions held": int(m["snapshot_max_versions_held"].max())
             if "snapshot_max_versions_held" in m.columns else 1,
-            "old-logit s/step": round(float(m["seconds/old_logprob_seconds"].mean()), 3)
+            "old log-prob s/step": round(float(m["seconds/old_logprob_seconds"].mean()), 3)
             if "seconds/old_logprob_seconds" in m.columns else 0.0,
         })
     return rows

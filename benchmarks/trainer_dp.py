@@ -3,10 +3,10 @@
 
 Per size, measured side by side in the same two worker processes:
 - the gradient all-reduce of one update: one flat float32 buffer of every parameter (plus the
-  loss sum and count), as the train step does it (operators/data_parallel.py `Collective`);
+  loss sum and count), as the train step does it (operators/trainer/plan.py `Collective`);
 - the forward + backward of one micro-batch (8 rows x 64 tokens, 1 thread) for scale;
 - publishing the new version from worker 0 (one `SharedStateDict` put + the store's registration,
-  operators/after_step.py), and its bytes: only worker 0 publishes, so N workers add no copy.
+  operators/trainer/services.py), and its bytes: only worker 0 publishes, so N workers add no copy.
 
 The all-reduce's bus bandwidth (2 (N-1)/N x bytes / seconds, the ring algorithm's traffic per
 worker) is the constant docs/scaling.md extrapolates from.
@@ -28,7 +28,7 @@ ROWS, TOKENS = 8, 64
 @ray.remote(num_cpus=0)
 class Worker:
     def __init__(self, size: str, rank: int, world_size: int) -> None:
-        from trajflow.operators.data_parallel import listening_socket
+        from trajflow.operators.trainer.collective import listening_socket
 
         torch.set_num_threads(1)
         self.model, self.rank, self.world_size = build_model(size), rank, world_size
@@ -38,7 +38,7 @@ class Worker:
         return self.listen.getsockname()[1]
 
     def join(self, port: int) -> None:
-        from trajflow.operators.data_parallel import Collective
+        from trajflow.operators.trainer.collective import Collective
 
         self.collective = Collective(self.rank, self.world_size, host="127.0.0.1", port=port, listen=self.listen)
 

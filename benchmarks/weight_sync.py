@@ -37,7 +37,8 @@ BUSY_SECONDS = 1.0  # the reader's decode window per version (it generates meanw
 @ray.remote(num_cpus=0)
 class Trainer:
     def __init__(self, size: str, store, method: str, dtype: str) -> None:
-        from trajflow.operators.weight_sync import WeightServer, WeightSyncConfig
+        from trajflow.operators.trainer.weight_server import WeightServer
+        from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 
         torch.set_num_threads(1)
         self.model, self.store, self.server = build_model(size), store, None
@@ -69,13 +70,14 @@ class Trainer:
 @ray.remote(num_cpus=0)
 class Reader:
     def __init__(self, size: str, store, method: str, dtype: str) -> None:
-        from trajflow.operators.weight_sync import WeightSyncConfig, version_source
+        from trajflow.operators.trainer.weight_receiver import weight_source
+        from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 
         torch.set_num_threads(1)
         self.model = build_model(size).to(getattr(torch, dtype))
         self.store = store
         config = WeightSyncConfig(method=method, timeout_seconds=600)
-        self.source = version_source(store, config, dtype, history=False)
+        self.source = weight_source(store, config, dtype, history=False)
         self.source.newest()  # holding the starting version (the store's); collective: joining
 
     def take(self, version: int, busy: float) -> float:

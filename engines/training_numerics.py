@@ -2,7 +2,7 @@
 
 r_s = pi_theta / pi_old is 1 on-policy only if both sides are computed the same way: same device
 kind, same autocast dtype, same train/eval mode. `TrainingNumerics` is that one definition. The
-train step computes pi_theta with it; every exact strategy's old log-probs (the old-logit
+train step computes pi_theta with it; every exact strategy's old log-probs (the old log-prob
 operator, interrupt's prefix scoring), `recompute` and the EWMA model score through it.
 
 - device: "cuda" when this process sees a GPU, else "cpu" (Ray hides GPUs from actors that did
@@ -10,7 +10,7 @@ operator, interrupt's prefix scoring), `recompute` and the EWMA model score thro
 - mixed_precision: "no" (float32) or "bf16" (torch.autocast around the forward pass; weights and
   optimizer state stay float32).
 - dropout: off. RL runs the policy in eval mode. With dropout on, pi_theta is a random function
-  of the forward pass: r_s != 1 on-policy, and old logits scored in eval mode stop being exact.
+  of the forward pass: r_s != 1 on-policy, and old log-probs scored in eval mode stop being exact.
 """
 
 from __future__ import annotations

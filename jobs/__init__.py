@@ -10,7 +10,10 @@
     trajflow replay RUN --checkpoints RUN/versions --strategy ewma --train
 
 config.py    JobConfig = PipelineConfig + run options; load_job_config(path, ["key=value", ...])
-run.py       run_job / resume_job: the driver (progress, status lines, TensorBoard, summary)
+run.py       run_job / resume_job: the driver (progress, status lines, TensorBoard)
+preflight.py what is checked before Ray starts (GPUs, the cluster's resources, disk, resumed data)
+summary.py   status lines, the summary table, placement.json
+errors.py    RunError / RunFailed and the one line of a lost trainer, store or transfer
 recorder.py  the run dir layout and RunRecorder, the trainer-side hooks that write it durably
 submit.py    Ray Jobs API: submit (streams logs, returns the status), status, stop
 report.py    report / compare: a summary table and one PNG of runs' curves
@@ -23,5 +26,5 @@ A run dir: config.yaml (resolved), run.json (state and sessions), metrics/step=N
 checkpoints/step-N/ (safetensors + JSON, the newest `keep_checkpoints`), versions/vN.safetensors
 (save_all_versions), tensorboard/, summary.txt, placement.json (the node of each stage's
 process). Nothing is pickled.
-The embedded Ray is pipelines/local_ray.py (127.0.0.1 only; ended with the driver).
+The embedded Ray is pipelines/ray/embedded.py (127.0.0.1 only; ended with the driver).
 """

@@ -417,14 +417,14 @@ _BAD_ARGUMENT = (
 # any other input the user can fix: `trajflow: ...` (the message names what)
 _BAD_INPUT = (
     ("trajflow.jobs.config", "JobConfigError"),
-    ("trajflow.jobs.run", "RunError"),
+    ("trajflow.jobs.errors", "RunError"),
     ("trajflow.jobs.report", "ReportError"),
     ("trajflow.pipelines.replay", "ReplayError"),
     ("trajflow.schemas.trajectory", "SchemaError"),
     ("trajflow.engines.checkpoint", "CheckpointError"),
     ("trajflow.tasks.dataset", "DataError"),  # a dataset problem found while reading it (e.g. a null prompt)
     ("trajflow.user_code", "UserCodeError"),  # a reward, env or strategy import path (RewardSpecError too)
-    ("trajflow.pipelines.ray_patches", "RayVersionError"),  # an unpinned Ray that would not stay on loopback
+    ("trajflow.pipelines.ray.patches", "RayVersionError"),  # an unpinned Ray that would not stay on loopback
 )
 # a path the user gave that cannot be used: `trajflow: PATH: reason`
 _BAD_PATH = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
@@ -468,7 +468,7 @@ def _bad_input_line(command: str, error: BaseException) -> str | None:
 
 
 def _one_line_warnings() -> None:
-    """A renamed config key (pipelines.config.TrajflowDeprecation) is one `trajflow:` line, not
+    """A renamed config key (trajflow.deprecations.TrajflowDeprecation) is one `trajflow:` line, not
     Python's two-line warning with the source line."""
     import warnings
 
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         line = _bad_input_line(args.command, e)
         if line is None:
-            if isinstance(e, getattr(sys.modules.get("trajflow.jobs.run"), "RunFailed", ())):  # resumable
+            if isinstance(e, getattr(sys.modules.get("trajflow.jobs.errors"), "RunFailed", ())):  # resumable
                 print(f"trajflow: {_one_line(e)}", file=sys.stderr)
                 return 1
             if args.command in ("submit", "status", "stop") and isinstance(e, RuntimeError):

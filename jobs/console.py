@@ -1,5 +1,5 @@
 """Terminal output of the CLI: lines within WIDTH columns and tables. (What Ray, Ray Data and
-transformers print of their own is kept out in pipelines/quiet.py.)
+transformers print of their own is kept out in pipelines/ray/quiet.py.)
 """
 
 from __future__ import annotations

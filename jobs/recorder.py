@@ -4,7 +4,7 @@
       config.yaml                       the resolved job config
       run.json                          state (running / finished / failed), pid, host, times, and
                                         one entry per session (the first run, each resume), with
-                                        the session's `recoveries` (operators/recovery.py)
+                                        the session's `recoveries` (operators/trainer/recovery.py)
       trainer_lost.txt                  the one line of a trainer that could not be rebuilt
       metrics/step=000012.parquet       one row per train step (written by the trainer, atomically)
       metrics.parquet                   all steps in one file (rewritten at the end)
@@ -33,9 +33,9 @@ kill at any point leaves complete files; a complete checkpoint k implies complet
 < k. Resuming from checkpoint k deletes whatever exists of steps >= k (`truncate_after`) and
 re-runs them, so no step is repeated or skipped in the logs.
 
-The recorder is also the trainer's `TrainerSource` (operators/recovery.py): a trainer process
+The recorder is also the trainer's `TrainerSource` (operators/trainer/recovery.py): a trainer process
 that dies is rebuilt in the run from the newest checkpoint and the logged rows of the steps since;
-and the policy store's `VersionSource` (pipelines/store_recovery.py): a store that dies is
+and the policy store's `VersionArchive` (pipelines/store_recovery.py): a store that dies is
 rebuilt from the versions on disk.
 """
 
@@ -247,7 +247,7 @@ class RunRecorder:
         return RunPaths(Path(self.run_dir))
 
     def install(self, hooks) -> None:
-        """Make this recorder the train step's hooks (operators/train_step.py StepHooks) and its
+        """Make this recorder the train step's hooks (operators/trainer/spec.py StepHooks) and its
         source after a fault."""
         hooks.on_start, hooks.on_rows, hooks.on_step = self.on_start, self.on_rows, self.on_step
         hooks.source, hooks.on_lost = self, self.on_lost
@@ -306,7 +306,7 @@ class RunRecorder:
     def on_lost(self, line: str) -> None:
         ckpt.atomic_write_text(self.paths.trainer_lost, line + "\n")
 
-    # -- the trainer's source after a fault (operators/recovery.py TrainerSource) --------------
+    # -- the trainer's source after a fault (operators/trainer/recovery.py TrainerSource) --------------
     def refusal(self) -> str | None:
         return None if self.trajectory_log else "trajectory_log is off: no logged rows to retrain"
 
@@ -319,7 +319,7 @@ class RunRecorder:
         found = (step_of(p.name) for p in root.glob("step=*") if p.is_dir()) if root.is_dir() else ()
         return max((s for s in found if s is not None and self.paths.trajectory_file(s).is_file()), default=-1)
 
-    # -- the policy store's source after a fault (pipelines/store_recovery.py VersionSource) ------
+    # -- the policy store's source after a fault (pipelines/store_recovery.py VersionArchive) ------
     def kept_versions(self, adapters: bool = False) -> list[int]:
         """Versions whose weights are on disk: the version files (save_all_versions; full
         weights, so not for `adapters`, a LoRA run's payload) and the checkpoints."""

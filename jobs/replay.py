@@ -91,7 +91,7 @@ def replay_job(trajectories: str | os.PathLike, checkpoints: str | os.PathLike, 
     tmp = out.with_name(f".{out.name}.tmp")  # renamed to OUT at the end; kept, with its log, if the replay fails
     tmp.mkdir(parents=True, exist_ok=True)
     start_ray(job, verbose)
-    from trajflow.pipelines import ray_patches
+    from trajflow.pipelines.ray import patches as ray_patches
 
     # what the Ray workers print goes to OUT/workers.log, as a run's to RUN/workers.log (--verbose: printed)
     ray_patches.worker_output.to(None if verbose else tmp / "workers.log")

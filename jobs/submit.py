@@ -23,7 +23,7 @@ from pathlib import Path
 
 from trajflow.jobs.config import JobConfig
 from trajflow.jobs.run import default_run_dir
-from trajflow.pipelines.local_ray import WORKER_ENV
+from trajflow.pipelines.ray.embedded import WORKER_ENV
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 

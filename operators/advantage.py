@@ -18,8 +18,8 @@ import pyarrow as pa
 
 from trajflow.algorithms.advantages import compute_advantages
 from trajflow.algorithms.config import AdvantageConfig
-from trajflow.operators.columns import (KL_PENALTY_COLUMN, TOKEN_ADVANTAGE_COLUMN, group_codes, list_values, padded,
-                                       replace_column)
+from trajflow.schemas.columns import (KL_PENALTY_COLUMN, TOKEN_ADVANTAGE_COLUMN, group_codes, list_values, padded,
+                                      replace_column)
 
 
 class Advantage:

@@ -1,7 +1,7 @@
 """Diagnose: the correction diagnostics a train step would report, without training (Ray Data actor).
 
 Batch in: all rows of one logged train step (with rewards, advantages, filter reasons and, for
-the strategies that read it, the old_logprobs column from the old-logit operator). Batch out: one
+the strategies that read it, the old_logprobs column from the old log-prob operator). Batch out: one
 metrics row per strategy asked for — what would the mask / clip / active fractions, mismatch KL,
 IS ESS and staleness have been under that strategy at that step?
 
@@ -38,10 +38,10 @@ from trajflow.engines.lora import VersionWeights
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
-from trajflow.operators.columns import apply_staleness_bound, step_metrics
-from trajflow.operators.correction import PolicyHolder, StepBatch, correct, step_diagnostics
-from trajflow.operators.store import PolicyStoreClient, VersionNotHeld
+from trajflow.operators.contracts.store import PolicyStoreClient, VersionNotHeld
 from trajflow.operators.strategies.base import Strategy
+from trajflow.operators.trainer.accounting import apply_staleness_bound, step_metrics
+from trajflow.operators.trainer.correction import PolicyHolder, StepBatch, correct, step_diagnostics
 
 
 class Diagnose(PolicyHolder):

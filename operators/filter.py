@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from trajflow.algorithms.advantages import zero_variance_groups
-from trajflow.operators.columns import group_codes, list_values, mark_filtered
 from trajflow.schemas import nonfinite_rows
+from trajflow.schemas.columns import group_codes, list_values, mark_filtered
 
 
 class Filter:

@@ -14,7 +14,7 @@ newest weights, so the turns of one episode may come from different versions.
 Before sampling, the actor takes an admission permit from the policy store: the rollout of
 step b starts only once version b - max_staleness exists, which bounds policy lag. The weights
 come from the store, or under `weight_sync.method: collective` straight from the trainer, in
-the dtype this generator samples in (operators/weight_sync.py). With
+the dtype this generator samples in (operators/trainer/weight_sync.py). With
 `partial_rollout` it also takes newer weights between decode steps, so one trajectory can
 span versions; for a strategy that scores at a switch (`interrupt`: `scores_at_switch`) it first
 scores the prefix generated so far with the still-resident weights under the training numerics
@@ -38,10 +38,11 @@ from trajflow.engines.lora import VersionWeights, is_adapter
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.tokenizer import TokenIds
-from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.engines.torch_engine import Generation, TorchEngine
-from trajflow.operators.store import PolicyStoreClient
-from trajflow.operators.weight_sync import WeightSyncConfig, reader_dtype, version_source
+from trajflow.engines.training_numerics import TrainingNumerics
+from trajflow.operators.contracts.store import PolicyStoreClient
+from trajflow.operators.trainer.weight_receiver import weight_source
+from trajflow.operators.trainer.weight_sync import WeightSyncConfig, reader_dtype
 from trajflow.schemas import SamplingSemantics, conform
 from trajflow.tasks.rollout import Episode, EpisodeBatch, EpisodeView, run_episodes
 from trajflow.tasks.workload import Workload, prompt_of
@@ -86,7 +87,7 @@ class Generate:
         torch.set_num_threads(torch_threads)
         self.store = store
         # the newest version only, in the dtype it samples in (float32 to score prefixes at a switch)
-        self.source = version_source(store, weight_sync, reader_dtype(inference_dtype, exact=scores_at_switch),
+        self.source = weight_source(store, weight_sync, reader_dtype(inference_dtype, exact=scores_at_switch),
                                      history=False, device=str(numerics.torch_device()))
         self.environment = workload.environment()
         # The tokenizer only to decode (stop strings, an environment's turns): eos, pad and the

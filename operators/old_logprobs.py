@@ -1,8 +1,8 @@
-"""Old log-probs at the behaviour version: pi_v^train for every token, exactly (Ray Data actor).
+"""Old log-probs at the behavior version: pi_v^train for every token, exactly (Ray Data actor).
 
 For each version v carried by the batch's tokens, the operator loads the weights of v from the
 policy store (under `weight_sync.method: collective`: from the window v-S..v the trainer sent
-this process, operators/weight_sync.py) into a model scored under the training numerics (engines/training_numerics.py: the
+this process, operators/trainer/weight_sync.py) into a model scored under the training numerics (engines/training_numerics.py: the
 trainer's device kind and autocast, dropout off), scores the responses teacher-forced and keeps
 the log-probs of the tokens stamped v. A trajectory spanning versions is thus scored under each
 token's own version. A token outside the sampling filter's support under these numerics gets
@@ -30,16 +30,18 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from trajflow.deprecations import renamed_names
 from trajflow.engines.lora import VersionWeights
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
-from trajflow.operators.columns import filter_reasons, mark_filtered, replace_column
-from trajflow.operators.store import PolicyStoreClient, VersionNotHeld
-from trajflow.operators.weight_sync import WeightSyncConfig, version_source
+from trajflow.operators.contracts.store import PolicyStoreClient, VersionNotHeld
+from trajflow.operators.trainer.weight_receiver import weight_source
+from trajflow.operators.trainer.weight_sync import WeightSyncConfig
+from trajflow.schemas.columns import filter_reasons, mark_filtered, replace_column
 
 
-class OldLogprobsAtBehaviourVersion:
+class OldLogprobsAtBehaviorVersion:
     """pi_v^train of every token at its own version v (see the module docstring)."""
 
     def __init__(
@@ -55,7 +57,7 @@ class OldLogprobsAtBehaviourVersion:
         torch.set_num_threads(torch_threads)
         self.store = store
         # the training numerics' weights, the staleness window of them (collective: in this process)
-        self.source = version_source(store, weight_sync, "float32", history=True,
+        self.source = weight_source(store, weight_sync, "float32", history=True,
                                      device=str(numerics.torch_device()))
         self.numerics = numerics
         self.model = numerics.prepare(load_model(model_path))
@@ -108,3 +110,6 @@ class OldLogprobsAtBehaviourVersion:
         )
         batch = replace_column(batch, "old_logprobs", pa.array(old, pa.list_(pa.float32())))
         return mark_filtered(batch, over_stale, "over_stale") if over_stale.any() else batch
+
+
+__getattr__ = renamed_names(__name__, {"OldLogprobsAtBehaviourVersion": OldLogprobsAtBehaviorVersion})

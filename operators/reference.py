@@ -31,8 +31,8 @@ from trajflow.algorithms.config import KLConfig
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
-from trajflow.operators.columns import KL_PENALTY_COLUMN, REFERENCE_COLUMN, filter_reasons, padded, replace_column
-from trajflow.operators.store import PolicyStoreClient
+from trajflow.operators.contracts.store import PolicyStoreClient
+from trajflow.schemas.columns import KL_PENALTY_COLUMN, REFERENCE_COLUMN, filter_reasons, padded, replace_column
 
 
 class ReferenceLogprobs:

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from trajflow.engines.tokenizer import decode_responses, stop_token_ids
-from trajflow.operators.columns import REWARD_ERROR, mark_filtered, replace_column
+from trajflow.schemas.columns import REWARD_ERROR, mark_filtered, replace_column
 from trajflow.tasks.workload import Workload
 
 

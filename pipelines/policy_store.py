@@ -13,7 +13,7 @@ trainer publishes each new version; generators take the newest one. The store al
 - collects timing counters from the actors (seconds generating, scoring, waiting) so that each
   train step can report them.
 
-Three pieces (operators see only the `operators.store.PolicyStoreClient` protocol):
+Three pieces (operators see only the `operators.contracts.store.PolicyStoreClient` protocol):
 
     PolicyStore     the bookkeeping above, for any payload (thread-safe; blocking waits)
     InProcessStore  a client in this process: payloads are cloned tensors (operator unit tests,
@@ -40,13 +40,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from trajflow.operators.store import StoreStats, VersionNotHeld
+from trajflow.operators.contracts.store import StoreStats, VersionNotHeld
 
 if TYPE_CHECKING:
     import ray
     from torch import Tensor
 
-    from trajflow.operators.weight_sync import ServerAddress
+    from trajflow.operators.trainer.weight_sync import ServerAddress
 
 # Blocking calls (admission, waits) each hold one of the store actor's threads while they wait:
 # one per generator and per waiting test; the rest answer publishes, reads and counters.
@@ -68,7 +68,7 @@ class PolicyStore:
 
     def __init__(self, max_staleness: int, keep_history: bool) -> None:
         self.max_staleness = max_staleness
-        # Strategies that recompute old logits after generation (snapshot, dedicated) need the
+        # Strategies that recompute old log-probs after generation (snapshot, dedicated) need the
         # weights of a version until its tokens are scored; the others only need the newest.
         self.keep_history = keep_history
         self.versions: dict[int, _Version] = {}
@@ -102,7 +102,7 @@ class PolicyStore:
             self.server = (host, port)
 
     def weight_server(self) -> ServerAddress | None:
-        from trajflow.operators.weight_sync import ServerAddress
+        from trajflow.operators.trainer.weight_sync import ServerAddress
 
         with self.changed:
             return None if self.server is None else ServerAddress(*self.server, self.max_staleness)
@@ -223,7 +223,7 @@ class StoreLost(RuntimeError):
     """The policy store died and is not rebuilt; the message is one line."""
 
 
-class LostStore:
+class StoreTombstone:
     """The actor a run leaves, named `NAME.lost`, when its store died and is not rebuilt: the
     readers waiting for a rebuilt store read the one line here and stop (pipelines/store_recovery.py)."""
 
@@ -347,7 +347,7 @@ class RayStore:
         caller keeps the handle for the rest of the run."""
         import ray
 
-        return ray.remote(LostStore).options(name=f"{self.name}.lost", num_cpus=0).remote(line)
+        return ray.remote(StoreTombstone).options(name=f"{self.name}.lost", num_cpus=0).remote(line)
 
     def _call(self, method: str, *args: Any) -> Any:
         import ray

@@ -17,7 +17,7 @@ you pass, with the stages you inserted), turned into a replay by one rule:
   are cleared and rebuilt by replaying advantage, filter and the strategies' stages, and a stage
   you inserted runs again (e.g. your row filter marks its rows again).
 - The live strategy's own stages are dropped; each replayed strategy brings its replay stages
-  (`Strategy.replay_stages`: e.g. the old-logit operator at each token's version for the exact
+  (`Strategy.replay_stages`: e.g. the old log-prob operator at each token's version for the exact
   strategies — for `interrupt` too, whose live values came from the generator).
 - `train` becomes `Diagnose` (metrics only, several strategies at once) or a fresh train step
   under the one strategy asked for.
@@ -28,7 +28,7 @@ published into a policy store. Every needed version is checked before Ray starts
 are reported by number (`ReplayError`).
 
     --diagnose  needs, per step k, the trainer's weights of version k (pi_theta), plus what each
-                strategy asks (`Strategy.replay_versions`: each token's behaviour version for the
+                strategy asks (`Strategy.replay_versions`: each token's behavior version for the
                 strategies that read old_logprobs, k + 1 for one that follows the updates, EWMA).
     --train     needs the weights of the first step's version (the trainer starts there) and
                 what the strategy asks. The trainer publishes its own new versions to a separate
@@ -52,9 +52,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trajflow.engines import checkpoint as ckpt
-from trajflow.operators.weight_sync import WeightSyncConfig
+from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 from trajflow.pipelines.config import PipelineConfig
-from trajflow.pipelines.quiet import quiet_run
+from trajflow.pipelines.ray.quiet import quiet_run
 from trajflow.schemas import nonfinite_rows, read_parquet
 
 # torch, transformers and ray load lazily: every input is checked before they are needed
@@ -155,7 +155,7 @@ def load_trajectories(path: str | Path, allow_nonfinite: bool = False) -> dict[i
 def _prepare(table: pa.Table) -> pa.Table:
     """Drop what the replay recomputes: filter reasons, old, proximal and reference log-probs, the
     KL penalty, advantages."""
-    from trajflow.operators.columns import (
+    from trajflow.schemas.columns import (
         FILTER_REASON,
         KL_PENALTY_COLUMN,
         PROXIMAL_COLUMN,
@@ -239,13 +239,13 @@ def replay_support(trajectory_log: bool, save_all_versions: bool, kept: Iterable
     exact = ", ".join(name for name, cls in BUILTIN.items() if cls.old_from_column)
     return (f"replay: not possible, save_all_versions is false (versions kept: {format_versions(kept) or 'none'}): "
             f"--diagnose needs every version; --train the first logged step's, plus, under {exact}, "
-            "each token's behaviour version")
+            "each token's behavior version")
 
 
 # -- the pinned reward ---------------------------------------------------------------------------
 def keep_logged(before: pa.Table, after: pa.Table, column: str = PINNED) -> pa.Table:
     """`after` with `column` put back to its value in `before` (rows matched by trajectory_id)."""
-    from trajflow.operators.columns import replace_column
+    from trajflow.schemas.columns import replace_column
 
     index = pc.index_in(after["trajectory_id"], value_set=before["trajectory_id"])
     return replace_column(after, column, pc.take(before[column], index))
@@ -346,8 +346,8 @@ class Replay:
     # -- the stages --------------------------------------------------------------------------------
     def stages(self, stores: dict) -> list:
         """The live stage list turned into the replay's (the rule of the module docstring)."""
+        from trajflow.operators.contracts.stage import Stage, place
         from trajflow.operators.diagnose import Diagnose
-        from trajflow.operators.stage import Stage, place
         from trajflow.pipelines.rl_loop import RLPipeline
 
         live = self.pipeline or RLPipeline(self.config, model_path=self.model_path)
@@ -387,7 +387,7 @@ class Replay:
         # The driver put these versions and outlives the replay: the store never copies them.
         store = RayStore.start(10**9, True, final_version=max(self.weights) + 1)
         uses: dict[int, int] = {}
-        for table in self.steps.values():  # the old-logit operator releases each version once per batch
+        for table in self.steps.values():  # the old log-prob operator releases each version once per batch
             for v in pc.unique(pc.list_flatten(table["versions"])).to_pylist():
                 uses[v] = uses.get(v, 0) + 1
         for version in sorted(self.weights):
@@ -432,7 +432,7 @@ class Replay:
             if self.mode == "train":
                 _, self.final_weights = stores["trainer"].weights()
         finally:
-            from trajflow.operators.data_parallel import remove_placement_group_named
+            from trajflow.pipelines.ray.trainer_group import remove_placement_group_named
 
             remove_placement_group_named(getattr(self, "_trainer_group_name", ""))
             for store in stores.values():
@@ -440,7 +440,7 @@ class Replay:
 
     def run(self, progress: bool = True, verbose: bool = False) -> pl.DataFrame:
         """The rows of `iter_rows()` as a DataFrame, with a progress bar over the logged steps.
-        `verbose`: also what Ray, Ray Data and transformers print of their own (pipelines/quiet.py)."""
+        `verbose`: also what Ray, Ray Data and transformers print of their own (pipelines/ray/quiet.py)."""
         from tqdm.auto import tqdm
 
         rows: list[dict] = []

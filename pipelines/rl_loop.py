@@ -1,7 +1,7 @@
 """The asynchronous RL loop as one Ray Data pipeline whose output stream is metrics rows.
 
-  prompts ─▶ generate ─▶ [dedicated old logits] ─▶ reward ─▶ advantage ─▶ filter
-          ─▶ [snapshot old logits] ─▶ train step ─▶ metrics
+  prompts ─▶ generate ─▶ [dedicated old log-probs] ─▶ reward ─▶ advantage ─▶ filter
+          ─▶ [snapshot old log-probs] ─▶ train step ─▶ metrics
                  ▲                                       │
                  └──────── policy store (versions) ◀─────┘
 
@@ -24,7 +24,7 @@ so step b reaches the trainer as its b-th batch; every stage after generate sees
 
 Processes: which consecutive stages share one actor process is decided apart from the stage list
 (pipelines/colocation.py; `pipe.layout()` shows it), and Ray Data's executor is patched to hand a
-batch on as soon as it is ready (pipelines/ray_patches.py).
+batch on as soon as it is ready (pipelines/ray/patches.py).
 """
 
 from __future__ import annotations
@@ -42,23 +42,24 @@ from trajflow.engines.models import WARM_START_DIR
 from trajflow.engines.tokenizer import TokenIds
 from trajflow.engines.training_numerics import checkpoint_dropout
 from trajflow.operators.advantage import Advantage
-from trajflow.operators.after_step import HeldoutEvaluation, PublishWeights, StoreStatistics
-from trajflow.operators.data_parallel import remove_placement_group_named
+from trajflow.operators.contracts.stage import Placement, Stage, place, stage_index
+from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.filter import Filter
 from trajflow.operators.generate import Generate
 from trajflow.operators.reference import ReferenceLogprobs
 from trajflow.operators.reward import FailedRewardSteps, Reward
-from trajflow.operators.stage import Placement, Stage, place, stage_index
-from trajflow.operators.store import PolicyStoreClient
 from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
-from trajflow.operators.train_step import StepHooks, TrainerSpec, TrainStep
-from trajflow.pipelines import ray_patches
+from trajflow.operators.train_step import TrainStep
+from trajflow.operators.trainer.services import HeldoutEvaluation, PublishWeights, StoreStatistics
+from trajflow.operators.trainer.spec import StepHooks, TrainerSpec
 from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups
 from trajflow.pipelines.config import PipelineConfig
-from trajflow.pipelines.local_ray import start_local_ray
 from trajflow.pipelines.policy_store import RayStore
-from trajflow.pipelines.quiet import quiet_run
-from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreGuard, StoreLost, StoreSpec, VersionSource
+from trajflow.pipelines.ray import patches as ray_patches
+from trajflow.pipelines.ray.embedded import start_local_ray
+from trajflow.pipelines.ray.quiet import quiet_run
+from trajflow.pipelines.ray.trainer_group import RayWorkerGroup, remove_placement_group_named
+from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreGuard, StoreLost, StoreSpec, VersionArchive
 from trajflow.tasks.workload import PromptSource
 
 __all__ = ["Fused", "Placement", "RLPipeline", "Stage", "in_order_pool", "map_stages"]
@@ -133,7 +134,7 @@ class RLPipeline:
         self._prompts: PromptSource | None = None
         self.store: RayStore | None = None
         # where a store that dies is rebuilt from (the job's run dir; None: it is not rebuilt)
-        self.version_source: VersionSource | None = None
+        self.version_archive: VersionArchive | None = None
         self.store_guard: StoreGuard | None = None
         self.restarts = 0  # the run's recoveries so far (recovery.max_restarts), as the driver saw them
         self.pending_recoveries: list[dict] = []  # a rebuilt store's recovery/* entries, for the next row
@@ -198,7 +199,7 @@ class RLPipeline:
                            total_updates=c.steps * c.optimizer.minibatches_per_step, lora=c.lora.spec())
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
                      recovery=c.recovery.spec(), failed_rewards=self.failed_reward_steps(),
-                     weight_sync=c.weight_sync.spec(), reader_dtypes=c.reader_dtypes(strategy))
+                     weight_sync=c.weight_sync.spec(), reader_dtypes=c.reader_dtypes(strategy), workers=RayWorkerGroup)
         return Stage("train", TrainStep, train, c.trainer)
 
     def _default_stages(self) -> list[Stage]:
@@ -271,7 +272,7 @@ class RLPipeline:
         final = c.steps if c.recovery.max_restarts == 0 else None
         # a store that dies is rebuilt from the run dir's versions (not under weight_sync collective,
         # where the versions' tensors and the trainer's server address are not the store's)
-        rebuilt = (self.version_source is not None and c.recovery.max_restarts > 0
+        rebuilt = (self.version_archive is not None and c.recovery.max_restarts > 0
                    and c.weight_sync.method != "collective")
         self.store = RayStore.start(c.max_staleness, self.strategy.keep_history, final_version=final,
                                     reconnect_seconds=RECONNECT_SECONDS if rebuilt else 0.0)
@@ -284,7 +285,7 @@ class RLPipeline:
             self.store.publish(model.state_dict(), initial_version)
         if rebuilt:
             spec = StoreSpec(c.max_staleness, self.strategy.keep_history, c.recovery.max_restarts, c.lora.r > 0)
-            self.store_guard = StoreGuard(self.store, self.version_source, spec, lambda: self.restarts,
+            self.store_guard = StoreGuard(self.store, self.version_archive, spec, lambda: self.restarts,
                                           self._store_rebuilt)
         return self.store
 
@@ -400,7 +401,7 @@ class RLPipeline:
 
     def run(self, progress: bool = True, verbose: bool = False) -> pl.DataFrame:
         """Run to the end and return the metrics as a polars DataFrame (one row per step).
-        `verbose`: also what Ray, Ray Data and transformers print of their own (pipelines/quiet.py)."""
+        `verbose`: also what Ray, Ray Data and transformers print of their own (pipelines/ray/quiet.py)."""
         from tqdm.auto import tqdm
 
         rows = []

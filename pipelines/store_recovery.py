@@ -26,11 +26,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from trajflow.operators.data_parallel import RESUME_HINT
-from trajflow.operators.recovery import RECOVERY_PREFIX
+from trajflow.operators.trainer.group import RESUME_HINT
+from trajflow.operators.trainer.recovery import RECOVERY_PREFIX
 from trajflow.pipelines.policy_store import RayStore, StoreLost
 
-__all__ = ["RECONNECT_SECONDS", "StoreGuard", "StoreLost", "StoreSpec", "VersionSource", "needed_versions",
+__all__ = ["RECONNECT_SECONDS", "StoreGuard", "StoreLost", "StoreSpec", "VersionArchive", "needed_versions",
            "rebuild", "refusal"]
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 RECONNECT_SECONDS = 300.0
 
 
-class VersionSource(Protocol):
+class VersionArchive(Protocol):
     """Where a rebuilt store finds the versions (the job's run dir, jobs/recorder.py)."""
 
     def kept_versions(self, adapters: bool = False) -> list[int]:
@@ -64,7 +64,7 @@ class StoreSpec:
     adapters: bool = False  # a LoRA run publishes adapters
 
 
-def needed_versions(source: VersionSource, spec: StoreSpec) -> tuple[list[int], list[int]]:
+def needed_versions(source: VersionArchive, spec: StoreSpec) -> tuple[list[int], list[int]]:
     """(versions the live window may read, those of them not on disk)."""
     kept = source.kept_versions(spec.adapters)
     latest = max([*kept, source.last_logged_step() + 1])
@@ -73,7 +73,7 @@ def needed_versions(source: VersionSource, spec: StoreSpec) -> tuple[list[int], 
     return needed, [v for v in needed if v not in set(kept)]
 
 
-def refusal(source: VersionSource, spec: StoreSpec, restarts: int) -> str | None:
+def refusal(source: VersionArchive, spec: StoreSpec, restarts: int) -> str | None:
     """Why the store is not rebuilt as restart number `restarts`, or None."""
     if restarts > spec.max_restarts:
         return f"recovery.max_restarts ({spec.max_restarts}) is spent"
@@ -85,7 +85,7 @@ def refusal(source: VersionSource, spec: StoreSpec, restarts: int) -> str | None
     return None
 
 
-def rebuild(store: RayStore, source: VersionSource, spec: StoreSpec, restarts: int) -> tuple[RayStore, list[int]]:
+def rebuild(store: RayStore, source: VersionArchive, spec: StoreSpec, restarts: int) -> tuple[RayStore, list[int]]:
     """A new store actor, the next generation of `store`, holding the needed versions read from
     disk (put by this process, which outlives the run's readers), and the versions it holds."""
     import ray
@@ -112,12 +112,12 @@ class StoreGuard:
     readers waiting for a new store get it (`RayStore.give_up`): their operators fail, Ray Data
     ends the run and RLPipeline.iter_metrics raises StoreLost with the line."""
 
-    def __init__(self, store: RayStore, source: VersionSource, spec: StoreSpec, restarts: Callable[[], int],
+    def __init__(self, store: RayStore, source: VersionArchive, spec: StoreSpec, restarts: Callable[[], int],
                  on_rebuilt: Callable[[RayStore, dict], None]) -> None:
         self.store, self.source, self.spec = store, source, spec
         self.restarts, self.on_rebuilt = restarts, on_rebuilt
         self.lost: str | None = None
-        self.tombstone = None  # the LostStore actor, held while the run ends
+        self.tombstone = None  # the StoreTombstone actor, held while the run ends
         self.closing = False
         self.thread = threading.Thread(target=self._watch, name="trajflow-store-guard", daemon=True)
         self.thread.start()

@@ -13,7 +13,7 @@ def ray_session():
     under pytest-xdist, one per worker."""
     import ray
 
-    from trajflow.pipelines.local_ray import start_local_ray
+    from trajflow.pipelines.ray.embedded import start_local_ray
 
     start_local_ray(num_cpus=2, log_to_driver=False)  # 127.0.0.1 only; ended with the test process
     from ray.data import DataContext
@@ -21,7 +21,7 @@ def ray_session():
     DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()
-    from trajflow.pipelines.local_ray import end_sessions
+    from trajflow.pipelines.ray.embedded import end_sessions
 
     end_sessions()  # its session dir (an xdist worker may end without running atexit hooks)
 
@@ -127,40 +127,6 @@ def bpe_model_dir(bpe, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="session")
-def run_in_process(ray_session):
-    """Run an RLPipeline's own stage list step by step in this process: the same operator objects
-    Ray Data would run (each is a callable, Arrow in, Arrow out), with the real policy store actor,
-    but without Ray Data's executor and its per-run actor start-up. Steps are synchronous (a
-    rollout never runs ahead of the trainer). Returns the metrics as a polars DataFrame, and with
-    `final_weights=True` also the last version's weights (cloned)."""
-    import polars as pl
-
-    def run(pipe, final_weights: bool = False):
-        store = pipe.start_store()
-        fns = []
-        try:
-            fns = [stage.fn(**{"store": store, **stage.kwargs}) if stage.is_actor else stage.fn
-                   for stage in pipe.stages]
-            rows = []
-            for step in range(pipe.config.steps):
-                batch = pipe.prompts.step_rows(step)
-                for fn in fns:
-                    batch = fn(batch)
-                rows += batch.to_pylist()
-            metrics = pl.from_dicts(rows, infer_schema_length=None)
-            if not final_weights:
-                return metrics
-            return metrics, {k: v.clone() for k, v in store.weights(pipe.config.steps)[1].items()}
-        finally:
-            for fn in fns:  # a train step with data-parallel workers ends them
-                if hasattr(fn, "close"):
-                    fn.close()
-            pipe.shutdown()
-
-    return run
-
-
 USER_STRATEGY_MODULE = '''
 import dataclasses
 
@@ -212,7 +178,7 @@ def user_strategy_module(tmp_path):
 def one_worker_sync_run(ray_session):
     """tests/test_trainer_dp.py's SYNC pipeline on one worker, in this process: (metrics, final
     weights), the run that data-parallel and sharded workers must reproduce (computed once)."""
-    from test_trainer_dp import SYNC, run_with_final_weights
+    from support import SYNC, run_with_final_weights
 
     from trajflow.pipelines.config import PipelineConfig
 

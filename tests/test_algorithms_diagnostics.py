@@ -116,7 +116,7 @@ def test_gradient_agreement_by_hand():
 
     exact = torch.tensor([3.0, 4.0])  # norm 5
     same = gradient_agreement(exact.clone(), exact)
-    assert same["grad/cos_vs_exact"] == 1.0 and same["grad/rel_err_vs_exact"] == 0.0  # identical old logits
+    assert same["grad/cos_vs_exact"] == 1.0 and same["grad/rel_err_vs_exact"] == 0.0  # identical old log-probs
     assert same["grad/norm"] == 5.0
     half = gradient_agreement(exact / 2, exact)  # same direction, half the length
     assert half["grad/cos_vs_exact"] == pytest.approx(1.0) and half["grad/rel_err_vs_exact"] == pytest.approx(0.5)

@@ -25,10 +25,9 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from test_jobs_run import _explain, cli_in_process, run_until_checkpoint_then_kill  # the CLI and kill helpers
+from support import cli_in_process, explain, logged, run_until_checkpoint_then_kill
 from trajflow.engines.models import load_tokenizer
 from trajflow.engines.tokenizer import decode_responses, stop_token_ids
-from trajflow.schemas import read_parquet
 
 pytestmark = pytest.mark.slow
 
@@ -70,11 +69,6 @@ def job(workload_dir: Path, model_dir: Path, **overrides) -> dict:
         "group_size": 2, "sampling": {"max_new_tokens": 5}, "seed": 3, "checkpoint_every": 2,
         "keep_checkpoints": 5, "report_to": [], "save_all_versions": False, **overrides,
     }
-
-
-def logged(run_dir: Path) -> pa.Table:
-    parts = sorted((run_dir / "trajectories").glob("step=*/part-0.parquet"))
-    return pa.concat_tables([read_parquet(p) for p in parts], promote_options="permissive")
 
 
 def prompt_ids_by_step(run_dir: Path) -> dict[int, list[str]]:
@@ -175,11 +169,11 @@ def test_killed_run_resumes_with_exactly_the_prompts_of_an_uninterrupted_run(ref
         proc = cli_in_process(["run", "--resume", run_dir], capfd)
     finally:
         train.write_text(original)
-    assert proc.returncode == 2, _explain(proc)
+    assert proc.returncode == 2, explain(proc)
     assert "changed since checkpoint step-000002" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
     proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)
-    assert proc.returncode == 0, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
     assert prompt_ids_by_step(run_dir) == prompt_ids_by_step(reference_run)
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == list(range(STEPS))

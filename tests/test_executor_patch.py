@@ -1,11 +1,11 @@
-"""The event-driven executor wake-ups (pipelines/ray_patches.py, patch 4): what the stand-in
+"""The event-driven executor wake-ups (pipelines/ray/patches.py, patch 4): what the stand-in
 `ray.wait` does, checked against a scripted fake (no timing), and that applying/reverting touches
 exactly Ray Data's executor module. The pipeline tests run every pipeline with the patch applied.
 (On a Ray outside the pinned series this fails: tests/test_ray_patches.py says why.)"""
 
 from __future__ import annotations
 
-from trajflow.pipelines.ray_patches import REPEAT_PACE_S, EventDrivenWait, executor
+from trajflow.pipelines.ray.patches import REPEAT_PACE_S, EventDrivenWait, executor
 
 
 class FakeRay:

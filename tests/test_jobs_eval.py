@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from test_jobs_run import _explain, cli_in_process, run_cli  # the CLI as a subprocess / in this process
+from support import cli_in_process, explain, run_cli
 from trajflow.engines import checkpoint as ckpt
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.tokenizer import stop_token_ids
@@ -91,7 +91,7 @@ def test_eval_of_a_checkpoint_is_the_mean_reward_computed_by_hand(workload, bpe,
     checkpoint = run_dir / "checkpoints" / "step-000003"
     assert not (checkpoint / "config.json").exists()
     proc = run_cli(["eval", "--config", config, "--model", checkpoint], timeout=300)
-    assert proc.returncode == 0 and proc.stderr == "", _explain(proc)
+    assert proc.returncode == 0 and proc.stderr == "", explain(proc)
     assert len(proc.stdout.splitlines()) == 1 and "accuracy" not in proc.stdout  # a continuous reward
     mean, count = mean_reward(proc.stdout)
 
@@ -143,7 +143,7 @@ def test_eval_without_a_model_or_held_out_data_is_one_line(workload, bpe_model_d
     config.write_text(yaml.safe_dump(job(workload, bpe_model_dir, "graded")))
     (tmp_path / "empty").mkdir()
     proc = cli_in_process(["eval", "--config", config, "--model", tmp_path / "empty"], capfd)
-    assert proc.returncode == 2, _explain(proc)
+    assert proc.returncode == 2, explain(proc)
     assert proc.stderr.splitlines() == [f"trajflow: eval: --model {tmp_path / 'empty'}: neither a model directory "
                                         "(no config.json) nor a run's checkpoint (checkpoints/step-N with "
                                         "meta.json) or run dir with one"]
@@ -152,6 +152,6 @@ def test_eval_without_a_model_or_held_out_data_is_one_line(workload, bpe_model_d
     no_test["data"].pop("test_files")
     config.write_text(yaml.safe_dump(no_test))
     proc = cli_in_process(["eval", "--config", config], capfd)
-    assert proc.returncode == 2, _explain(proc)
+    assert proc.returncode == 2, explain(proc)
     assert proc.stderr.splitlines() == [f"trajflow: eval: --config {config}: data.test_files is empty (nothing "
                                         "held out to evaluate on)"]

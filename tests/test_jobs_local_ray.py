@@ -1,4 +1,4 @@
-"""The embedded Ray of a run is local and ends with its driver (pipelines/local_ray.py).
+"""The embedded Ray of a run is local and ends with its driver (pipelines/ray/embedded.py).
 
 - a real `trajflow run` subprocess: once it has trained a step, every listening socket of every
   process of its Ray (the driver's descendants: GCS, raylet, agents, workers) is on 127.0.0.1;
@@ -105,7 +105,7 @@ def test_sigkill_of_the_driver_ends_every_ray_process_of_the_run_within_30s(runn
     proc, driver, children, log = running_run
     session = next(arg.split("=", 1)[1] for p in _alive(children) if p.name() == "gcs_server"
                    for arg in p.cmdline() if arg.startswith("--session-dir="))
-    (watchdog,) = [p for p in _alive(children) if "ray_watchdog.py" in " ".join(p.cmdline())]
+    (watchdog,) = [p for p in _alive(children) if "watchdog.py" in " ".join(p.cmdline())]
     # outside the driver's process group, which a group kill (`kill -9 -PGID`, Ray's own reaper
     # where the kernel cannot fate-share) would end together with the driver
     assert os.getpgid(watchdog.pid) != os.getpgid(proc.pid)
@@ -134,8 +134,8 @@ def test_the_watchdog_ends_exactly_the_marked_processes_when_its_parent_dies(tmp
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
         import os, subprocess, sys, time
-        from trajflow.pipelines import local_ray
-        from trajflow.pipelines.ray_watchdog import MARKER_ENV
+        from trajflow.pipelines.ray import embedded as local_ray
+        from trajflow.pipelines.ray.watchdog import MARKER_ENV
         local_ray._start_watchdog("m-test")
         marked = dict(os.environ, **{MARKER_ENV: "m-test"})
         pids = [subprocess.Popen(["sleep", "300"], env=marked).pid for _ in range(2)]

@@ -188,7 +188,7 @@ def test_start_checkpoint_lets_a_trainer_lost_before_the_first_checkpoint_be_reb
     """With recovery on, a new run checkpoints version 0 at its start: a trainer lost at step 1
     (before checkpoint_every) is rebuilt from it (the starting weights) plus step 0's logged rows;
     a resumed run writes no second start checkpoint."""
-    from trajflow.operators.recovery import replay_plan
+    from trajflow.operators.trainer.recovery import replay_plan
 
     recorder, trainer = _recorder(tmp_path, checkpoint_start=True, checkpoint_every=4), SmallTrainer(seed=3)
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -212,7 +212,7 @@ def test_the_source_covers_a_step_logged_before_the_trainer_died(tmp_path):
     """Rows are logged before a version is published: a trainer that died after step 3's rows
     but before its metrics left version 4 in the store, so the rebuilt trainer's plan retrains
     step 3 from the log, also when the step at hand is a retried task's earlier step."""
-    from trajflow.operators.recovery import replay_plan
+    from trajflow.operators.trainer.recovery import replay_plan
 
     recorder, trainer = _recorder(tmp_path, checkpoint_every=2), SmallTrainer()
     recorder.on_start(trainer)

@@ -22,7 +22,7 @@ from trajflow.jobs.cli import main
 from trajflow.jobs.console import WIDTH, format_table
 from trajflow.jobs.recorder import RunPaths, write_table_atomic
 from trajflow.jobs.report import comparison_table, load_runs, plot_runs, short_labels, step_seconds, summarize
-from trajflow.jobs.run import SUMMARY_COLUMNS, status_line
+from trajflow.jobs.summary import SUMMARY_COLUMNS, status_line
 
 
 def write_run(root: Path, rewards: list[float], step_ends: list[float] | None = None, *, strategy: str = "snapshot",

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -46,45 +45,16 @@ from trajflow.engines import checkpoint as ckpt
 from trajflow.jobs.config import load_job_config
 from trajflow.schemas import read_parquet
 
+from support import cli_env, cli_in_process, explain, run_cli, run_until_checkpoint_then_kill
+
 pytestmark = pytest.mark.slow
 
-CLI = [sys.executable, "-m", "trajflow.jobs.cli"]
 QUICK_STEPS = 8
 ROWS = 32
 SMALL = ["--set", "prompts_per_step=8", "--set", "group_size=4"]  # ROWS per step
 EVAL_PROMPTS = 64
 # the diagnostics a train step reports that a --diagnose replay recomputes
 DIAGNOSTIC_PREFIXES = ("mask/", "clip/", "mismatch/", "is/", "staleness/", "active_frac", "loss_tokens", "loss")
-
-
-def _env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def run_cli(args: list, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=_env())
-
-
-def cli_in_process(args: list, capfd) -> subprocess.CompletedProcess:
-    """The entry point's `main` in this process, for commands that end before Ray starts (a
-    refusal, report, compare) or that run on the session's Ray (the caller asks for `ray_session`):
-    no interpreter and imports to pay per call. Output is captured at the file descriptors
-    (pytest's `capfd`), so a library writing past `sys.stdout` shows too."""
-    from trajflow.jobs.cli import main
-
-    capfd.readouterr()
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
-
-
-def _explain(proc: subprocess.CompletedProcess) -> str:
-    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
 
 
 def _all_trajectories(run_dir: Path) -> pa.Table:
@@ -98,7 +68,7 @@ def quick_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     proc = run_cli(["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={QUICK_STEPS}", *SMALL,
                     "--set", "checkpoint_every=2", "--set", "keep_checkpoints=2", "--set", "eval_every=4",
                     "--set", f"eval_prompts={EVAL_PROMPTS}"])
-    assert proc.returncode == 0, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
     return run_dir, proc
 
 
@@ -231,7 +201,7 @@ def test_status_lines_are_printed_as_their_steps_end(tmp_path):
             "--set", "simulate_decode_seconds=0.3", "--set", "eval_every=0", "--set", "checkpoint_every=0",
             "--set", "save_all_versions=false", "--set", "trajectory_log=false", "--set", "report_to=[]"]
     proc = subprocess.Popen([str(entry), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=_env())
+                            text=True, env=cli_env())
     arrived: dict[int, float] = {}
     lines = []
     try:
@@ -257,7 +227,7 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(quick_run, capfd):
     run_dir, _ = quick_run
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     proc = cli_in_process(["run", "--resume", run_dir], capfd)  # it ends before Ray starts
-    assert proc.returncode == 0, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
     assert f"already finished all {QUICK_STEPS} steps" in proc.stdout and "nothing to do" in proc.stdout
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
@@ -276,7 +246,7 @@ def test_resume_passes_over_a_truncated_checkpoint_and_says_so(quick_run, tmp_pa
     before = (run_dir / "config.yaml").read_bytes()
 
     proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)
-    assert proc.returncode == 0, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
     damaged = [line for line in proc.stdout.splitlines() if "is damaged" in line]
     assert damaged == [f"trajflow: checkpoint step-{QUICK_STEPS:06d} is damaged (model.safetensors: truncated "
                        f"({size // 2} of {size} bytes)); falling back to step-000006"], proc.stdout
@@ -294,7 +264,7 @@ def test_report_and_compare_of_runs_with_the_same_directory_name(quick_run, tmp_
         shutil.copytree(run_dir, tmp_path / parent / "quick", ignore=shutil.ignore_patterns("trajectories", "versions"))
     out = tmp_path / "both.png"
     proc = cli_in_process(["compare", tmp_path / "a" / "quick", tmp_path / "b" / "quick", "--out", out], capfd)
-    assert proc.returncode == 0, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
     header = proc.stdout.splitlines()[0].split()
     assert header == ["a/quick", "b/quick"] or header == ["b/quick", "a/quick"], proc.stdout
     assert f"a/quick: {tmp_path / 'a' / 'quick'}" in proc.stdout and f"b/quick: {tmp_path / 'b' / 'quick'}" in proc.stdout
@@ -304,7 +274,7 @@ def test_report_and_compare_of_runs_with_the_same_directory_name(quick_run, tmp_
     assert again.returncode == 2 and "--overwrite" in again.stderr  # never silently overwritten
 
     report = cli_in_process(["report", tmp_path / "a" / "quick"], capfd)
-    assert report.returncode == 0, _explain(report)
+    assert report.returncode == 0, explain(report)
     assert (tmp_path / "a" / "quick" / "report.png").stat().st_size > 10_000
     wall = re.search(r"^wall time per step \(s\) +([0-9.]+)$", report.stdout, re.M)
     assert wall and float(wall.group(1)) > 0
@@ -315,7 +285,7 @@ def test_replay_snapshot_reproduces_the_logged_diagnostics(quick_run, tmp_path, 
     out = tmp_path / "replay"
     proc = cli_in_process(["replay", run_dir / "trajectories", "--checkpoints", run_dir / "versions",
                            "--strategy", "snapshot", "--strategy", "recompute", "--diagnose", "--out", out], capfd)
-    assert proc.returncode == 0, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
     replayed = pl.read_parquet(out / "metrics.parquet")
     logged = pl.read_parquet(run_dir / "metrics.parquet")
     assert sorted(replayed["strategy"].unique().to_list()) == ["recompute", "snapshot"]
@@ -347,9 +317,9 @@ def test_replay_snapshot_reproduces_the_logged_diagnostics(quick_run, tmp_path, 
 
 # -- bad input ---------------------------------------------------------------------------------------
 def _one_line_failure(proc: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert proc.returncode == 2, _explain(proc)
+    assert proc.returncode == 2, explain(proc)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("trajflow: "), _explain(proc)
+    assert len(lines) == 1 and lines[0].startswith("trajflow: "), explain(proc)
     assert "Traceback" not in proc.stdout + proc.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
@@ -405,7 +375,7 @@ def test_replay_quarantines_nonfinite_rows_only_when_asked(quick_run, tmp_path, 
     assert not out.exists()
 
     proc = cli_in_process([*args, "--quarantine-nonfinite"], capfd)
-    assert proc.returncode == 0, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
     assert "quarantined 1 rows with NaN/inf log-probs (steps 1)" in proc.stdout
     quarantined = pq.read_table(out / "quarantine.parquet")
     assert quarantined.num_rows == 1 and quarantined["trajectory_id"][0] == table["trajectory_id"][3]
@@ -428,49 +398,6 @@ def test_replay_reports_missing_versions_by_number(quick_run, tmp_path, capfd):
 
 
 # -- kill and resume ---------------------------------------------------------------------------------
-def _wait_for(predicate, proc: subprocess.Popen, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run exited ({proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the driver (as a crash would), then make sure every process it started is gone
-    before the resume starts — by pid, only this run's processes."""
-    import psutil
-
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-        os.kill(proc.pid, signal.SIGKILL)
-    except (psutil.NoSuchProcess, ProcessLookupError):  # it ended by itself (the caller checks how far it got)
-        children = []
-    proc.wait(timeout=30)
-    _, alive = psutil.wait_procs(children, timeout=15)  # Ray's reaper takes its processes down
-    for child in alive:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=10)
-
-
-def run_until_checkpoint_then_kill(args: list, run_dir: Path, version: int, log_path: Path) -> None:
-    """`trajflow ARGS` as a subprocess, SIGKILLed (with everything it started) once checkpoint
-    `version` is complete."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=log, stderr=subprocess.STDOUT, env=_env(),
-                                start_new_session=True)
-        try:
-            _wait_for(lambda: (run_dir / "checkpoints" / f"step-{version:06d}" / "meta.json").is_file(), proc, 300,
-                      f"checkpoint {version}")
-        finally:
-            _kill_tree(proc)
-
-
 def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path, ray_session, capfd):
     """A SIGKILLed job (a LoRA run, asynchronous snapshot at max_staleness 2, float32 inference)
     resumes from its last complete checkpoint (the adapter and its optimizer state): `--resume`
@@ -494,7 +421,7 @@ def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path
     assert (latest.path / ckpt.ADAPTER_FILE).is_file() and lora.is_adapter(latest.model_state())
 
     proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)  # the killed run was a subprocess
-    assert proc.returncode == 0, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
     assert f"from checkpoint step-{latest.version:06d}: steps {latest.version}..{steps - 1}" in proc.stdout
     # the resumed session trained exactly the steps from the checkpoint's version on
     assert not re.search(rf"^step {latest.version - 1} \(", proc.stdout, re.M)
@@ -579,20 +506,20 @@ def test_replay_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(q
     args = ["replay", log, "--checkpoints", run_dir / "versions", "--strategy", f"{tmp_path / 'loud.py'}:Loud",
             "--config", run_dir / "config.yaml", "--no-progress"]
     proc = run_cli([*args, "--out", tmp_path / "quiet"])
-    assert proc.returncode == 0, _explain(proc)
-    assert proc.stderr == "", _explain(proc)
-    assert "loud:" not in proc.stdout and "pid=" not in proc.stdout, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stderr == "", explain(proc)
+    assert "loud:" not in proc.stdout and "pid=" not in proc.stdout, explain(proc)
     workers = (tmp_path / "quiet" / "workers.log").read_text()
     assert "loud: a warning from the strategy" in workers and "loud: a line on stderr" in workers
     proc = run_cli([*args, "--out", tmp_path / "loud", "--verbose"])
-    assert proc.returncode == 0, _explain(proc)
-    assert "loud: a line on stderr" in proc.stdout + proc.stderr, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
+    assert "loud: a line on stderr" in proc.stdout + proc.stderr, explain(proc)
     assert not (tmp_path / "loud" / "workers.log").exists()
 
 
 def test_the_session_ray_listens_on_loopback_only(ray_session):
     """The test session's own Ray is started like a run's (conftest: start_local_ray)."""
-    from trajflow.pipelines.local_ray import SINGLE_NODE_ENV
+    from trajflow.pipelines.ray.embedded import SINGLE_NODE_ENV
 
     assert ray_session.util.get_node_ip_address() == "127.0.0.1"
     assert SINGLE_NODE_ENV not in os.environ  # restored after the start: a later cluster connection is unaffected

@@ -17,7 +17,7 @@ import pytest
 from trajflow.jobs.console import WIDTH
 from trajflow.jobs.recorder import RunPaths, write_table_atomic
 from trajflow.jobs.report import load_runs, summarize
-from trajflow.jobs.run import heldout_line, record_placement, status_line, summary_table
+from trajflow.jobs.summary import heldout_line, record_placement, status_line, summary_table
 from trajflow.pipelines.replay import replay_support
 
 

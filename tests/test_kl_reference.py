@@ -16,6 +16,7 @@ from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.advantage import Advantage
 from trajflow.operators.reference import ReferenceLogprobs
 from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.local import run_in_process
 from trajflow.pipelines.rl_loop import RLPipeline
 from trajflow.tasks.workload import Workload
 
@@ -106,7 +107,7 @@ def _kl_to(weights: dict, reference_dir, prompts: int = 32) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("where", ["loss", "reward"])
-def test_a_kl_penalty_keeps_the_policy_closer_to_the_reference(run_in_process, one_torch_thread, where):
+def test_a_kl_penalty_keeps_the_policy_closer_to_the_reference(one_torch_thread, where):
     """Same seed, same steps, a learning rate that moves the policy well away (KL 0.4-0.8 nats in
     10 steps, measured over seeds 1, 2, 4): the run with beta 1 ends with a smaller KL to the
     reference (the warm start) than the run with beta 0 (0.20-0.39 in the loss, 0.27-0.53 in the

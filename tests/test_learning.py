@@ -11,6 +11,7 @@ import torch
 
 from trajflow.engines.models import WARM_START_DIR, load_model, load_tokenizer
 from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.local import run_in_process
 from trajflow.pipelines.rl_loop import RLPipeline
 from trajflow.tasks import get_task
 from trajflow.tasks.rollout import heldout_accuracy
@@ -19,7 +20,7 @@ EVAL_PROMPTS = 400
 STEPS = 40
 
 
-def test_sync_rl_improves_heldout_accuracy(run_in_process):
+def test_sync_rl_improves_heldout_accuracy():
     torch.set_num_threads(1)
     before = heldout_accuracy(load_model(WARM_START_DIR), load_tokenizer(WARM_START_DIR), get_task("addition"),
                               EVAL_PROMPTS, max_new_tokens=6)

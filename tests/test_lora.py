@@ -24,7 +24,7 @@ import shutil
 
 import pytest
 import torch
-from test_trainer_dp import max_abs_difference, run_with_final_weights
+from support import max_abs_difference, run_with_final_weights
 
 from trajflow.engines import lora
 from trajflow.engines.paths import WARM_START_DIR

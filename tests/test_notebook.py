@@ -27,7 +27,7 @@ def test_ablation_notebook_executes(tmp_path, monkeypatch):
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
-    # what Ray, Ray Data and transformers print of their own stays out (pipelines/quiet.py): no cell
+    # what Ray, Ray Data and transformers print of their own stays out (pipelines/ray/quiet.py): no cell
     # writes to stderr (without the filter: Ray Data's start/plan/finished lines, the core worker's
     # max_restarts notice and a "Loading weights" bar per run)
     stderr = [o.text for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])

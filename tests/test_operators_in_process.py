@@ -18,7 +18,7 @@ import torch
 
 from trajflow.engines.models import load_tokenizer
 from trajflow.operators.diagnose import Diagnose
-from trajflow.operators.old_logprobs import OldLogprobsAtBehaviourVersion
+from trajflow.operators.old_logprobs import OldLogprobsAtBehaviorVersion
 from trajflow.operators.train_step import TrainStep
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.policy_store import InProcessStore
@@ -152,7 +152,7 @@ def test_dedicated_scores_right_after_generate_every_row(without_ray, one_torch_
     store = _store(pipe)
     ops = _build(pipe, store)
     assert list(ops)[:2] == ["generate", "old_logprobs"]
-    assert isinstance(ops["old_logprobs"], OldLogprobsAtBehaviourVersion)
+    assert isinstance(ops["old_logprobs"], OldLogprobsAtBehaviorVersion)
     batch = ops["old_logprobs"](ops["generate"](_prompt_rows(pipe, 0)))
     assert batch["old_logprobs"].null_count == 0  # every row, before any filter
     assert _max_gap(batch) < 1e-5
@@ -191,7 +191,7 @@ def test_diagnose_reproduces_the_train_step_in_one_process(without_ray, one_torc
 def test_diagnose_gradients_against_the_exact_strategy(without_ray, one_torch_thread):
     """At staleness 0 recompute's pi_old is the exact one (pi of the trainer's own version, same
     numerics): its gradient equals snapshot's. behavior's pi_old is mu (bf16 inference), so its
-    gradient departs; and with exact old logits the whole log-ratio is engine mismatch (the
+    gradient departs; and with exact old log-probs the whole log-ratio is engine mismatch (the
     staleness part has variance 0)."""
     pipe = RLPipeline(_config(inference_dtype="bfloat16"))
     store = _store(pipe)

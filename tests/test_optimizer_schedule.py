@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_trainer_dp import SYNC, _step_rows, max_abs_difference, run_with_final_weights
+from support import SYNC, max_abs_difference, run_with_final_weights, step_rows
 
 from trajflow.pipelines.config import PipelineConfig
 
@@ -61,7 +61,8 @@ def _replica(entropy_coef: float, **optimizer):
     from trajflow.engines.sampling import SamplingParams
     from trajflow.engines.training_numerics import TrainingNumerics
     from trajflow.operators.strategies.registry import resolve_strategy
-    from trajflow.operators.train_step import TrainerReplica, TrainerSpec
+    from trajflow.operators.trainer.replica import TrainerReplica
+    from trajflow.operators.trainer.spec import TrainerSpec
     from trajflow.pipelines.policy_store import InProcessStore
 
     store = InProcessStore(max_staleness=0, keep_history=False)
@@ -91,10 +92,10 @@ def test_adam_gets_the_configured_betas_and_eps(one_torch_thread):
 
 
 def test_entropy_term_changes_the_step_loss_and_gradient_by_hand(one_torch_thread):
-    from trajflow.operators.correction import StepBatch, correct
+    from trajflow.operators.trainer.correction import StepBatch, correct
 
     coef = 0.3
-    table = _step_rows(rows=4)
+    table = step_rows(rows=4)
     batch = StepBatch.from_table(table, 0)
     positions = list(range(table.num_rows))
     plain, with_entropy = _replica(0.0), _replica(coef)
@@ -123,9 +124,11 @@ def test_entropy_term_changes_the_step_loss_and_gradient_by_hand(one_torch_threa
     print(f"\nH mean {h_mean.item():.4f}; entropy gradient up to {moved:.2e}, off by {worst:.1e}")
     assert moved > 1e-4 and worst < 1e-5
 
-    # the train step's own update (update_shard) applies the term: its loss is lower by coef x mean H
-    (one,) = [plain.update_shard(table, positions, [[positions]], 0, batch.width)]
-    (two,) = [with_entropy.update_shard(table, positions, [[positions]], 0, batch.width)]
+    # the train step's own update applies the term: its loss is lower by coef x mean H
+    from trajflow.operators.trainer.replica import ShardWork
+
+    (one,) = [plain.update(ShardWork(table, positions, [[positions]], 0, batch.width))]
+    (two,) = [with_entropy.update(ShardWork(table, positions, [[positions]], 0, batch.width))]
     assert two.losses[0] - one.losses[0] == pytest.approx(-coef * h_mean.item(), abs=1e-5)
     assert math.isfinite(two.lr) and two.lr == one.lr == plain.spec.optimizer.lr
     assert np.isfinite(two.norms).all()

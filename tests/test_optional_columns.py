@@ -5,7 +5,6 @@ one process: the null reaches the trajectory and the reward function as None."""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 

@@ -12,6 +12,7 @@ import polars as pl
 import pytest
 
 from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.local import run_in_process
 from trajflow.pipelines.rl_loop import RLPipeline, Stage
 
 SMALL = dict(steps=8, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1)
@@ -78,7 +79,7 @@ def test_exact_strategies_recover_inference_logprobs(ray_session, publish_inside
     check_accounting(m, 16)
 
 
-def test_recompute_entangles_staleness_with_discrepancy(ray_session, run_in_process):
+def test_recompute_entangles_staleness_with_discrepancy(ray_session):
     """The paper's core claim: with pi_async as 'old', r_d != 1 and grows with staleness. The
     contrast, snapshot at S=3 under the same mask keeping every token with max|log r_d| < 1e-5, is
     test_exact_strategies_recover_inference_logprobs[3-snapshot] (same config: TIGHT)."""

@@ -112,7 +112,7 @@ def test_in_process_store_keeps_pinned_versions_within_the_window_and_bounds_adm
     staleness window; admission of step b waits for version b - max_staleness."""
     import threading
 
-    from trajflow.operators.store import VersionNotHeld
+    from trajflow.operators.contracts.store import VersionNotHeld
     from trajflow.pipelines.policy_store import InProcessStore
 
     store = InProcessStore(max_staleness=1, keep_history=True)
@@ -141,7 +141,7 @@ def test_in_process_store_keeps_pinned_versions_within_the_window_and_bounds_adm
 
 @pytest.mark.timeout(120)
 def test_ray_store_reports_a_missing_version_as_the_same_error(ray_session):
-    from trajflow.operators.store import VersionNotHeld
+    from trajflow.operators.contracts.store import VersionNotHeld
     from trajflow.pipelines.policy_store import RayStore
 
     store = RayStore.start(max_staleness=0, keep_history=False)

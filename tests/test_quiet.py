@@ -1,4 +1,4 @@
-"""pipelines/quiet.py: Ray's C++ notices filtered from fd 2 (in a terminal and where Python's
+"""pipelines/ray/quiet.py: Ray's C++ notices filtered from fd 2 (in a terminal and where Python's
 stderr is not fd 2, as in a notebook kernel), and quiet_run's settings put back at its end.
 (tests/test_notebook.py checks a real kernel: no cell of the notebook writes to stderr.)"""
 
@@ -14,7 +14,7 @@ import pytest
 
 NOISY = textwrap.dedent("""
     import io, os, sys
-    from trajflow.pipelines.quiet import filtered_stderr
+    from trajflow.pipelines.ray.quiet import filtered_stderr
     noise = (b"[2026-11-22 21:09:21,418 E 17036 17036] core_worker.cc:2465: Actor with class name: "
              b"'MapWorker(MapBatches(Generate))' and ID: 'ab' has constructor arguments in the object "
              b"store and max_restarts > 0. If the arguments ...\\n")
@@ -59,7 +59,7 @@ def test_a_child_started_in_the_block_neither_delays_its_end_nor_escapes_the_fil
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent("""
         import os, subprocess, sys, time
-        from trajflow.pipelines.quiet import filtered_stderr
+        from trajflow.pipelines.ray.quiet import filtered_stderr
         late = ("import os, time; time.sleep(1.5); "
                 "os.write(2, b'child late\\\\n[E] core_worker.cc:1: Actor with class name: x max_restarts > 0\\\\n')")
         with filtered_stderr():
@@ -80,7 +80,7 @@ def test_quiet_run_sets_ray_data_and_transformers_quiet_and_puts_them_back():
     import transformers.utils.logging as hf_logging
     from ray.data import DataContext
 
-    from trajflow.pipelines.quiet import RAY_DATA_LOGGERS, quiet_run
+    from trajflow.pipelines.ray.quiet import RAY_DATA_LOGGERS, quiet_run
 
     context = DataContext.get_current()
     before = (context.enable_progress_bars, list(context.issue_detectors_config.detectors),

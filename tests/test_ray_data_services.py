@@ -1,5 +1,5 @@
 """The embedded Ray runs without Ray Data's cluster-wide helper actors and without the autoscaler
-and log monitors (pipelines/ray_patches.py, patches 2 and 3), and Ray Data still computes the
+and log monitors (pipelines/ray/patches.py, patches 2 and 3), and Ray Data still computes the
 same thing on it. (On a Ray outside the pinned series this fails: tests/test_ray_patches.py says
 why.)"""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from trajflow.pipelines.ray_patches import data_services
+from trajflow.pipelines.ray.patches import data_services
 
 psutil = pytest.importorskip("psutil")
 

@@ -1,4 +1,4 @@
-"""Ray is pinned to the series trajflow's patches were written for (pipelines/ray_patches.py).
+"""Ray is pinned to the series trajflow's patches were written for (pipelines/ray/patches.py).
 
 - CI fails, never skips, when the installed Ray is outside the pin, or when the pin in
   pyproject.toml and `RAY_SERIES` (the series the patches were read against) disagree;
@@ -26,8 +26,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10: pytest's own TOML reader
     import tomli as tomllib
 
-from trajflow.pipelines import ray_patches
-from trajflow.pipelines.ray_patches import RAY_SERIES, RayVersionError, data_services, executor, worker_output
+from trajflow.pipelines.ray import patches as ray_patches
+from trajflow.pipelines.ray.patches import RAY_SERIES, RayVersionError, data_services, executor, worker_output
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -47,7 +47,7 @@ def test_the_installed_ray_is_the_pinned_series():
     assert {"dependencies", "[dev]", "[cluster]"} <= set(found), found
     pin = SpecifierSet(f"=={RAY_SERIES}.*")
     assert {where: req.specifier for where, req in found.items()} == dict.fromkeys(found, pin), (
-        f"pyproject.toml pins Ray other than pipelines/ray_patches.py's RAY_SERIES {RAY_SERIES}: read every "
+        f"pyproject.toml pins Ray other than pipelines/ray/patches.py's RAY_SERIES {RAY_SERIES}: read every "
         "patch there against the new Ray, then move RAY_SERIES and the pins together")
     assert ray.__version__ in pin and ray_patches.ray_in_series(), (
         f"Ray {ray.__version__} is installed, trajflow is pinned to {RAY_SERIES}.x and runs unpatched on "

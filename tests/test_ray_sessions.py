@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_jobs_run import _env
+from support import cli_env
 
 pytestmark = pytest.mark.slow
 
 RAY_TMP = Path("/tmp/ray")
 START = textwrap.dedent("""
     import sys
-    from trajflow.pipelines.local_ray import start_local_ray
+    from trajflow.pipelines.ray.embedded import start_local_ray
     start_local_ray(num_cpus=1)
     import ray
     from ray.data import DataContext
@@ -53,7 +53,7 @@ def test_twenty_embedded_starts_leave_no_session_dir():
     pids, named = set(), []
     for _ in range(20):  # one at a time: two Rays starting at once on a loaded 2-core machine can time out
         procs = [subprocess.Popen([sys.executable, "-c", START], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env=_env())]
+                                  text=True, env=cli_env())]
         for proc in procs:
             out, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err[-3000:]
@@ -79,7 +79,7 @@ def test_a_failed_run_keeps_its_ray_logs_in_the_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "trajflow.jobs.cli", "run", str(_reward_job(tmp_path)),
                              "--run-dir", str(run_dir), "--no-progress"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=Path(__file__).resolve().parents[1])
+                            stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=Path(__file__).resolve().parents[1])
     out, err = proc.communicate(timeout=500)
     assert proc.returncode == 1, f"{out[-2000:]}\n{err[-2000:]}"
     assert "failed on every row" in err
@@ -94,7 +94,7 @@ def test_a_finished_run_leaves_no_session_and_no_ray_logs(tmp_path):
                              str(tmp_path / "run"), "--no-progress", "--set", "steps=2", "--set", "prompts_per_step=8",
                              "--set", "group_size=4", "--set", "eval_every=0", "--set", "report_to=[]", "--set",
                              "save_all_versions=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+                            env=cli_env())
     out, err = proc.communicate(timeout=500)
     assert proc.returncode == 0, f"{out[-2000:]}\n{err[-2000:]}"
     assert not (tmp_path / "run" / "ray-logs").exists()
@@ -107,7 +107,7 @@ def test_a_sigkilled_run_has_its_ray_logs_moved_by_the_watchdog(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "trajflow.jobs.cli", "run", "quickstart", "--run-dir", str(run_dir),
                              "--no-progress", "--set", "steps=200", "--set", "prompts_per_step=8", "--set",
                              "group_size=4", "--set", "eval_every=0", "--set", "report_to=[]"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cli_env())
     for line in proc.stdout:  # the first step's status line: the run is under way
         if line.split()[:2] == ["step", "0"]:
             break

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trajflow.jobs.run import trainer_state_lost
-from trajflow.operators.data_parallel import RESUME_HINT, TrainerStateLost
+from trajflow.jobs.errors import trainer_state_lost
+from trajflow.operators.trainer.group import RESUME_HINT, TrainerStateLost
 
 LINE = f"trainer worker 0 of 1 (node abc) was restarted after its process died; the state is lost: {RESUME_HINT}"
 
@@ -53,7 +53,7 @@ def test_refusal_names_the_setting(tmp_path):
     """Past the budget, without a run dir or a trajectory log, a fault is not recovered: the
     reason names the setting."""
     from trajflow.jobs.recorder import RunRecorder
-    from trajflow.operators.recovery import RecoveryConfig, refusal, replay_plan
+    from trajflow.operators.trainer.recovery import RecoveryConfig, refusal, replay_plan
 
     recorder = RunRecorder(run_dir=str(tmp_path), steps=8, checkpoint_every=3, keep_checkpoints=2,
                            save_all_versions=False, trajectory_log=True)
@@ -170,7 +170,7 @@ def test_a_killed_policy_store_is_one_line_naming_resume(ray_session):
     caller gets (wrapped, as Ray Data re-raises it) becomes one line."""
     import ray
 
-    from trajflow.jobs.run import store_lost
+    from trajflow.jobs.errors import store_lost
     from trajflow.pipelines.policy_store import RayStore
 
     store = RayStore.start(max_staleness=1, keep_history=True)
@@ -245,7 +245,7 @@ def test_a_restarted_train_step_with_recovery_off_refuses_to_train_on_fresh_stat
     import pyarrow as pa
 
     from trajflow.engines.models import load_model
-    from trajflow.operators.recovery import RecoveryConfig
+    from trajflow.operators.trainer.recovery import RecoveryConfig
     from trajflow.pipelines.config import PipelineConfig
     from trajflow.pipelines.policy_store import InProcessStore
     from trajflow.pipelines.rl_loop import RLPipeline
@@ -265,7 +265,7 @@ def test_a_restarted_train_step_with_recovery_off_refuses_to_train_on_fresh_stat
 
 
 class _Disk:
-    """A VersionSource over a made-up run dir: the versions kept and the newest logged step."""
+    """A VersionArchive over a made-up run dir: the versions kept and the newest logged step."""
 
     def __init__(self, kept: list[int], logged: int) -> None:
         self.kept, self.logged = kept, logged

@@ -150,9 +150,9 @@ class EditsReward:
     """A user stage inserted live: it edits the reward and marks rows (a light stage)."""
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from trajflow.operators.columns import mark_filtered, replace_column
-
         import numpy as np
+
+        from trajflow.schemas.columns import mark_filtered, replace_column
 
         batch = replace_column(batch, "reward", pa.array(np.full(batch.num_rows, 7.0, np.float32)))
         return mark_filtered(batch, np.arange(batch.num_rows) == 0, "mine")

@@ -27,9 +27,7 @@ import numpy as np
 import polars as pl
 import pytest
 import yaml
-
-from test_byo_pipeline import logged  # the trajectory log of a run dir
-from test_jobs_run import _explain, run_cli  # the CLI as a subprocess
+from support import explain, logged, run_cli
 
 PER_STEP, GROUP = 4, 2
 REWARDS = textwrap.dedent("""
@@ -87,11 +85,11 @@ def broken_run(workload_dir, bpe_model_dir, tmp_path_factory) -> tuple[Path, sub
 @pytest.mark.slow
 def test_failed_rewards_are_logged_per_row_and_the_run_stops_with_one_line(workload_dir, broken_run):
     run_dir, proc = broken_run
-    assert proc.returncode == 1, _explain(proc)
+    assert proc.returncode == 1, explain(proc)
     wrong = f"the reward returned 0 values for {PER_STEP * GROUP} completions (one score per completion)"
     assert proc.stderr.splitlines() == [
         f"trajflow: reward {workload_dir / 'rewards.py'}:broken failed on every row of steps 1-2 "
-        f"(reward_max_failed_steps: 2); first error: {wrong}"], _explain(proc)
+        f"(reward_max_failed_steps: 2); first error: {wrong}"], explain(proc)
 
     table = logged(run_dir)
     steps, idx = np.array(table["rollout_step"].to_pylist()), np.array(table["idx"].to_pylist())
@@ -118,14 +116,14 @@ def test_failed_rewards_are_logged_per_row_and_the_run_stops_with_one_line(workl
 @pytest.mark.slow
 def test_a_run_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(broken_run):
     run_dir, proc = broken_run
-    assert proc.returncode == 1, _explain(proc)
+    assert proc.returncode == 1, explain(proc)
     # stderr: the one stop line (above), not the worker's line on stderr nor its warning
-    assert [line for line in proc.stderr.splitlines() if not line.startswith("trajflow: ")] == [], _explain(proc)
+    assert [line for line in proc.stderr.splitlines() if not line.startswith("trajflow: ")] == [], explain(proc)
     own = re.compile(r"^(trajflow: |step +\d+ \( *\d+%\) \| |strategy |stages: |training numerics: |max_staleness |"
                      r"  \S)")  # the description's wrapped lines are indented
-    assert re.search(r"^step +2 \(", proc.stdout, re.M), _explain(proc)  # the lines of every step that ran
+    assert re.search(r"^step +2 \(", proc.stdout, re.M), explain(proc)  # the lines of every step that ran
     others = [line for line in proc.stdout.splitlines() if line and not own.match(line)]
-    assert others == [], _explain(proc)
+    assert others == [], explain(proc)
     workers = (run_dir / "workers.log").read_text()
     assert "broken: a warning from the reward" in workers and "broken: a line on stderr" in workers
     assert "Timeout is disabled" not in workers  # math-verify's own timeouts are off for a reason: not a warning
@@ -134,8 +132,8 @@ def test_a_run_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(br
 def test_step_metrics_count_reward_errors_and_failed_steps_reset():
     import pyarrow as pa
 
-    from trajflow.operators.columns import step_metrics
     from trajflow.operators.reward import FailedRewardSteps, RewardFailed
+    from trajflow.operators.trainer.accounting import step_metrics
 
     batch = pa.table({"reward": pa.array([None, 1.0, None, None], pa.float32()),
                       "filter_reason": ["over_stale", None, "reward_error", "reward_error"],

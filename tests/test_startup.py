@@ -1,5 +1,5 @@
 """`trajflow run` resolves every name before Ray starts without importing torch or transformers,
-so it can import them while Ray starts (jobs/run.py, pipelines/local_ray.py;
+so it can import them while Ray starts (jobs/run.py, pipelines/ray/embedded.py;
 benchmarks/results/startup.md). A built-in strategy that imports torch at module level, or a
 check before Ray that loads weights with torch, puts those seconds back on the start-up path."""
 

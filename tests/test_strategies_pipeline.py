@@ -3,8 +3,7 @@ log-probs under bf16 mixed precision and with a dropout checkpoint, and a strate
 the package, live and in `trajflow replay --diagnose`.
 
 Runs either on Ray Data (`RLPipeline.run`) or with the same stage list executed in this process
-(`run_in_process`, conftest.py: the same operator objects and the real policy store, without Ray
-Data's executor), which keeps the sixteen top-k/top-p runs affordable.
+(`run_in_process`, pipelines/local.py: the same operator objects in one process, without Ray), which keeps the sixteen top-k/top-p runs affordable.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import torch
 from trajflow.engines.models import WARM_START_DIR, load_model, load_tokenizer, save_model
 from trajflow.operators.strategies import strategy_names
 from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.local import run_in_process
 from trajflow.pipelines.rl_loop import RLPipeline
 
 SMALL = dict(prompts_per_step=8, group_size=4, drop_zero_variance_groups=False, seed=1)
@@ -41,7 +41,7 @@ def record_weights_and_old(trainstep, batch, metrics) -> None:
     ({"top_k": 2}, {"mask_level": "none", "clip_level": "sequence"}),  # the levels that turned -inf into NaN
     ({"top_p": 0.9}, {}),
 ])
-def test_every_strategy_trains_under_top_k_and_top_p(run_in_process, sampling, correction):
+def test_every_strategy_trains_under_top_k_and_top_p(sampling, correction):
     # bf16-sampled tokens outside the float32 support: ~7e-4 of tokens on the warm start at top_k 2
     # and at top_p 0.9 (measured on 5,400 tokens each), so each strategy samples its own data (seed)
     # and the eight runs together meet a few
@@ -67,7 +67,7 @@ def test_every_strategy_trains_under_top_k_and_top_p(run_in_process, sampling, c
 
 
 @pytest.mark.timeout(600)
-def test_bf16_mixed_precision_gives_exact_old_logprobs_on_policy(ray_session, run_in_process):
+def test_bf16_mixed_precision_gives_exact_old_logprobs_on_policy(ray_session):
     """pi_old in the trainer's numerics: at max_staleness 0 with one minibatch, r_s = 1 exactly."""
     common = dict(**SMALL, steps=3, max_staleness=0, optimizer={"mixed_precision": "bf16"})
     snapshot = RLPipeline(PipelineConfig(**common, strategy="snapshot")).run(progress=False)  # on Ray Data
@@ -82,7 +82,7 @@ def test_bf16_mixed_precision_gives_exact_old_logprobs_on_policy(ray_session, ru
 
 
 @pytest.mark.timeout(600)
-def test_a_dropout_checkpoint_keeps_old_logprobs_exact(run_in_process, tmp_path):
+def test_a_dropout_checkpoint_keeps_old_logprobs_exact(tmp_path):
     model, tokenizer = load_model(WARM_START_DIR), load_tokenizer(WARM_START_DIR)
     model.config.attention_dropout = 0.1
     save_model(model, tokenizer, tmp_path / "dropout")

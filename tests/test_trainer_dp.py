@@ -20,20 +20,18 @@ tests/test_jobs_cluster.py.
 from __future__ import annotations
 
 import numpy as np
-import polars as pl
 import pytest
 import ray
 import torch
 
 from trajflow.algorithms.objective import CorrectionConfig, decoupled_loss, loss_denominator
 from trajflow.engines.training_numerics import TrainingNumerics, choose_device
-from trajflow.operators.data_parallel import choose_backend, padded_tokens, plan_shards
+from trajflow.operators.trainer.collective import choose_backend
+from trajflow.operators.trainer.plan import padded_tokens, plan_shards
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.rl_loop import RLPipeline
 
-SYNC = dict(steps=5, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1, max_staleness=0,
-            inference_dtype="float32", optimizer={"minibatches_per_step": 2})
-
+from support import SYNC, max_abs_difference, run_with_final_weights, step_rows
 
 # -- loss normalisation, by hand -------------------------------------------------------------------
 def _batch():
@@ -127,27 +125,6 @@ def test_trainer_trains_on_cuda_with_bf16_needs_cuda(tiny):
 
 
 # -- one update on 1 worker vs 2 (two replicas in threads of this process, a real gloo group) -------
-def _step_rows(seed: int = 0, rows: int = 12):
-    """A step's trained rows: random prompts/responses over the warm start's vocabulary, behaviour
-    log-probs far from the policy's (so clips and M2PO's mask act), one token outside the loss."""
-    import pyarrow as pa
-
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(4, 40, rng.integers(4, 9)).tolist() for _ in range(rows)]
-    responses = [rng.integers(4, 40, rng.integers(2, 7)).tolist() for _ in range(rows)]
-    inference = [(-rng.uniform(0.5, 6.0, len(r))).astype(np.float32).tolist() for r in responses]
-    loss_mask = [[i != 1 for i in range(len(r))] for r in responses]
-    return pa.table({
-        "prompt_tokens": pa.array(prompts, pa.list_(pa.int32())),
-        "response_tokens": pa.array(responses, pa.list_(pa.int32())),
-        "inference_logprobs": pa.array(inference, pa.list_(pa.float32())),
-        "versions": pa.array([[0] * len(r) for r in responses], pa.list_(pa.int32())),
-        "loss_mask": pa.array(loss_mask, pa.list_(pa.bool_())),
-        "advantage": pa.array(rng.normal(size=rows).astype(np.float32)),
-        "old_logprobs": pa.array([None] * rows, pa.list_(pa.float32())),
-    })
-
-
 def _replicas_update(store, table, world_size: int, strategy_name: str, aggregation: str, budget: int | None):
     """Train one step of `table` (2 minibatches) on `world_size` replicas; returns (each replica's
     ShardResult, worker 0's weights, worker 0's strategy after-step metrics)."""
@@ -155,9 +132,10 @@ def _replicas_update(store, table, world_size: int, strategy_name: str, aggregat
 
     from trajflow.engines.models import WARM_START_DIR
     from trajflow.engines.sampling import SamplingParams
-    from trajflow.operators.data_parallel import Collective, listening_socket
     from trajflow.operators.strategies.registry import resolve_strategy
-    from trajflow.operators.train_step import TrainerReplica, TrainerSpec
+    from trajflow.operators.trainer.collective import Collective, listening_socket
+    from trajflow.operators.trainer.replica import ShardWork, TrainerReplica
+    from trajflow.operators.trainer.spec import TrainerSpec
 
     options = {"m2_threshold": 0.5} if strategy_name == "m2po" else {}
     config = PipelineConfig(optimizer={"minibatches_per_step": 2}, prompts_per_step=2, group_size=2)
@@ -182,7 +160,7 @@ def _replicas_update(store, table, world_size: int, strategy_name: str, aggregat
             replica.collective = Collective(rank, world_size, port=port,
                                             listen=listen if rank == 0 else None, timeout_seconds=60)
             rows = plan.rows(rank)
-            results[rank] = replica.update_shard(table.take(rows), rows, plan.microbatches[rank], 0, width)
+            results[rank] = replica.update(ShardWork(table.take(rows), rows, plan.microbatches[rank], 0, width))
         except BaseException as e:  # surfaced below: a failed thread must fail the test
             errors.append(e)
 
@@ -211,7 +189,7 @@ def test_one_update_on_two_workers_equals_one_worker(one_torch_thread, strategy,
 
     store = InProcessStore(max_staleness=0, keep_history=False)
     store.publish(load_model(WARM_START_DIR).state_dict(), 0)
-    table = _step_rows()
+    table = step_rows()
     (one,), one_weights, one_metrics = _replicas_update(store, table, 1, strategy, aggregation, None)
     two, two_weights, two_metrics = _replicas_update(store, table, 2, strategy, aggregation, budget)
     assert sum(r.microbatches for r in two) > 2 if budget else sum(r.microbatches for r in two) == 4
@@ -238,7 +216,7 @@ def test_one_update_on_two_workers_equals_one_worker(one_torch_thread, strategy,
 def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradient():
     from trajflow.engines.models import WARM_START_DIR, load_model
     from trajflow.engines.sampling import SamplingParams
-    from trajflow.operators.train_step import enable_gradient_checkpointing
+    from trajflow.operators.trainer.replica import enable_gradient_checkpointing
 
     numerics, grads = TrainingNumerics(), []
     for checkpointing in (False, True):
@@ -255,40 +233,6 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradient():
 
 
 # -- real pipelines ----------------------------------------------------------------------------
-def run_with_final_weights(config: PipelineConfig, steps: range | None = None, recorder=None,
-                           initial_weights: dict | None = None) -> tuple[pl.DataFrame, dict[str, torch.Tensor]]:
-    """Run a synchronous pipeline's own stage objects step by step in this process (worker 0 is
-    this process: only workers 1..N-1 start as actors; no Ray Data start-up per run), then read
-    the final version from the policy store. `steps` (default: all) may start later, from
-    `initial_weights`, with a job's `recorder` as the train step's hooks (a resumed run)."""
-    steps = steps if steps is not None else range(config.steps)
-    pipe = RLPipeline(config)
-    if recorder is not None:
-        hooks = pipe.hooks
-        hooks.on_start, hooks.on_rows, hooks.on_step = recorder.on_start, recorder.on_rows, recorder.on_step
-    store = pipe.start_store(initial_version=steps.start, initial_weights=initial_weights)
-    stages = [stage.fn(store=store, **stage.kwargs) if stage.is_actor else stage.fn for stage in pipe.stages]
-    try:
-        rows = []
-        for step in steps:
-            batch = pipe.prompts.step_rows(step)
-            for fn in stages:
-                batch = fn(batch)
-            rows += batch.to_pylist()
-        _, weights = store.weights(steps.stop)
-        weights = {k: v.clone() for k, v in weights.items()}
-    finally:
-        for fn in stages:
-            if hasattr(fn, "close"):
-                fn.close()
-        pipe.shutdown()
-    return pl.DataFrame(rows), weights
-
-
-def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 @pytest.mark.timeout(300)
 def test_two_workers_and_micro_batches_reproduce_one_worker(one_worker_sync_run):
     from trajflow.engines.models import WARM_START_DIR, load_model
@@ -316,6 +260,52 @@ def test_two_workers_and_micro_batches_reproduce_one_worker(one_worker_sync_run)
         assert other["active_frac"].to_list() == one["active_frac"].to_list()
         assert other["optimizer_steps"].to_list() == one["optimizer_steps"].to_list()
         assert max_abs_difference(weights, one_weights) < 1e-5
+
+
+IN_PROCESS_DP = """
+import json, sys
+import ray
+import torch
+from trajflow import PipelineConfig, RLPipeline, run_in_process
+from trajflow.engines.models import WARM_START_DIR, load_model
+
+torch.set_num_threads(1)
+sync = json.loads(sys.argv[1])
+one, one_weights = run_in_process(RLPipeline(PipelineConfig(**sync)), final_weights=True)
+two, two_weights = run_in_process(RLPipeline(PipelineConfig(**sync, trainer={"num_workers": 2})), final_weights=True)
+print(json.dumps({"ray_started": ray.is_initialized(),
+                  "one": one.select("loss", "grad/norm", "rows_trained", "trainer/microbatches").to_dict(as_series=False),
+                  "two": two.select("loss", "grad/norm", "rows_trained", "trainer/microbatches",
+                                    "trainer/num_workers").to_dict(as_series=False),
+                  "weights_differ": max(float((one_weights[k] - two_weights[k]).abs().max()) for k in one_weights),
+                  "moved": max(float((one_weights[k] - w).abs().max())
+                               for k, w in load_model(WARM_START_DIR).state_dict().items())}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_two_workers_in_one_process_without_ray_equal_one_worker():
+    """Data parallelism without Ray (pipelines/local.py): the train step's worker 1 is a thread of
+    the same process (InProcessGroup), joined with worker 0 in a real gloo group; a fresh process,
+    so nothing of the test session's Ray is there to be used."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", IN_PROCESS_DP, json.dumps(SYNC)], capture_output=True, text=True,
+                          timeout=280, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, two = out["one"], out["two"]
+    print(f"\n2 workers in one process differ from 1 by {out['weights_differ']:.2e} (1 moved {out['moved']:.2e})")
+    assert not out["ray_started"]
+    assert out["moved"] > 5e-4, "the updates did not move the weights: the comparison would prove nothing"
+    assert two["trainer/num_workers"] == [2] * SYNC["steps"]
+    assert two["trainer/microbatches"] == [4] * SYNC["steps"] and one["trainer/microbatches"] == [2] * SYNC["steps"]
+    assert two["rows_trained"] == one["rows_trained"]
+    assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    assert two["grad/norm"] == pytest.approx(one["grad/norm"], rel=1e-5)
+    assert out["weights_differ"] < 1e-5
 
 
 @pytest.mark.timeout(300)

@@ -21,8 +21,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from support import cli_in_process, explain
 
-from test_jobs_run import _explain, cli_in_process
 from trajflow.schemas import read_parquet
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def _args(workers: int) -> list[str]:
             # the quickstart's pre-learning-demo size: these tests are about the trainer group
             "--set", "prompts_per_step=8", "--set", "group_size=4", "--set", "eval_every=0", "--no-progress",
             "--set", "strategy=dedicated",
-            "--set", "recovery.max_restarts=0"]  # today's behaviour: stop with one line (tests/test_recovery.py heals)
+            "--set", "recovery.max_restarts=0"]  # today's behavior: stop with one line (tests/test_recovery.py heals)
 
 
 def assert_stopped_with_resume_line(status: int, out: str, run_dir: Path, starts: str, says: str) -> None:
@@ -62,7 +62,7 @@ def test_killed_scorer_is_replaced_then_a_killed_worker_stops_the_run_with_one_l
     assert len(list((run_dir / "metrics").glob("step=*.parquet"))) < STEPS, "the run finished before the kill"
 
     proc = cli_in_process(["run", "--resume", run_dir, "--no-progress"], capfd)
-    assert proc.returncode == 0, _explain(proc)
+    assert proc.returncode == 0, explain(proc)
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == list(range(STEPS))  # each step once: none repeated or skipped
     assert metrics["version"].to_list() == list(range(1, STEPS + 1))

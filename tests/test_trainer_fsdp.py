@@ -23,10 +23,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_trainer_dp import SYNC, max_abs_difference, run_with_final_weights
+from support import SYNC, max_abs_difference, run_with_final_weights
 
 from trajflow.engines.training_numerics import TrainingNumerics
-from trajflow.operators.data_parallel import Collective, plan_shards
+from trajflow.operators.trainer.collective import Collective
+from trajflow.operators.trainer.plan import plan_shards
 from trajflow.pipelines.config import PipelineConfig
 
 
@@ -54,7 +55,7 @@ def test_float32_parameters_under_autocast_keep_r_s_one_where_bf16_parameters_do
 
     from trajflow.engines.models import WARM_START_DIR, load_model
     from trajflow.engines.sampling import SamplingParams
-    from trajflow.operators.fsdp import decoder_layers, shard_model
+    from trajflow.operators.trainer.fsdp import decoder_layers, shard_model
 
     numerics, sampling = TrainingNumerics(mixed_precision="bf16"), SamplingParams()
     rng = np.random.default_rng(0)
@@ -87,8 +88,8 @@ def test_gradient_checkpointing_recomputes_sharded_layers(one_torch_thread):
     (gathered again), and the gradient is the one without checkpointing."""
     from trajflow.engines.models import WARM_START_DIR, load_model
     from trajflow.engines.sampling import SamplingParams
-    from trajflow.operators.fsdp import full, shard_model
-    from trajflow.operators.train_step import enable_gradient_checkpointing
+    from trajflow.operators.trainer.fsdp import full, shard_model
+    from trajflow.operators.trainer.replica import enable_gradient_checkpointing
 
     numerics, grads = TrainingNumerics(), []
     collective = Collective(default_group=True)
@@ -113,8 +114,8 @@ def test_gradient_checkpointing_recomputes_sharded_layers(one_torch_thread):
 def test_offload_and_backend_follow_the_device():
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from trajflow.operators.data_parallel import choose_backend
-    from trajflow.operators.fsdp import offload_policy
+    from trajflow.operators.trainer.collective import choose_backend
+    from trajflow.operators.trainer.fsdp import offload_policy
 
     assert isinstance(offload_policy(True, "cuda"), CPUOffloadPolicy) and offload_policy(True, "cuda").pin_memory
     for cpu_offload, device in ((True, "cpu"), (False, "cuda"), (False, "cpu")):
@@ -130,7 +131,7 @@ def test_offload_and_backend_follow_the_device():
 def test_sharded_trainer_on_cuda_with_nccl_and_cpu_offload_needs_cuda(one_torch_thread):
     from trajflow.engines.models import WARM_START_DIR, load_model
     from trajflow.engines.sampling import SamplingParams
-    from trajflow.operators.fsdp import shard_model
+    from trajflow.operators.trainer.fsdp import shard_model
 
     numerics = TrainingNumerics(mixed_precision="bf16")
     collective = Collective(device=numerics.torch_device(), default_group=True)

@@ -263,7 +263,7 @@ def test_per_token_advantages_whiten_the_discounted_outcome():
 
 def test_the_advantage_operator_writes_per_token_advantages_the_trainer_reads():
     from trajflow.operators.advantage import Advantage
-    from trajflow.operators.correction import StepBatch
+    from trajflow.operators.trainer.correction import StepBatch
 
     table = pa.table({
         "group_id": ["g0", "g0", "g1"], "reward": pa.array([1.0, 0.0, None], pa.float32()),

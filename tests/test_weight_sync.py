@@ -9,9 +9,17 @@ import time
 import pytest
 import torch
 
-from trajflow.operators.store import VersionNotHeld
-from trajflow.operators.weight_sync import (WeightReceiver, WeightServer, WeightSyncConfig, WeightSyncError,
-                                            backend_for, bucket_layout, link_device, reader_dtype)
+from trajflow.operators.contracts.store import VersionNotHeld
+from trajflow.operators.trainer.weight_receiver import WeightReceiver
+from trajflow.operators.trainer.weight_server import WeightServer
+from trajflow.operators.trainer.weight_sync import (
+    WeightSyncConfig,
+    WeightSyncError,
+    backend_for,
+    bucket_layout,
+    link_device,
+    reader_dtype,
+)
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.policy_store import InProcessStore
 from trajflow.settings import SettingError
@@ -151,7 +159,7 @@ def test_a_reader_killed_mid_transfer_stops_the_trainer_with_one_line(ray_sessio
         def __init__(self, store, config: WeightSyncConfig) -> None:
             import os
 
-            from trajflow.operators import weight_sync
+            from trajflow.operators.trainer import weight_sync
 
             unpack, calls = weight_sync.unpack, []
 
@@ -329,7 +337,7 @@ def test_the_gpu_config_shards_the_trainer_and_syncs_by_collective():
 def test_trajflow_run_ends_a_lost_transfer_with_its_one_line():
     """Ray Data hands the driver the train step's error wrapped, Ray's advice appended: the run
     prints the WeightSyncError's own line (jobs/run.py, as for a lost trainer worker)."""
-    from trajflow.jobs.run import stop_line
+    from trajflow.jobs.errors import stop_line
 
     line = ("trajflow: weight_sync (reader 1, trainer side): bucket 2 of version 5: peer lost "
             "(Connection closed by peer) (weight_sync.timeout_seconds=120)")

@@ -30,7 +30,7 @@ and, inside the process that trains (TrainStep) or diagnoses (Diagnose), per tra
   state_dict() / load_state_dict(state)  what a checkpoint keeps (tensors, numbers, strings)
 
 `trainer` gives the models and the numerics (see `Trainer`); `batch` is a StepBatch
-(operators/correction.py); `current` is pi_theta [B, T]. The pure math stays in algorithms/.
+(operators/trainer/correction.py); `current` is pi_theta [B, T]. The pure math stays in algorithms/.
 Under a sharded trainer (`trainer.sharding: fsdp`) `policy_state_dict()` holds this worker's
 shards, and every forward pass of `policy()` or a `policy_copy()` is a collective: a strategy
 runs the same passes on every worker (the train step calls each hook on every worker, with a
@@ -45,8 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
-from trajflow.operators.stage import Placement, Resources, Stage
-from trajflow.operators.weight_sync import WeightSyncConfig
+from trajflow.operators.contracts.stage import Placement, Resources, Stage
+from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 
 if TYPE_CHECKING:  # torch-free at import: `trajflow run` resolves the strategy before Ray starts,
     # and the driver imports torch while Ray starts (jobs/run.py)
@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # torch-free at import: `trajflow run` resolves the strategy 
     from trajflow.algorithms.objective import CorrectionConfig
     from trajflow.engines.sampling import SamplingParams
     from trajflow.engines.training_numerics import TrainingNumerics
-    from trajflow.operators.correction import StepBatch
+    from trajflow.operators.trainer.correction import StepBatch
 
 StrategyKind = Literal["exact", "approximate", "baseline"]
 KINDS: tuple[str, ...] = ("exact", "approximate", "baseline")
@@ -69,7 +69,7 @@ class StageContext:
     model_path: str
     sampling: SamplingParams
     numerics: TrainingNumerics
-    scorer: Resources  # resources of old-logit scoring actors
+    scorer: Resources  # resources of old log-prob scoring actors
     weight_sync: WeightSyncConfig = WeightSyncConfig()  # how scorers receive versions
 
 
@@ -124,7 +124,7 @@ class Strategy:
     def replay_stages(self, ctx: StageContext) -> list[Placement]:
         """Stages of an offline replay, where generation is the logged data. A strategy whose
         old log-probs come from the column but that inserts no stage (they were scored during
-        generation) gets them from the old-logit operator, right before training."""
+        generation) gets them from the old log-prob operator, right before training."""
         own = self.stages(ctx)
         if own or not self.old_from_column:
             return own
@@ -175,7 +175,7 @@ class Strategy:
 
 class OldLogprobsColumn(Strategy):
     """Base of the exact strategies: pi_old is the `old_logprobs` column, filled upstream at each
-    token's own behaviour version under training numerics."""
+    token's own behavior version under training numerics."""
 
     old_from_column = True
 
@@ -187,8 +187,8 @@ class OldLogprobsColumn(Strategy):
 
 def old_logprob_stage(ctx: StageContext, skip_filtered: bool) -> Stage:
     """The operator that scores every token under its own version's weights (operators/old_logprobs.py)."""
-    from trajflow.operators.old_logprobs import OldLogprobsAtBehaviourVersion
+    from trajflow.operators.old_logprobs import OldLogprobsAtBehaviorVersion
 
     kwargs = dict(model_path=ctx.model_path, sampling=ctx.sampling, numerics=ctx.numerics,
                   skip_filtered=skip_filtered, torch_threads=ctx.scorer.torch_threads, weight_sync=ctx.weight_sync)
-    return Stage("old_logprobs", OldLogprobsAtBehaviourVersion, kwargs, ctx.scorer)
+    return Stage("old_logprobs", OldLogprobsAtBehaviorVersion, kwargs, ctx.scorer)

@@ -3,7 +3,7 @@
 Generation takes new weights between decode steps; before it does, it scores every token sampled
 under the still-resident version with training numerics (operators/generate.py), so a trajectory
 may span versions and carries exact old log-probs per token. No history is kept. In a replay
-(no generator) the same values come from the old-logit operator (`replay_stages`).
+(no generator) the same values come from the old log-prob operator (`replay_stages`).
 """
 
 from __future__ import annotations

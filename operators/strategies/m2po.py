@@ -1,4 +1,4 @@
-"""`m2po` (baseline, arXiv 2510.01161): behaviour log-probs as old, a second-moment trust region.
+"""`m2po` (baseline, arXiv 2510.01161): behavior log-probs as old, a second-moment trust region.
 
 Per optimizer update, M2 = mean over the loss tokens of (log pi_theta - log mu)^2; if M2 > tau
 (config `strategy_options: {m2_threshold: 0.04}`) the tokens with the largest squared log-ratio

@@ -1,13 +1,13 @@
 """`snapshot` (exact): score each token with the stored weights of its own version.
 
 The policy store keeps the weights of every version still inside the staleness window (at most
-max_staleness + 1 copies); the old-logit operator runs right before the train step, after the
+max_staleness + 1 copies); the old log-prob operator runs right before the train step, after the
 filter, so rows that will not be trained are never scored.
 """
 
 from __future__ import annotations
 
-from trajflow.operators.stage import Placement
+from trajflow.operators.contracts.stage import Placement
 from trajflow.operators.strategies.base import OldLogprobsColumn, StageContext, old_logprob_stage
 
 

@@ -1,4 +1,4 @@
-"""vLLM-specific behaviour beyond the shared contract (tests/test_engine_contract.py): construction
+"""vLLM-specific behavior beyond the shared contract (tests/test_engine_contract.py): construction
 from an in-memory model, inference dtypes, configuration errors, greedy-with-filters log-probs."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from trajflow.operators.weight_sync import ServerAddress
+    from trajflow.operators.trainer.weight_sync import ServerAddress
 
 
 class VersionNotHeld(KeyError):

@@ -17,7 +17,7 @@ something a trajflow user can act on, and Ray keeps all of it in its log files:
 - Ray Data's INFO lines on every execution (its start, its plan, "finished in N seconds"), its
   progress bars, and its issue detectors' advice about Ray's memory defaults.
 - transformers' "Loading weights" bar for each model the driver loads (the workers' bars are off
-  through `local_ray.WORKER_ENV`).
+  through `embedded.WORKER_ENV`).
 All of it is put back as it was when the block ends. `quiet_ray()` is the part that stays for
 the process: notices Ray logs once, while it starts.
 """

@@ -10,26 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import inspect
-import json
-import types
-import typing
-import warnings
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, OptimizerConfig
-from trajflow.engines.factory import VLLM_LORA_RANKS, VLLM_LORA_REFUSED_MODULES, VllmOptions
-from trajflow.engines.lora import LoraSettings
-from trajflow.engines.sampling import SamplingParams
-from trajflow.operators.recovery import RecoveryConfig
-from trajflow.operators.weight_sync import WeightSyncConfig
-from trajflow.settings import check_setting, field_types
+from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig
+from trajflow.engines.factory import VLLM_LORA_RANKS, VLLM_LORA_REFUSED_MODULES
+from trajflow.pipelines.config.deprecations import migrate_deprecated_keys
+from trajflow.pipelines.config.model_dir import check_model_dir, checked_tokenizer, ties_embeddings
+from trajflow.pipelines.config.sections import (
+    AdvantageSection,
+    CorrectionSection,
+    KLSection,
+    LoraSection,
+    OptimizerSection,
+    RecoverySection,
+    ResourceConfig,
+    SamplingSection,
+    TrainerConfig,
+    VllmSection,
+    WeightSyncSection,
+    _Strict,
+)
 from trajflow.tasks.dataset import DataConfig
 from trajflow.tasks.workload import Workload
-
 
 # A sane ceiling: beyond it a typo (steps: 1000000000000) would otherwise start a job that never ends.
 MAX_STEPS = 1_000_000
@@ -37,133 +42,6 @@ MAX_STEPS = 1_000_000
 # so its advantage is 0 and nothing is trained. An estimator with another baseline may allow 1.
 MIN_GROUP_SIZE = {"grpo": 2, "dr_grpo": 2, "leave_one_out": 2, "reinforce_plus_plus_baseline": 2}
 
-
-def _accepts_bool(annotation: Any) -> bool:
-    if annotation is bool or annotation is Any:
-        return True
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_accepts_bool(a) for a in args)
-    if typing.get_origin(annotation) is Literal:
-        return any(isinstance(a, bool) for a in args)
-    return False
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _booleans_are_not_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        """`steps: true` is a typo, not 1, and `tensorboard: 1` is not a yes/no answer (pydantic
-        would otherwise coerce booleans to numbers and numbers or strings to booleans)."""
-        annotation = cls.model_fields[info.field_name].annotation
-        if isinstance(value, bool) and not _accepts_bool(annotation):
-            raise ValueError(f"expected {_kind(annotation)}, got the boolean {str(value).lower()}")
-        if annotation is bool and not isinstance(value, bool):
-            raise ValueError(f"expected true or false, got {value!r}")
-        return value
-
-
-def _kind(annotation: Any) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", Path: "a path"}
-    for a in (annotation, *typing.get_args(annotation)):
-        if a in names:
-            return names[a]
-        if typing.get_origin(a) is dict or (isinstance(a, type) and issubclass(a, BaseModel)):
-            return "a mapping of keys to values (e.g. {key: value})"
-    return "a value of another type"
-
-
-# files that hold a tokenizer (tokenizer_config.json only configures one)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-
-
-def check_model_dir(path: Path, architecture: bool = True) -> None:
-    """A local Hugging Face model dir: config.json (a JSON object), a tokenizer, an architecture
-    transformers knows as a causal LM (`architecture=False` skips it: it imports transformers)
-    and weights. ValueError (one line) if not."""
-    path = Path(path)
-    config = path / "config.json"
-    if not config.is_file():
-        raise ValueError(f"{path} is not a local model directory (no config.json)")
-    try:
-        data = json.loads(config.read_text())
-        if not isinstance(data, dict):
-            raise ValueError
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"{config} is not a JSON object") from None
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        found = " (tokenizer_config.json configures a tokenizer but does not hold one)" \
-            if (path / "tokenizer_config.json").is_file() else ""
-        raise ValueError(f"{path} has no tokenizer: none of {', '.join(TOKENIZER_FILES)}{found}")
-    if architecture:
-        _check_architecture(config, data.get("model_type"))
-    weights = [path / name for name in WEIGHT_FILES if (path / name).is_file()] or sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise ValueError(f"{path} has no weights (none of {', '.join(WEIGHT_FILES)})")
-    if weights[0].name.endswith(".index.json"):
-        try:
-            shards = sorted(set(json.loads(weights[0].read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"{weights[0]} is not a weight index (a JSON object with a weight_map)") from None
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise ValueError(f"{path} lacks the weight file {missing[0]} named in {weights[0].name}")
-
-
-def _ties_embeddings(model: Path) -> bool:
-    """Whether the model's output layer is its input embedding (one tensor): an lm_head adapter
-    merged into it would change the embedding too, which PEFT's adapter does not."""
-    from transformers import AutoConfig
-
-    return bool(getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False))
-
-
-def _check_architecture(config: Path, model_type: object) -> None:
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if not isinstance(model_type, str):
-        raise ValueError(f"{config} has no model_type (the architecture)")
-    if model_type not in CONFIG_MAPPING_NAMES:
-        raise ValueError(f"{config}: model_type {model_type!r} is an architecture transformers "
-                         f"{transformers.__version__} does not know")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"{config}: model_type {model_type!r} is not a causal language model")
-
-
-_TOKENIZERS: dict[tuple, Any] = {}
-
-
-def checked_tokenizer(path: Path):
-    """The tokenizer of a checked model dir, loaded once per process while its files are unchanged
-    (a config is validated more than once before a run starts). ValueError (one line) naming the
-    file if it does not load."""
-    from trajflow.engines.models import load_tokenizer
-
-    path = Path(path).resolve()
-    ident = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()) if f.is_file()
-                  and f.suffix != ".safetensors")
-    if (path, ident) in _TOKENIZERS:
-        return _TOKENIZERS[(path, ident)]
-    try:
-        tokenizer = load_tokenizer(path)
-    except Exception as e:  # noqa: BLE001 - a user's files: say which one
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            try:
-                if (path / name).is_file():
-                    json.loads((path / name).read_bytes())
-            except ValueError as bad:
-                raise ValueError(f"{path / name}: not valid JSON ({bad})") from None
-        raise ValueError(f"{path}: the tokenizer does not load ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]})") from None
-    _TOKENIZERS.clear()  # one model's tokenizer at a time
-    _TOKENIZERS[(path, ident)] = tokenizer
-    return tokenizer
 
 
 def check_task(name: str) -> str:
@@ -173,112 +51,6 @@ def check_task(name: str) -> str:
     if name not in registered_tasks():
         raise ValueError(f"unknown task {name!r}; registered: {', '.join(registered_tasks())}")
     return name
-
-
-class _Section(_Strict):
-    """A YAML section built from a settings dataclass (trajflow/settings.py): the same fields,
-    defaults, documentation and checks; `spec()` is the dataclass the operators receive."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True,
-                              validate_by_alias=True, serialize_by_alias=True)
-
-    settings: ClassVar[type]
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _checked(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, str) and _accepts_float(field_types(cls.settings)[info.field_name]):
-            try:  # YAML 1.1 reads `1e-3` (no dot) as a string; any other string stays one
-                value = float(value)
-            except ValueError:
-                pass
-        return check_setting(cls.settings, info.field_name, value)
-
-    @model_validator(mode="after")
-    def _cross_checks(self) -> "_Section":
-        self.spec()  # the dataclass's own cross-field checks (SettingError names the field)
-        return self
-
-    def spec(self) -> Any:
-        return self.settings(**{name: getattr(self, name) for name in type(self).model_fields})
-
-
-def _accepts_float(annotation: Any) -> bool:
-    return annotation is float or float in typing.get_args(annotation)
-
-
-def settings_section(settings: type, name: str) -> type[_Section]:
-    """The pydantic model of a YAML section whose keys are the fields of `settings`."""
-    hints = field_types(settings)
-    fields = {}
-    for f in dataclasses.fields(settings):
-        key = f.metadata.get("key")  # a field named like a Python keyword (`in_`) is `in` in YAML
-        fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata.get("doc") or None,
-                                              **({"alias": key} if key else {})))
-    model = create_model(name, __base__=_Section, __doc__=settings.__doc__, **fields)
-    model.settings = settings
-    return model
-
-
-SamplingSection = settings_section(SamplingParams, "SamplingSection")
-CorrectionSection = settings_section(CorrectionConfig, "CorrectionSection")
-AdvantageSection = settings_section(AdvantageConfig, "AdvantageSection")
-KLSection = settings_section(KLConfig, "KLSection")
-OptimizerSection = settings_section(OptimizerConfig, "OptimizerSection")
-VllmSection = settings_section(VllmOptions, "VllmSection")
-RecoverySection = settings_section(RecoveryConfig, "RecoverySection")
-LoraSection = settings_section(LoraSettings, "LoraSection")
-WeightSyncSection = settings_section(WeightSyncConfig, "WeightSyncSection")
-
-
-class ResourceConfig(_Strict):
-    """Ray resources of one actor stage (fractional CPUs so that 2 cores do not deadlock)."""
-
-    num_cpus: float = Field(0.5, ge=0.0)
-    num_gpus: float = Field(0.0, ge=0.0)
-    resources: dict[str, float] = Field(default_factory=dict)
-    torch_threads: int = Field(1, ge=1)
-
-
-class TrainerConfig(ResourceConfig):
-    """The train step: resources of each worker (num_cpus, num_gpus, resources, torch_threads,
-    as for any stage) and its data-parallel group (operators/data_parallel.py).
-
-    Each worker trains on CUDA when its resources include a GPU (Ray then makes one visible to
-    it), else on the CPU; bf16 autocast comes from `optimizer.mixed_precision`."""
-
-    num_workers: int = Field(1, ge=1, description="data-parallel workers (one torch.distributed group: gloo on "
-                             "CPU, NCCL on CUDA); losses are normalised over all of them")
-    max_tokens_per_microbatch: int | None = Field(
-        None, ge=1, description="padded tokens (rows x longest prompt+response) per forward/backward; gradients "
-        "accumulate over the micro-batches of an update (None: one micro-batch per minibatch and worker)")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
-    sharding: Literal["none", "fsdp"] = Field(
-        "none", description="none: a full replica per worker; fsdp: parameters, gradients and optimizer state "
-        "sharded over the workers (torch FSDP2, operators/fsdp.py)")
-    cpu_offload: bool = Field(False, description="fsdp on CUDA: shards, gradients and optimizer state in host "
-                              "memory, each layer copied to the GPU to compute (no effect on CPU workers)")
-    placement: Literal["pack", "spread"] = Field(
-        "pack", description="workers 1..N-1: pack (fewest nodes) or spread (each on a node other than worker 0's)")
-    collective_timeout_seconds: float = Field(
-        300.0, gt=0.0, description="a worker that does not join a gradient all-reduce within this fails the step")
-
-    @model_validator(mode="after")
-    def _offload_needs_sharding(self) -> "TrainerConfig":
-        if self.cpu_offload and self.sharding != "fsdp":
-            raise ValueError("cpu_offload: needs sharding: fsdp (a replicated worker keeps its state on its device)")
-        return self
-
-    def data_parallel(self, group_name: str):
-        """The train step's view of this section (operators/data_parallel.py); `group_name`: the
-        placement group of workers 1..N-1, which the pipeline removes when the run ends."""
-        from trajflow.operators.data_parallel import DataParallel
-
-        return DataParallel(num_workers=self.num_workers, max_tokens_per_microbatch=self.max_tokens_per_microbatch,
-                            gradient_checkpointing=self.gradient_checkpointing, sharding=self.sharding,
-                            cpu_offload=self.cpu_offload, placement=self.placement,
-                            collective_timeout_seconds=self.collective_timeout_seconds, num_cpus=self.num_cpus,
-                            num_gpus=self.num_gpus, resources=dict(self.resources), group_name=group_name)
 
 
 class PipelineConfig(_Strict):
@@ -342,7 +114,7 @@ class PipelineConfig(_Strict):
     @classmethod
     def _renamed_keys(cls, data: Any) -> Any:
         """Keys renamed in 0.2 still work for one release, with a one-line notice (TRL's path)."""
-        return migrate_deprecated_keys(data) if isinstance(data, dict) else data
+        return migrate_deprecated_keys(data, cls.model_fields["strategy"].default) if isinstance(data, dict) else data
 
     @field_validator("strategy")
     @classmethod
@@ -385,7 +157,7 @@ class PipelineConfig(_Strict):
             raise ValueError("engine: vllm is not installed (pip install 'trajflow[vllm]'), or use engine: torch")
         if self.lora.r > 0 and self.trainer.sharding == "fsdp":
             raise ValueError("lora: an adapter is trained by a replicated trainer; use trainer.sharding: none")
-        if self.lora.r > 0 and "lm_head" in self.lora.target_modules and _ties_embeddings(self.model_path):
+        if self.lora.r > 0 and "lm_head" in self.lora.target_modules and ties_embeddings(self.model_path):
             raise ValueError("lora.target_modules: lm_head on a model whose output layer is its input embedding "
                              "(tie_word_embeddings): the readers' merged weights would not be the trained model; "
                              "leave lm_head out")
@@ -509,9 +281,9 @@ class PipelineConfig(_Strict):
                              "rebuilt trainer would read its weights: set recovery.max_restarts: 0")
 
     def reader_dtypes(self, strategy) -> tuple[str, ...]:
-        """The dtypes the trainer serves under `collective` (operators/weight_sync.py): the
-        generators' (float32 when they score prefixes), and float32 for an old-logit scorer."""
-        from trajflow.operators.weight_sync import reader_dtype
+        """The dtypes the trainer serves under `collective` (operators/trainer/weight_sync.py): the
+        generators' (float32 when they score prefixes), and float32 for an old log-prob scorer."""
+        from trajflow.operators.trainer.weight_sync import reader_dtype
 
         dtypes = {reader_dtype(self.inference_dtype, exact=strategy.scores_at_switch)}
         if strategy.keep_history:
@@ -539,58 +311,3 @@ class PipelineConfig(_Strict):
         if spec.loss_norm_tokens is None:
             spec = dataclasses.replace(spec, loss_norm_tokens=self.sampling.max_new_tokens)
         return spec
-
-
-class TrajflowDeprecation(FutureWarning):
-    """A config key renamed in this release; the old name goes in the next (one-line notice)."""
-
-
-# old key (dotted) -> (new key (dotted), what to do with its value)
-RENAMED_KEYS = {
-    "ewma.window": "strategy_options.window",
-    "ewma.reset_threshold": "strategy_options.reset_threshold",
-    "loglinear_alpha": "strategy_options.alpha",
-}
-
-
-def migrate_deprecated_keys(data: dict) -> dict:
-    """Move renamed keys to their new place (an explicitly given new key wins), saying so once
-    per key. A strategy setting goes under `strategy_options` only if the configured strategy
-    takes it (it used to be ignored by the others); else it is dropped, and the notice says so."""
-    data = dict(data)
-    given = data.get("strategy_options")
-    if given is not None and not isinstance(given, dict):
-        return data  # not a mapping: the field's own validation names the key
-    options = dict(given or {})
-    accepted = _strategy_parameters(data.get("strategy", PipelineConfig.model_fields["strategy"].default))
-    for old, new in RENAMED_KEYS.items():
-        section, _, key = old.rpartition(".")
-        holder = data.get(section) if section else data
-        if not isinstance(holder, dict) or key not in holder:
-            continue
-        value = holder.pop(key) if section else data.pop(key)
-        if section and not holder:
-            data.pop(section)
-        option = new.rpartition(".")[2]
-        if accepted is not None and option not in accepted:
-            notice = f"{old}: ignored (strategy {data.get('strategy')} has no option {option})"
-        else:
-            notice = f"{old}: use {new}"
-            if value is not None:
-                options.setdefault(option, value)
-        warnings.warn(f"{notice}; the old key goes in the next release", TrajflowDeprecation, stacklevel=2)
-    if options:
-        data["strategy_options"] = options
-    return data
-
-
-def _strategy_parameters(spec: Any) -> set[str] | None:
-    """The keyword parameters of a strategy's constructor (None: it does not resolve yet, the
-    strategy field's own validator reports that)."""
-    from trajflow.operators.strategies.registry import resolve_strategy
-
-    try:
-        cls = resolve_strategy(str(spec))
-    except ValueError:
-        return None
-    return set(inspect.signature(cls.__init__).parameters) - {"self"}

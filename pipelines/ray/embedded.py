@@ -8,12 +8,12 @@ with the process that started it.
   127.0.0.1 to the machine's public address unless multi-node clusters are disabled
   (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: the default on macOS and Windows). An embedded Ray is
   single-node by definition, so it is started with that setting (restored afterwards, so a later
-  connection to a real cluster is unaffected; pipelines/ray_patches.py, patch 1).
+  connection to a real cluster is unaffected; pipelines/ray/patches.py, patch 1).
 - Worker environment. The variables in WORKER_ENV are set in the driver's environment before
   `ray.init`, which every Ray process inherits; a job-level `runtime_env` would instead make Ray
   start each worker through the runtime-env agent and never reuse its prestarted workers.
 - Ended with its driver. Ray's dashboard and runtime-env agents outlive a SIGKILLed driver for
-  minutes; a tiny watchdog (ray_watchdog.py) ends every process of this Ray when the driver dies.
+  minutes; a tiny watchdog (watchdog.py) ends every process of this Ray when the driver dies.
 - No leftovers. Ray leaves each session's directory (logs, sockets; /tmp/ray/session_*) behind
   for good. At exit, once Ray has shut down, the sessions this process started are removed
   (`end_sessions`); when a run that started it failed (`keep_session_logs()`), the session's
@@ -23,7 +23,7 @@ with the process that started it.
   logged below the shown level unless `verbose`.
 - Lean. No autoscaler monitor, no log monitor when nobody reads worker output
   (`log_to_driver=False`), no usage-stats-only API server without the dashboard, and Ray Data's
-  cluster-wide helper actors answered in the driver (pipelines/ray_patches.py, patches 2 and 3,
+  cluster-wide helper actors answered in the driver (pipelines/ray/patches.py, patches 2 and 3,
   with what each buys). Without the dashboard the state API (`ray.util.state`) is unavailable.
 """
 
@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from trajflow.pipelines.quiet import quiet_ray
-from trajflow.pipelines.ray_watchdog import MARKER_ENV
+from trajflow.pipelines.ray.quiet import quiet_ray
+from trajflow.pipelines.ray.watchdog import MARKER_ENV
 
 # Environment for every Ray worker of a job: offline hub, no per-worker progress bars.
 WORKER_ENV = {
@@ -81,7 +81,7 @@ def _single_node():
     """Node IP = loopback for the Ray started inside this block."""
     import ray
 
-    from trajflow.pipelines import ray_patches
+    from trajflow.pipelines.ray import patches as ray_patches
 
     with _env(**{SINGLE_NODE_ENV: "0"}):
         if ray.util.get_node_ip_address() in LOOPBACK:
@@ -102,7 +102,7 @@ def _start_watchdog(marker: str) -> None:
         os.close(_watchdog_write_fd)  # (it reaps what is left of that Ray and exits)
         _watchdog_write_fd = None
     read_fd, write_fd = os.pipe()  # both ends close-on-exec: only the watchdog gets the read end
-    script = Path(__file__).with_name("ray_watchdog.py")
+    script = Path(__file__).with_name("watchdog.py")
     try:
         # its own session: Ray's reaper SIGKILLs the driver's process group when the driver dies,
         # which would end the watchdog before it has ended the agents (seen on a loaded machine)
@@ -114,7 +114,7 @@ def _start_watchdog(marker: str) -> None:
 
 
 def _tell_watchdog(line: str) -> None:
-    """One line to the watchdog (ray_watchdog.py reads `session`, `logs` and `clean`)."""
+    """One line to the watchdog (watchdog.py reads `session`, `logs` and `clean`)."""
     if _watchdog_write_fd is not None:
         try:
             os.write(_watchdog_write_fd, (line + "\n").encode())
@@ -228,7 +228,7 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: 
     Ray outside the pinned series whose embedded instance would listen beyond 127.0.0.1."""
     import ray
 
-    from trajflow.pipelines import ray_patches
+    from trajflow.pipelines.ray import patches as ray_patches
 
     quiet_ray(verbose)
     if ray.is_initialized():

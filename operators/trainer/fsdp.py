@@ -16,7 +16,7 @@ before its forward and backward, freed after). What this module decides on top o
   device from the group options, since the built-in "gloo" picks its interface from the host name.
 - The sum, not the mean. FSDP2 divides reduced gradients by the number of workers by default; the
   train step needs their sum (each worker's loss is in sum form and the division is by the
-  update's global count, operators/data_parallel.py), so every FSDP module gets divide factor 1
+  update's global count, operators/trainer/plan.py), so every FSDP module gets divide factor 1
   with sum-only reductions (plain SUM on gloo and NCCL, no PREMUL_SUM or AVG).
 - Numerics. Under `optimizer.mixed_precision: bf16` the parameters stay float32 and the forward
   runs under the same bf16 autocast as every pi_old scorer (engines/training_numerics.py), with
@@ -154,7 +154,7 @@ def local_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(storages.values())
 
 
-def grad_norm(params: list[Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
     """Clip the gradients of `params` to a global norm of `max_norm` (inf: no clip); returns the
     norm before clipping. Over sharded gradients the norm is reduced over every worker."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

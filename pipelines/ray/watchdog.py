@@ -4,7 +4,7 @@ Ray stops its GCS, raylet and workers soon after the driver dies, but its dashbo
 runtime-env agent outlive a SIGKILLed driver for minutes (measured with Ray 2.60). The driver
 therefore starts this watchdog (stdlib only, started as a file so no package import slows it):
 
-    python -S ray_watchdog.py PARENT_PID READ_FD MARKER
+    python -S watchdog.py PARENT_PID READ_FD MARKER
 
 Every process of the embedded Ray inherits the environment variable `TRAJFLOW_RAY_RUN=MARKER`
 from the driver (the driver sets it just before `ray.init`). The watchdog holds the read end of

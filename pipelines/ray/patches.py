@@ -21,7 +21,7 @@ The patches (measured figures: benchmarks/results/, on this 2-core machine, load
    public address as node IP unless multi-node clusters are disabled
    (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`), an environment variable read once, at `import ray`,
    into `ray._private.ray_constants.ENABLE_RAY_CLUSTER`. When Ray was imported before the
-   variable was set (pipelines/local_ray.py sets it), the constant is set for the start only.
+   variable was set (pipelines/ray/embedded.py sets it), the constant is set for the start only.
    Buys: no socket of the embedded Ray beyond loopback (tests/test_jobs_local_ray.py lists
    them). Drop: when `ray.init` has a public way to start a loopback-only local instance (no
    upstream issue found), use it instead; the same test says whether it holds.
@@ -96,7 +96,7 @@ benchmarks) or is a context manager around the `ray.init` that starts the embedd
 
 Not here, on purpose (they change no third-party internals): loggers set to a level or
 filtered, Ray Data's public `DataContext` settings and the filter of Ray's C++ notices on fd 2
-(pipelines/quiet.py; math-verify's timeout notice in tasks/rewards.py), operators/data_parallel.py
+(pipelines/ray/quiet.py; math-verify's timeout notice in tasks/rewards.py), operators/trainer/plan.py
 filling the underscored fields of torch's process-group options (an object it builds, as
 torch.distributed does), and engines/vllm_engine.py putting back `torch.set_num_threads` after
 vLLM's CPU worker replaced it (an undo of vLLM's own patch, scoped to engine construction;
@@ -386,7 +386,7 @@ class ExecutorWakeups:
         return True
 
     def revert(self) -> None:
-        """Restore Ray Data's own executor behaviour (for side-by-side measurements)."""
+        """Restore Ray Data's own executor behavior (for side-by-side measurements)."""
         if not self._saved:
             return
         from ray.data._internal.execution import metadata_fetcher, streaming_executor_state

@@ -30,17 +30,11 @@ from torch import Tensor
 from trajflow.algorithms.config import KLConfig
 from trajflow.algorithms.diagnostics import correction_diagnostics
 from trajflow.algorithms.kl import kl_estimate
-from trajflow.algorithms.objective import (
-    CorrectionConfig,
-    LossOutput,
-    decoupled_loss,
-    loss_denominator,
-    prompt_token_counts,
-)
+from trajflow.algorithms.objective import CorrectionConfig, LossOutput, decoupled_loss
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
-from trajflow.operators.columns import REFERENCE_COLUMN, TOKEN_ADVANTAGE_COLUMN, group_codes, padded
 from trajflow.operators.strategies.base import Strategy, Trainer
+from trajflow.schemas.columns import REFERENCE_COLUMN, TOKEN_ADVANTAGE_COLUMN, group_codes, padded
 
 
 @dataclass
@@ -57,6 +51,9 @@ class StepBatch:
     rows: Tensor        # [B] int64: positions in the step's batch
     groups: Tensor      # [B] int64: the prompt (group) of each row, a code shared by the step's rows
     reference: Tensor | None  # [B, T] reference_logprobs (the KL's pi_ref); None without a reference
+    # a one-row batch without loss tokens that keeps a sharded worker's passes in step with the
+    # others' (operators/trainer/replica.py): its loss is not counted
+    dummy: bool = False
 
     @classmethod
     def from_table(cls, table: pa.Table, trainer_version: int, width: int | None = None,
@@ -146,38 +143,31 @@ class PolicyHolder:
 
 @dataclass
 class Correction:
-    loss: LossOutput
+    loss: LossOutput         # with its sum form and count (the train step adds shards' before dividing)
     old: Tensor              # [B, T] pi_old as used (detached)
     outside_support: int     # loss tokens taken out: a non-finite current, old or inference log-prob
-    denominator: float       # the aggregation's count on this batch (algorithms.loss_denominator)
 
 
 def correct(strategy: Strategy, batch: StepBatch, current: Tensor, trainer: Trainer,
-            config: CorrectionConfig, denominator: float | None = None, *, kl: KLConfig = KLConfig(),
-            entropy: Tensor | None = None, group_counts: Tensor | None = None,
-            cov_selected: Tensor | None = None) -> Correction:
-    """The strategy's loss on `batch` (see the module docstring). `denominator`: the
-    aggregation's count over the whole update when `batch` is a shard of it (None: its own);
-    `group_counts` / `cov_selected`: prompt-mean's per-prompt counts and Clip-Cov/KL-Cov's token
-    selection over the whole update (None: this batch's own). `kl`: the KL to the reference
-    (`batch.reference`) enters the loss when `kl.in_` is "loss"; `entropy` [B, T] when
-    `config.entropy_coef` > 0."""
+            config: CorrectionConfig, *, kl: KLConfig = KLConfig(), entropy: Tensor | None = None,
+            group_counts: Tensor | None = None, cov_selected: Tensor | None = None) -> Correction:
+    """The strategy's loss on `batch` (see the module docstring). `group_counts` /
+    `cov_selected`: prompt-mean's per-prompt counts and Clip-Cov/KL-Cov's token selection over
+    the whole update (None: this batch's own). `kl`: the KL to the reference (`batch.reference`)
+    enters the loss when `kl.in_` is "loss"; `entropy` [B, T] when `config.entropy_coef` > 0."""
     old = strategy.proximal(batch, current, trainer).detach()
     loss_mask = finite_loss_mask(batch, current, old)
     trust = strategy.trust_mask(batch, current.detach(), old, loss_mask)
     config = strategy.correction(config)
     in_loss = batch.reference is not None and kl.in_ == "loss"
     out = decoupled_loss(current, old, batch.inference, batch.advantages, loss_mask, config,
-                         trust_mask=trust, denominator=denominator,
+                         trust_mask=trust,
                          reference_logprobs=batch.reference if in_loss else None, kl=kl, entropy=entropy,
                          groups=batch.groups, group_counts=group_counts, cov_selected=cov_selected)
     if batch.reference is not None and not in_loss:  # the KL is in the reward: measure it, as the loss would
         ref = torch.where(loss_mask, batch.reference, current.detach())
         out = dataclasses.replace(out, kl=torch.where(loss_mask, kl_estimate(current.detach(), ref, kl.estimator), 0.0))
-    if config.aggregation == "prompt-mean" and group_counts is None:
-        group_counts = prompt_token_counts(out.counted, batch.groups)
-    return Correction(out, old, int((batch.loss_mask & ~loss_mask).sum()),
-                      float(loss_denominator(out.counted, config, group_counts)))
+    return Correction(out, old, int((batch.loss_mask & ~loss_mask).sum()))
 
 
 def finite_loss_mask(batch: StepBatch, current: Tensor, old: Tensor) -> Tensor:
@@ -192,16 +182,18 @@ def finite_loss_mask(batch: StepBatch, current: Tensor, old: Tensor) -> Tensor:
 def merge_outputs(parts: list[tuple[Tensor, LossOutput]], shape: torch.Size, loss: float | None = None) -> LossOutput:
     """Per-minibatch LossOutputs (with their rows in the step) -> one with step-sized [B, T] fields.
 
-    Every field of LossOutput is merged: [b, T] tensors are placed at their rows, scalars (the
-    loss) are averaged over the parts — or set to `loss` when the parts are shards of updates
-    (workers, micro-batches) whose losses only add up after the gradient all-reduce.
+    Every field of LossOutput is merged: [b, T] tensors are placed at their rows; the sum form
+    and the count add up; the loss is averaged over the parts — or set to `loss` when the parts
+    are shards of updates (workers, micro-batches) whose losses only add up after the all-reduce.
     """
     if len(parts) == 1 and loss is None:
         return parts[0][1]
     merged = {}
     for f in dataclasses.fields(LossOutput):
         values = [getattr(out, f.name) for _, out in parts]
-        if values[0].dim() == 0:
+        if f.name in ("loss_sum", "count"):
+            merged[f.name] = torch.stack([v.detach() for v in values]).sum()
+        elif values[0].dim() == 0:
             merged[f.name] = (torch.tensor(loss, dtype=values[0].dtype) if loss is not None
                               else torch.stack([v.detach() for v in values]).mean())
         elif values[0].dim() == 2:

@@ -1,0 +1,80 @@
+"""One step, top to bottom: the RL loop over the pipeline's own operators, in this process.
+
+`run_in_process(pipe)` runs an `RLPipeline`'s stage list synchronously, without Ray: the same
+operator objects Ray Data would run in its actors (each is a callable, Arrow table in, Arrow table
+out), an in-process policy store, and the train step's data-parallel workers as threads of this
+process (operators/trainer/group.py `InProcessGroup`). A rollout never runs ahead of the trainer,
+so every step is on-policy in time (tokens of version k are trained at version k) whatever
+`max_staleness` says; numerics still differ between inference and training as configured.
+
+Read it as the algorithm: per train step k,
+
+    prompts   the step's prompt rows (a built-in task or your dataset)
+    generate  sample group_size responses per prompt with version k's weights (inference numerics),
+              each token's inference log-prob and version
+    reward    score every response (the task's verifier or your function)
+    old log-probs  (exact strategies) each token under its own version in training numerics
+    advantage group-normalised rewards
+    filter    drop what is not trained (zero-variance groups)
+    train     the update (operators/train_step.py, operators/trainer/replica.py) and version k + 1
+              published to the store: the next step's generate samples with it
+
+The Ray pipeline (pipelines/rl_loop.py) runs the same stages as a stream, asynchronously, in
+processes of their own; this loop is where to read, debug or step through the algorithm, and
+what runs where Ray cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import polars as pl
+import pyarrow as pa
+
+from trajflow.engines.models import load_model
+from trajflow.operators.contracts.stage import Stage
+from trajflow.operators.contracts.store import PolicyStoreClient
+from trajflow.operators.trainer.group import InProcessGroup, WorkerGroup
+from trajflow.pipelines.policy_store import InProcessStore
+from trajflow.pipelines.rl_loop import RLPipeline
+
+
+def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: range | None = None,
+                   store: PolicyStoreClient | None = None, workers: type[WorkerGroup] = InProcessGroup):
+    """Run `pipe`'s stages here for `steps` (default: all of `pipe.config.steps`); the metrics as
+    a polars DataFrame (one row per step), and with `final_weights=True` also the last version's
+    weights. `store`: a policy store holding the first step's version (default: a new in-process
+    one with the model at `pipe.model_path` as version 0); `workers`: how the train step starts
+    its data-parallel workers 1..N-1 (default: threads of this process)."""
+    steps = range(pipe.config.steps) if steps is None else steps
+    if store is None:
+        store = InProcessStore(pipe.config.max_staleness, pipe.strategy.keep_history)
+        store.publish(load_model(pipe.model_path).state_dict(), steps.start)  # the model at model_path
+    operators = [build(stage, store, workers) for stage in pipe.stages]
+    try:
+        rows = []
+        for step in steps:
+            batch = pipe.prompts.step_rows(step)  # this step's prompt rows
+            for operator in operators:  # generate -> reward -> ... -> train: one Arrow table to the next
+                batch = operator(batch)
+            rows += batch.to_pylist()  # the train step's metrics row
+    finally:
+        for operator in operators:  # a train step with data-parallel workers ends them
+            if hasattr(operator, "close"):
+                operator.close()
+    metrics = pl.from_dicts(rows, infer_schema_length=None)
+    if not final_weights:
+        return metrics
+    return metrics, {k: v.clone() for k, v in store.weights(steps.stop)[1].items()}
+
+
+def build(stage: Stage, store: PolicyStoreClient,
+          workers: type[WorkerGroup] = InProcessGroup) -> Callable[[pa.Table], pa.Table]:
+    """The stage's operator: a class stage constructed as its actor would be (with `store=`;
+    a train step's data-parallel workers from `workers`), a function stage as it is."""
+    if not stage.is_actor:
+        return stage.fn
+    kwargs = {"store": store, **stage.kwargs}
+    if "workers" in kwargs:
+        kwargs["workers"] = workers
+    return stage.fn(**kwargs)
