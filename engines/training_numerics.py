@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.scoring import response_logprobs
 
 MixedPrecision = Literal["no", "bf16"]
@@ -63,7 +63,7 @@ class TrainingNumerics:
         model: torch.nn.Module,
         prompt_tokens: Sequence[Sequence[int]],
         response_tokens: Sequence[Sequence[int]],
-        sampling: SamplingParams,
+        sampling: SamplingConfig,
         *,
         width: int,
         grad: bool = False,
@@ -86,7 +86,7 @@ class TrainingNumerics:
         model: torch.nn.Module,
         prompt_tokens: Sequence[Sequence[int]],
         response_tokens: Sequence[Sequence[int]],
-        sampling: SamplingParams,
+        sampling: SamplingConfig,
     ) -> list[np.ndarray]:
         """No-grad log-probs as ragged float32 arrays, one per response."""
         width = max((len(r) for r in response_tokens), default=0)

@@ -29,7 +29,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from trajflow.pipelines.config import PipelineConfig, TrajflowDeprecation
+from trajflow.deprecations import TrajflowDeprecation
+from trajflow.pipelines.config import PipelineConfig, preflight
+from trajflow.settings import MAPPING, described
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -113,7 +115,7 @@ def format_validation_error(error: ValidationError) -> str:
         if kind == "extra_forbidden":
             msg = "unknown key"
         elif kind in MAPPING_ERRORS:  # a section or a dict-typed key given something else
-            msg = f"expected a mapping of keys to values (e.g. {{key: value}}), got {_described(e.get('input'))}"
+            msg = f"expected {MAPPING}, got {described(e.get('input'))}"
         elif kind != "value_error" and isinstance(e.get("input"), (str, int, float)) and len(repr(e["input"])) < 40:
             msg += f" (got {e['input']!r})"
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
@@ -123,16 +125,6 @@ def format_validation_error(error: ValidationError) -> str:
 
 # pydantic's error types for a value that should be a mapping: a dict-typed key, or a section
 MAPPING_ERRORS = ("dict_type", "model_type", "model_attributes_type", "dataclass_type")
-
-
-def _described(value: Any) -> str:
-    """`a list [1, 2]`, `the string 'abc'`: what was given instead of a mapping, briefly."""
-    if value is None:
-        return "null"
-    kind = {list: "a list", str: "the string", bool: "the boolean", int: "the number",
-            float: "the number"}.get(type(value), type(value).__name__)
-    text = repr(value) if not isinstance(value, bool) else str(value).lower()
-    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -234,15 +226,21 @@ def decode_config_bytes(data: bytes, source: str) -> str:
 
 
 def build_job_config(data: dict[str, Any], overrides: list[str] | None = None) -> JobConfig:
+    """The job config of `data` with `overrides` (`key=value`), validated, then preflighted
+    (pipelines/config/preflight.py); any problem is one JobConfigError line."""
     data = dict(data)
     for assignment in overrides or []:
         _set_key(data, assignment)
     try:
-        return JobConfig(**data)
+        config = JobConfig(**data)
     except ValidationError as e:
         raise JobConfigError(f"config error: {format_validation_error(e)}") from None
     except TypeError as e:  # e.g. non-string keys in a nested mapping
         raise JobConfigError(f"config error: {e}") from None
+    try:  # what needs the disk: the model directory, the tokenizer, every row of a dataset
+        return preflight(config)
+    except ValueError as e:
+        raise JobConfigError(f"config error: {str(e).replace(chr(10), ' ')}") from None
 
 
 def load_job_config(path: str | os.PathLike, overrides: list[str] | None = None) -> JobConfig:

@@ -17,8 +17,8 @@ starts, naming the extra. What the tracker libraries print of their own stays ou
 
 Reading runs back (`trajflow compare`): `load_tracked_run` takes a W&B run directory (offline,
 RUN/wandb/offline-run-*: read from its transaction log, no network) or `mlflow:RUN_ID` (on
-MLFLOW_TRACKING_URI or `mlflow:URI#RUN_ID`) and returns the metrics, config and summary as
-jobs/report.py's `Run`.
+MLFLOW_TRACKING_URI or `mlflow:URI#RUN_ID`) and returns the metrics (under today's keys, as
+jobs/recorder.py's RENAMED_METRICS has them), config and summary as jobs/report.py's `Run`.
 """
 
 from __future__ import annotations
@@ -388,6 +388,7 @@ def load_wandb_run(path: Path):
     numbers, the config and the summary."""
     import polars as pl
 
+    from trajflow.jobs.recorder import current_metric_names
     from trajflow.jobs.report import Run
 
     log = _wandb_log(path)
@@ -417,7 +418,7 @@ def load_wandb_run(path: Path):
     if not rows:
         raise ValueError(f"{path}: the W&B run logged no steps")
     metrics = pl.DataFrame([{"step": s, **r} for s, r in sorted(rows.items())], infer_schema_length=None)
-    return Run(metrics, log.parent.resolve(), config, {"summary": summary, "name": name})
+    return Run(current_metric_names(metrics), log.parent.resolve(), config, {"summary": summary, "name": name})
 
 
 def load_mlflow_run(spec: str):
@@ -426,6 +427,7 @@ def load_mlflow_run(spec: str):
     import polars as pl
     from mlflow import MlflowClient
 
+    from trajflow.jobs.recorder import current_metric_names
     from trajflow.jobs.report import Run
 
     body = spec.removeprefix("mlflow:")
@@ -445,7 +447,8 @@ def load_mlflow_run(spec: str):
     config = {k: _param_value(v) for k, v in run.data.params.items()}
     summary = json.loads(run.data.tags.get("trajflow.summary", "{}"))
     metrics = pl.DataFrame([{"step": s, **r} for s, r in sorted(rows.items())], infer_schema_length=None)
-    return Run(metrics, Path(f"mlflow:{run_id}"), config, {"summary": summary, "name": run.info.run_name})
+    return Run(current_metric_names(metrics), Path(f"mlflow:{run_id}"), config,
+               {"summary": summary, "name": run.info.run_name})
 
 
 def _param_value(text: str) -> Any:

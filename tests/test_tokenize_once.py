@@ -5,6 +5,8 @@ The start-up gain with a 131k-token tokenizer: benchmarks/startup_vocab.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trajflow.engines.models import load_tokenizer
@@ -34,12 +36,13 @@ def test_the_generator_loads_no_tokenizer_unless_it_decodes(monkeypatch, one_tor
     generator, pipe, loads = _generator(monkeypatch)
     assert loads == [] and generator.tokenizer is None
     tokenizer = load_tokenizer(pipe.model_path)
-    assert pipe.stage("generate").kwargs["token_ids"] == TokenIds(
+    assert pipe.stage("generate").kwargs["engine"].token_ids == TokenIds(
         tokenizer.eos_token_id, tokenizer.pad_token_id, tuple(stop_token_ids(tokenizer, pipe.model_path)))
     rows = pipe.prompts.step_rows(0)
     lean = generator(rows)
     # the same rollout from a generator that loaded the tokenizer itself (no token_ids given)
-    kwargs = dict(pipe.stage("generate").kwargs, token_ids=None)
+    kwargs = pipe.stage("generate").kwargs
+    kwargs = dict(kwargs, engine=dataclasses.replace(kwargs["engine"], token_ids=None))
     store = generator.store
     full = type(generator)(store=store, **kwargs)
     assert full.tokenizer is not None

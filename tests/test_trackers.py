@@ -57,11 +57,11 @@ def test_the_offline_wandb_run_holds_config_every_step_and_the_summary(tracked_r
     logged = _metrics(tracked_run)
     assert run.metrics["step"].to_list() == logged["step"].to_list() == [0, 1, 2]
     keys = _numeric(logged)
-    assert {"reward_mean", "loss", "mask/token_kept_frac", "clip/frac", "mismatch/k3"} <= set(keys)
+    assert {"reward/mean", "loss", "mask/token_kept_frac", "clip/frac", "mismatch/k3"} <= set(keys)
     for key in keys:
         assert run.metrics[key].to_list() == pytest.approx(logged[key].to_list(), rel=1e-9), key
     summary = tracked_summary(tracked_run)
-    assert summary["final_reward"] == pytest.approx(logged["reward_mean"].tail(1).item(), abs=1e-3)
+    assert summary["final_reward"] == pytest.approx(logged["reward/mean"].tail(1).item(), abs=1e-3)
     for key, value in summary.items():
         if value is not None:
             assert run.state["summary"][key] == (pytest.approx(value) if isinstance(value, float) else value), key
@@ -172,7 +172,7 @@ def test_a_resumed_run_continues_the_same_tracker_runs(ray_session, tmp_path):
     resume_job(run_dir, ["steps=4"], progress=False)
     assert json.loads((run_dir / "trackers.json").read_text()) == first
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
-    history = sorted(m.step for m in client.get_metric_history(first["mlflow"], "reward_mean"))
+    history = sorted(m.step for m in client.get_metric_history(first["mlflow"], "reward/mean"))
     assert history == [0, 1, 2, 3]
     assert client.get_run(first["mlflow"]).info.status == "FINISHED"
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))

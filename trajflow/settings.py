@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import types
 import typing
 from dataclasses import MISSING
@@ -57,6 +58,25 @@ def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+MAPPING = "a mapping of keys to values (e.g. {key: value})"
+
+
+def described(value: Any) -> str:
+    """`a list [1, 2]`, `the string 'abc'`: what was given instead of a mapping, briefly."""
+    if value is None:
+        return "null"
+    kind = {list: "a list", str: "the string", bool: "the boolean", int: "the number",
+            float: "the number"}.get(type(value), type(value).__name__)
+    text = repr(value) if not isinstance(value, bool) else str(value).lower()
+    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _wants_mapping(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_wants_mapping(a) for a in typing.get_args(annotation))
+    return typing.get_origin(annotation) is dict
+
+
 def _kind(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
@@ -69,6 +89,10 @@ def _kind(annotation: Any) -> str:
         return f"a list of {len(args)} numbers"
     if dataclasses.is_dataclass(annotation):
         return f"mappings with the keys {', '.join(f.name for f in dataclasses.fields(annotation))}"
+    if origin is list:
+        return f"a list of {_kind(args[0])}s" if args else "a list"
+    if origin is dict:
+        return MAPPING
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
@@ -113,6 +137,16 @@ def _converted(annotation: Any, value: Any) -> tuple[bool, Any]:
             return True, annotation(**value)
         except TypeError:  # an unknown or missing key
             return False, value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        items = [_converted(args[0], v) for v in value] if args else [(True, v) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        if not isinstance(value, dict):
+            return False, value
+        items = [(_converted(args[0], k), _converted(args[1], v)) for k, v in value.items()]
+        return all(k[0] and v[0] for k, v in items), {k[1]: v[1] for k, v in items}
     if isinstance(annotation, type):
         return isinstance(value, annotation), value
     return True, value
@@ -126,9 +160,13 @@ def check_setting(cls: type, name: str, value: Any) -> Any:
     annotation = field_types(cls)[name]
     ok, converted = _converted(annotation, value)
     if not ok:
-        got = f"the boolean {str(value).lower()}" if isinstance(value, bool) else repr(value)
+        if _wants_mapping(annotation) and not isinstance(value, dict):
+            got = described(value)
+        else:
+            got = f"the boolean {str(value).lower()}" if isinstance(value, bool) else repr(value)
         raise SettingError(name, f"expected {_kind(annotation)}, got {got}")
-    originals = value if isinstance(value, (tuple, list)) else (value,)
+    originals = list(value.values()) if isinstance(value, dict) else value if isinstance(value, (tuple, list)) \
+        else (value,)
     for key, (symbol, holds) in BOUNDS.items():
         if key in field.metadata:
             for number in originals:
@@ -152,3 +190,21 @@ def check_settings(obj: Any) -> None:
 def fail(obj: Any, field: str, why: str) -> None:
     """Raise the SettingError of a cross-field check (after check_settings)."""
     raise SettingError(field, f"{type(obj).__name__}.{field}: {why}, got {getattr(obj, field)!r}")
+
+
+class NotANumber(TypeError, ValueError):
+    """A public function's argument that should be a number is not (a boolean, a string): a
+    TypeError, and a ValueError as a setting's wrong value is."""
+
+
+def check_number(function: str, **values: Any) -> None:
+    """The one check that a public function's numeric arguments are numbers: a boolean is refused
+    (`decoupled_loss(denominator=True)` is a typo, not 1) as settings refuse it. None passes (an
+    optional argument left out), and so do tensors and arrays (they carry their own dtype).
+    NotANumber (a TypeError and a ValueError) naming `function(name=...)`."""
+    for name, value in values.items():
+        if value is None or hasattr(value, "dtype"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            got = f"the boolean {value}" if isinstance(value, bool) else repr(value)
+            raise NotANumber(f"{function}({name}=...): expected a number, got {got}")

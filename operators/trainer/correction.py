@@ -31,7 +31,7 @@ from trajflow.algorithms.config import KLConfig
 from trajflow.algorithms.diagnostics import correction_diagnostics
 from trajflow.algorithms.kl import kl_estimate
 from trajflow.algorithms.objective import CorrectionConfig, LossOutput, decoupled_loss
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.strategies.base import Strategy, Trainer
 from trajflow.schemas.columns import REFERENCE_COLUMN, TOKEN_ADVANTAGE_COLUMN, group_codes, padded
@@ -113,7 +113,7 @@ class PolicyHolder:
 
     model: torch.nn.Module
     numerics: TrainingNumerics
-    sampling: SamplingParams
+    sampling: SamplingConfig
     version: int
     minibatches_per_step: int
 
