@@ -48,7 +48,7 @@ from trajflow.engines import checkpoint as ckpt
 from trajflow.jobs.config import load_job_config
 from trajflow.schemas import read_parquet
 
-from support import cli_env, cli_in_process, explain, run_cli, run_until_checkpoint_then_kill
+from support import cli_env, cli_in_process, explain, run_cli, run_until_checkpoint_then_kill, sessions_of
 
 pytestmark = pytest.mark.slow
 
@@ -217,6 +217,8 @@ def test_status_lines_are_printed_as_their_steps_end(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+    # a finished run leaves no Ray session dir behind and keeps no Ray logs (tests/test_ray_sessions.py)
+    assert sessions_of({proc.pid}) == [] and not (run_dir / "ray-logs").exists()
     ended = pl.read_parquet(run_dir / "metrics.parquet").sort("step")["time/step_end"].to_list()
     assert sorted(arrived) == list(range(steps)) and len(ended) == steps, "".join(lines)
     for k in range(steps):

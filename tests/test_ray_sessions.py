@@ -2,10 +2,13 @@
 a run that failed keeps its Ray logs in RUN/ray-logs instead, also when its driver is SIGKILLed
 (the watchdog moves them).
 
-- 20 embedded starts of the suite's kind (`start_local_ray`, a Ray Data execution on it, exit),
-  each in its own process: none of their session dirs is left;
+- embedded starts of the suite's kind (`start_local_ray`, a Ray Data execution on it, exit), each
+  in its own process: none of their session dirs is left. Each start goes through the same exit
+  path, so the suite makes STARTS of them (a Ray start is seconds on 2 cores);
+  `TRAJFLOW_TEST_RAY_STARTS=20` makes the issue's 20 (#36: 20 starts, none left, 271 s at load 13);
 - a `trajflow run` whose reward fails on every row (exit 1): RUN/ray-logs holds its raylet's and
-  workers' logs, its session dir is gone; a finished run keeps no ray-logs;
+  workers' logs, its session dir is gone (a finished run's: tests/test_jobs_run.py
+  test_status_lines_are_printed_as_their_steps_end, whose run ends normally);
 - a `trajflow run` SIGKILLed mid-run: once the watchdog has ended its processes, RUN/ray-logs
   holds the logs and the session dir is gone.
 A session dir is told apart from other processes' by the driver's pid in its name.
@@ -24,11 +27,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import cli_env
+from support import RAY_TMP, cli_env, sessions_of
 
 pytestmark = pytest.mark.slow
 
-RAY_TMP = Path("/tmp/ray")
+STARTS = int(os.environ.get("TRAJFLOW_TEST_RAY_STARTS", "2"))
 START = textwrap.dedent("""
     import sys
     from trajflow.pipelines.ray.embedded import start_local_ray
@@ -42,24 +45,17 @@ START = textwrap.dedent("""
 """)
 
 
-def sessions_of(pids: set[int]) -> list[Path]:
-    """Session dirs whose name ends with one of the pids (Ray names them session_<time>_<pid>)."""
-    return [p for p in RAY_TMP.glob("session_*") if p.name != "session_latest" and p.name.rsplit("_", 1)[-1]
-            in {str(pid) for pid in pids}]
-
-
 @pytest.mark.timeout(900)
-def test_twenty_embedded_starts_leave_no_session_dir():
+def test_embedded_starts_leave_no_session_dir():
     pids, named = set(), []
-    for _ in range(20):  # one at a time: two Rays starting at once on a loaded 2-core machine can time out
-        procs = [subprocess.Popen([sys.executable, "-c", START], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env=cli_env())]
-        for proc in procs:
-            out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err[-3000:]
-            pids.add(proc.pid)
-            named.append(Path(out.strip().splitlines()[-1]))
-    assert len(pids) == 20 and all(str(p).startswith(str(RAY_TMP)) for p in named)
+    for _ in range(STARTS):  # one at a time: two Rays starting at once on a loaded 2-core machine can time out
+        proc = subprocess.Popen([sys.executable, "-c", START], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=cli_env())
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        pids.add(proc.pid)
+        named.append(Path(out.strip().splitlines()[-1]))
+    assert len(pids) == STARTS and all(str(p).startswith(str(RAY_TMP)) for p in named)
     assert [p for p in named if p.exists()] == []
     assert sessions_of(pids) == []
 
@@ -85,19 +81,6 @@ def test_a_failed_run_keeps_its_ray_logs_in_the_run_dir(tmp_path):
     assert "failed on every row" in err
     logs = run_dir / "ray-logs"
     assert (logs / "raylet.out").is_file() and list(logs.glob("worker-*.out")), sorted(os.listdir(logs))
-    assert sessions_of({proc.pid}) == []
-
-
-@pytest.mark.timeout(600)
-def test_a_finished_run_leaves_no_session_and_no_ray_logs(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "trajflow.jobs.cli", "run", "quickstart", "--run-dir",
-                             str(tmp_path / "run"), "--no-progress", "--set", "steps=2", "--set", "prompts_per_step=8",
-                             "--set", "group_size=4", "--set", "eval_every=0", "--set", "report_to=[]", "--set",
-                             "save_all_versions=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=cli_env())
-    out, err = proc.communicate(timeout=500)
-    assert proc.returncode == 0, f"{out[-2000:]}\n{err[-2000:]}"
-    assert not (tmp_path / "run" / "ray-logs").exists()
     assert sessions_of({proc.pid}) == []
 
 
