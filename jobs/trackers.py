@@ -36,22 +36,23 @@ from pathlib import Path
 from typing import Any
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
-# what to install for each: the package import name and the trajflow extra that brings it
-PACKAGES = {"tensorboard": ("tensorboard", "plots"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+# what to install for each: the package's import name and what brings it (tensorboard is a
+# dependency of trajflow itself; wandb and mlflow are extras)
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "'trajflow[wandb]'"),
+            "mlflow": ("mlflow", "'trajflow[mlflow]'")}
 STATE_FILE = "trackers.json"  # the run's tracker run ids, so that a resume continues them
 
 
 def check_installed(report_to: Iterable[str]) -> None:
     """ValueError (one line) naming the extra when a tracker's package is not installed."""
     for name in report_to:
-        package, extra = PACKAGES[name]
+        package, install = PACKAGES[name]
         try:
             found = importlib.util.find_spec(package) is not None
         except (ImportError, ValueError):  # a package whose import was blocked (sys.modules[name] = None)
             found = False
         if not found:
-            raise ValueError(f"{name} is not installed: pip install 'trajflow[{extra}]' (or remove {name} from "
-                             "report_to)")
+            raise ValueError(f"{name} is not installed: pip install {install} (or remove {name} from report_to)")
 
 
 def numeric_items(row: Mapping[str, Any]) -> dict[str, float]:
