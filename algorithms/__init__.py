@@ -11,6 +11,8 @@ m2po.py         M2PO's second-moment trust mask (a global value cutoff)
 ewma.py         revised PPO-EWMA proximal weights with auto-reset
 advantages.py   advantages (GRPO with sample or population std, Dr.GRPO, RLOO, REINFORCE++ and its
                 baseline variant) and DAPO's overlong reward shaping
+discounted.py   REINFORCE++ with a per-token discount gamma: per-token returns, whitened per token
+rejection.py    veRL's chained rejection criteria on r_d (k1/k2/k3 per token, sequence sum/mean/max)
 diagnostics.py  per-batch correction metrics
 masked.py       masked reductions over right-padded [B, T] tensors
 

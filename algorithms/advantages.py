@@ -178,16 +178,36 @@ def group_advantages(estimator: str, rewards: ArrayLike, group_ids: ArrayLike, *
     return ESTIMATORS[estimator](rewards, group_ids, **kwargs)
 
 
+def shaped_rewards(config: AdvantageConfig, rewards: ArrayLike, lengths: ArrayLike | None = None) -> ArrayLike:
+    """The rewards after the overlong shaping `config` asks for (needs `lengths`, response tokens
+    per row); unchanged without it."""
+    if config.overlong_buffer is None:
+        return rewards
+    if lengths is None or config.overlong_max_tokens is None:
+        raise ValueError("advantage.overlong_buffer needs the response lengths and overlong_max_tokens")
+    shaped = _to_numpy(rewards).astype(np.float64).reshape(-1) + overlong_penalty(
+        lengths, config.overlong_max_tokens, config.overlong_buffer, config.overlong_penalty)
+    return _like(shaped, rewards)
+
+
+def compute_token_advantages(config: AdvantageConfig, rewards: ArrayLike, loss_mask: ArrayLike, *,
+                             lengths: ArrayLike | None = None) -> np.ndarray:
+    """Per-token advantages [N, T] float32 (`config.gamma` < 1: REINFORCE++ with the discount,
+    algorithms/discounted.py) from rewards [N] and the padded loss mask [N, T]."""
+    from .discounted import reinforce_plus_plus_discounted
+
+    if config.estimator != "reinforce_plus_plus":
+        raise ValueError(f"per-token advantages are REINFORCE++'s (gamma), not {config.estimator}'s")
+    return reinforce_plus_plus_discounted(_to_numpy(shaped_rewards(config, rewards, lengths)), loss_mask,
+                                          config.gamma)
+
+
 def compute_advantages(config: AdvantageConfig, rewards: ArrayLike, group_ids: ArrayLike, *,
                        lengths: ArrayLike | None = None, token_counts: ArrayLike | None = None) -> ArrayLike:
     """The advantages `config` asks for: the overlong shaping on the rewards (needs `lengths`,
-    response tokens per row), then the estimator (grpo gets `std`, REINFORCE++ `token_counts`)."""
-    if config.overlong_buffer is not None:
-        if lengths is None or config.overlong_max_tokens is None:
-            raise ValueError("advantage.overlong_buffer needs the response lengths and overlong_max_tokens")
-        shaped = _to_numpy(rewards).astype(np.float64).reshape(-1) + overlong_penalty(
-            lengths, config.overlong_max_tokens, config.overlong_buffer, config.overlong_penalty)
-        rewards = _like(shaped, rewards)
+    response tokens per row), then the estimator (grpo gets `std`, REINFORCE++ `token_counts`).
+    One per row; with `config.gamma` < 1 use compute_token_advantages."""
+    rewards = shaped_rewards(config, rewards, lengths)
     kwargs: dict[str, Any] = {}
     if config.estimator == "grpo":
         kwargs["std"] = config.std

@@ -24,7 +24,11 @@ Denominator = Literal["kept", "all"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "token-sum-norm", "prompt-mean"]
 Estimator = Literal["grpo", "dr_grpo", "leave_one_out", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 GroupStd = Literal["sample", "population"]
-KLEstimator = Literal["k1", "k2", "k3", "low_var", "abs"]
+# "+": veRL's straight-through variants (the estimator's value, k2's gradient); k2 is its own
+KLEstimator = Literal["k1", "k2", "k3", "low_var", "abs", "k1+", "k3+", "low_var+", "abs+"]
+# veRL's rejection statistics on the log-ratio log r_d (algorithms/rejection.py)
+RejectionStatistic = Literal["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                             "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"]
 Schedule = Literal["constant", "linear", "cosine"]
 
 LOSSES: tuple[str, ...] = typing.get_args(Loss)
@@ -35,10 +39,34 @@ ESTIMATOR_NAMES: tuple[str, ...] = typing.get_args(Estimator)
 GROUP_STDS: tuple[str, ...] = typing.get_args(GroupStd)
 KL_ESTIMATORS: tuple[str, ...] = typing.get_args(KLEstimator)
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
+REJECTION_STATISTICS: tuple[str, ...] = typing.get_args(RejectionStatistic)
 
 # Losses whose policy term has a PPO clip (dual clip applies), and those defined per token only.
 _PPO_CLIPPED = ("ppo", "clip_cov")
 _TOKEN_ONLY = ("dppo_tv", "dppo_kl", "kl_cov")
+
+
+@dataclass(frozen=True)
+class RejectionRule:
+    """One rejection criterion on r_d, as veRL's `rollout_rs` option of the same name defines it
+    (algorithms/rejection.py). k1 = log(mu / pi_old) = -log r_d; k2 = (log r_d)^2 / 2;
+    k3 = r_d - 1 - log r_d; per token, or its sum, mean or max over the sequence's loss tokens."""
+
+    statistic: RejectionStatistic = setting(
+        doc="token_k{1,2,3}, seq_sum_k{1,2,3}, seq_mean_k{1,2,3} or seq_max_k{2,3} (veRL's names)")
+    upper: float = setting(
+        doc="k2 / k3: keep while the statistic <= upper; k1: keep while exp(k1) = mu / pi_old <= upper "
+        "(veRL's threshold, a ratio)", gt=0.0)
+    lower: float | None = setting(
+        None, "k1 only: keep while exp(k1) >= lower (null: 1 / upper, as veRL)", gt=0.0)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        k1 = self.statistic.endswith("k1")
+        if self.lower is not None and not k1:
+            fail(self, "lower", f"{self.statistic} has an upper bound only (lower applies to the k1 statistics)")
+        if k1 and self.lower is not None and self.lower > self.upper:
+            fail(self, "lower", f"must be <= upper ({self.upper})")
 
 
 @dataclass(frozen=True)
@@ -64,6 +92,11 @@ class CorrectionConfig:
         "(or >= mask_low_seq); null = no upper bound", ge=1.0)
     mask_low_seq: float | None = setting(
         None, "lower sequence bound when it is not 1/mask_c_seq; null = 1/mask_c_seq", gt=0.0, le=1.0)
+    rejection: tuple[RejectionRule, ...] = setting(
+        (), "more r_d criteria that a kept token must also pass, each {statistic, upper, lower} as veRL's "
+        "rollout_rs options (chained like a comma-separated rollout_rs: every one must pass), e.g. "
+        "[{statistic: token_k1, upper: 2.0}, {statistic: seq_mean_k3, upper: 0.01}]; part of the r_d mask "
+        "(denominator applies)")
     tis_cap: float | None = setting(
         None, "truncated IS weight min(r_d, C) on kept tokens (TIS); null = off", gt=0.0)
     tis_level: TisLevel = setting(
@@ -156,9 +189,14 @@ class AdvantageConfig:
         1.0, "the shaping's penalty at the budget (veRL's overlong_buffer.penalty_factor)", gt=0.0)
     overlong_max_tokens: int | None = setting(
         None, "L_max of the shaping: the response token budget (null in a job: sampling.max_new_tokens)", gt=0)
+    gamma: float = setting(
+        1.0, "reinforce_plus_plus: discount of the outcome reward per loss token after a token (veRL's "
+        "algorithm.gamma); below 1 every token gets its own advantage (algorithms/discounted.py)", ge=0.0, le=1.0)
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.gamma != 1.0 and self.estimator != "reinforce_plus_plus":
+            fail(self, "gamma", f"a per-token discount applies to estimator reinforce_plus_plus, not {self.estimator}")
         if self.overlong_buffer is not None and self.overlong_max_tokens is not None \
                 and self.overlong_buffer > self.overlong_max_tokens:
             fail(self, "overlong_buffer", f"must be <= overlong_max_tokens ({self.overlong_max_tokens})")
@@ -171,7 +209,8 @@ class KLConfig:
     beta: float = setting(0.0, "coefficient of the KL to the reference model; 0 = off", ge=0.0)
     estimator: KLEstimator = setting(
         "k3", "per-token estimator of KL(pi_theta || pi_ref): k1 (log ratio), k2 (half its square), k3 "
-        "(exp(-x) - 1 + x), low_var (k3 clamped to [-10, 10], veRL's low_var_kl), abs (|log ratio|)")
+        "(exp(-x) - 1 + x), low_var (k3 clamped to [-10, 10], veRL's low_var_kl), abs (|log ratio|); "
+        "k1+, k3+, low_var+, abs+: that value with k2's gradient (veRL's straight-through \"+\" types)")
     in_: Literal["loss", "reward"] = setting(
         "loss", "loss: beta x KL is added to the loss (TRL beta, veRL use_kl_loss); reward: subtracted "
         "from each trajectory's reward, summed over its tokens (veRL use_kl_in_reward)", key="in")

@@ -49,6 +49,7 @@ from torch import Tensor
 from trajflow.settings import check_number
 
 from .kl import kl_metrics
+from .masked import broadcast_to_tokens
 from .objective import LossOutput
 
 
@@ -147,7 +148,7 @@ def correction_diagnostics(
     if reference:
         d.update(kl_metrics(out.kl, m))
     if advantages is not None:
-        sign = advantages.reshape(-1, *([1] * (m.dim() - 1))).expand_as(m)
+        sign = broadcast_to_tokens(advantages, m)  # per row [B] or per token [B, T]
         d["mask/kept_frac_pos_adv"] = _frac(out.discrepancy_mask, m & (sign > 0))
         d["mask/kept_frac_neg_adv"] = _frac(out.discrepancy_mask, m & (sign < 0))
     if versions is not None:

@@ -8,11 +8,14 @@ On tokens sampled by the behavior policy, with x = log pi_theta - log pi_ref per
     k3       exp(-x) - 1 + x                 >= 0, unbiased, low variance (veRL "low_var_kl" clamps it)
     low_var  k3 clamped to [-10, 10]         veRL's low_var_kl (its default kl_loss_type)
     abs      |x|                             veRL and SkyRL "abs"
+    k1+, k3+, low_var+, abs+                 veRL's straight-through "+" types: the value of the
+                                             estimator, the gradient of k2 (whose gradient is the
+                                             KL's in expectation): k2 - sg(k2) + sg(value)
 
 x is clamped to ±LOG_RATIO_CLAMP first (as every log-ratio in trajflow), so extreme log-probs give
 finite values and gradients. Names across peers: TRL's GRPO loss uses k3 (`beta`); veRL
-`actor_rollout_ref.actor.kl_loss_type` (kl/k1, abs, mse/k2, low_var_kl/k3, and "+" variants with
-k2's gradient, which trajflow does not have) and `algorithm.kl_penalty` for the reward; SkyRL
+`actor_rollout_ref.actor.kl_loss_type` (kl/k1, abs, mse/k2, low_var_kl/k3, and the "+" variants)
+and `algorithm.kl_penalty` for the reward; SkyRL
 `kl_estimator_type` k1, k2, k3 (clamped as low_var), abs.
 
 Where it enters (KLConfig.in_):
@@ -40,6 +43,9 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator =
     both must be finite where it is used (select padding away first)."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimate: estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    if estimator.endswith("+"):  # straight-through: the base value, k2's gradient
+        k2 = kl_estimate(logprobs, ref_logprobs, "k2")
+        return k2 - k2.detach() + kl_estimate(logprobs, ref_logprobs, estimator[:-1]).detach()
     x = log_ratio(logprobs, ref_logprobs.detach())
     if estimator == "k1":
         return x

@@ -16,6 +16,8 @@ strategy supplies as pi_old, see proximal.py):
          sequence-any      seq i goes when any of its tokens breaks the token bounds (veRL's veto
                            with a lower-only bound, its seq_max_k* with a band)
          none              1
+       and every rule of `rejection` (veRL's chained rollout_rs: k1/k2/k3 per token, or their sum,
+       mean or max over the sequence; algorithms/rejection.py)
   w_d  1, or the truncated IS weight (`tis_cap` C, detached: a weight, not a path):
          tis_level token     min(r_d, C) per token
          tis_level sequence  min(prod_t r_d, C) on all tokens of seq i (product of token ratios)
@@ -82,6 +84,7 @@ from .losses import (
     sapo_term,
 )
 from .masked import LOG_RATIO_CLAMP, broadcast_to_tokens, log_ratio, masked_mean, masked_sum
+from .rejection import rejection_mask
 
 __all__ = ["AGGREGATIONS", "CLIP_LEVELS", "LOG_RATIO_CLAMP", "LOSSES", "MASK_LEVELS", "CorrectionConfig",
            "LossOutput", "LossSum", "aggregation_weights", "decoupled_loss", "discrepancy_mask", "discrepancy_weights",
@@ -176,7 +179,13 @@ def _log_bounds(c: float | None, low: float | None) -> tuple[float, float]:
 
 
 def discrepancy_mask(log_rd: Tensor, loss_mask: Tensor, config: CorrectionConfig) -> Tensor:
-    """M_d & loss_mask, [B, T] bool (module docstring). lo <= r_d <= c is tested on log r_d."""
+    """M_d & loss_mask, [B, T] bool (module docstring). lo <= r_d <= c is tested on log r_d;
+    `config.rejection`'s rules must keep the token too (algorithms/rejection.py)."""
+    keep = _level_mask(log_rd, loss_mask, config)
+    return rejection_mask(log_rd, keep, config.rejection, loss_mask) if config.rejection else keep
+
+
+def _level_mask(log_rd: Tensor, loss_mask: Tensor, config: CorrectionConfig) -> Tensor:
     if config.mask_level == "none":
         return loss_mask.clone()
     if config.mask_level in ("token", "sequence-any"):

@@ -89,7 +89,7 @@ def logged_run(config: str, overrides: dict, steps: int, run_dir: Path, log: Pat
     """A synchronous snapshot run keeping every version: the trajectories and weights to replay."""
     trajflow("run", config, "--run-dir", str(run_dir), "--no-progress",
              *sets({"strategy": "snapshot", "max_staleness": 0, "steps": steps, "save_all_versions": "true",
-                    "eval_every": 0, "checkpoint_every": steps, "tensorboard": "false", **overrides}), log=log)
+                    "eval_every": 0, "checkpoint_every": steps, "report_to": "[]", **overrides}), log=log)
 
 
 def retimed(run_dir: Path, delay: int, out: Path, spread: bool = False) -> int:
@@ -328,7 +328,7 @@ def outcome(config: str, overrides: dict, strategies: list[str], seeds: int, wor
                 run_dir.parent.mkdir(parents=True, exist_ok=True)
                 (work / f"{run_dir.name}.started_at").write_text(f"{time.time():.3f}\n")
                 trajflow("run", config, "--run-dir", str(run_dir), "--no-progress",
-                         *sets({"strategy": strategy, "seed": seed, "save_all_versions": "false", "tensorboard": "false",
+                         *sets({"strategy": strategy, "seed": seed, "save_all_versions": "false", "report_to": "[]",
                                 **overrides}), log=log)
             m = read_metrics(RunPaths(run_dir))
             start = float((work / f"{run_dir.name}.started_at").read_text())  # enter: the command's start

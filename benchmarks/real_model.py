@@ -163,10 +163,10 @@ def learning_result(run_dir: Path, command: str, wall: float, output: str) -> di
     from trajflow.jobs.summary import heldout_metric
 
     m = read_metrics(RunPaths(run_dir))
-    heldout = heldout_metric(m)[0]  # heldout/accuracy: `reward: math` is 0 or 1
-    curve = [{"version": 0, "accuracy": float(m[f"{heldout}_start"].drop_nulls()[0])}]
-    curve += [{"version": int(r["version"]), "accuracy": float(r[heldout])}
-              for r in m.select("version", heldout).drop_nulls().iter_rows(named=True)]
+    key, _ = heldout_metric(m)  # heldout/accuracy: the math reward is 0 or 1
+    curve = [{"version": 0, "accuracy": float(m[f"{key}_start"].drop_nulls()[0])}]
+    curve += [{"version": int(r["version"]), "accuracy": float(r[key])}
+              for r in m.select("version", key).drop_nulls().iter_rows(named=True)]
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     return {"command": command, "wall_s": wall, "curve": curve, "run_dir": str(run_dir),
             "summary": [line for line in output.splitlines() if "held-out accuracy" in line],

@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # every kind's run: 16 rows a step, max_staleness 2, every version kept (a rebuilt store needs them)
-BASE = ["quickstart", "--set", "checkpoint_every=3", "--set", "save_all_versions=true", "--set", "tensorboard=false",
+BASE = ["quickstart", "--set", "checkpoint_every=3", "--set", "save_all_versions=true", "--set", "report_to=[]",
         "--set", "prompts_per_step=4", "--set", "group_size=4", "--set", "eval_every=0",
         "--set", "max_staleness=2", "--set", "inference_dtype=float32", "--set", "seed=0", "--no-progress"]
 KINDS = {  # kind -> what its run adds

@@ -15,6 +15,15 @@ group's constructor (worker start, unpickling, imports) and its stages' construc
 On 2 cores, the sum of every process's CPU seconds to the end of step 1, divided by 2, is a floor
 on the wall time that no scheduling can beat: it is what bounds start-up once the critical path
 is overlapped.
+
+What the user waits for, several cold runs of the whole quickstart (30 steps), the median:
+
+    python -m benchmarks.startup --runs 5          # about 1 min a run on an idle 2-core machine
+
+prints per run the seconds from enter to the first step's status line and to exit, the process
+tree's peak PSS and each process's share of it at that peak, then the medians (and the CPU
+seconds per process of the median run). Times are only meaningful on a quiet machine (the load
+average is printed with each run); PSS does not depend on the load.
 """
 
 from __future__ import annotations
@@ -88,7 +97,7 @@ sys.exit(code)
 
 # (role, how to recognise it in a process's command line): first match wins
 ROLES = (
-    ("watchdog", "ray_watchdog.py"),
+    ("watchdog", "ray/watchdog.py"),
     ("gcs_server", "gcs_server"),
     ("raylet", "/raylet"),
     ("dashboard agent", "dashboard/agent.py"),
@@ -125,6 +134,7 @@ class Tree:
         self.procs: dict[int, dict] = {}
         self.peak_pss = self.peak_processes = self.peak_threads = 0
         self.pss_series: list[tuple[float, int]] = []
+        self.peak_shares: dict[int, int] = {}  # pid -> its PSS in the sample of the tree's peak
 
     def sample(self) -> None:
         now = time.time()
@@ -133,6 +143,7 @@ class Tree:
         except psutil.NoSuchProcess:
             return
         pss = threads = count = 0
+        shares: dict[int, int] = {}
         for proc in procs:
             try:
                 with proc.oneshot():
@@ -149,8 +160,11 @@ class Tree:
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
             pss += mem
+            shares[proc.pid] = mem
             count += 1
         self.pss_series.append((now, pss))
+        if pss > self.peak_pss:
+            self.peak_shares = shares
         self.peak_pss = max(self.peak_pss, pss)
         self.peak_processes = max(self.peak_processes, count)
         self.peak_threads = max(self.peak_threads, threads)
@@ -180,16 +194,31 @@ def measure(steps: int = 20, extra: tuple[str, ...] = (), config: str = "quickst
         output: list[str] = []
         import threading
 
-        reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+        first_line: list[float] = []  # when the first step's status line reached the terminal
+
+        def read() -> None:
+            for line in proc.stdout:
+                if not first_line and line.split()[:2] == ["step", "0"]:
+                    first_line.append(time.time())
+                output.append(line)
+
+        reader = threading.Thread(target=read, daemon=True)
         reader.start()
         while proc.poll() is None:
             tree.sample()
             time.sleep(SAMPLE_SECONDS)
+        ended = time.time()
         reader.join(timeout=10)
         if proc.returncode != 0:
             raise RuntimeError("trajflow run failed:\n" + "".join(output)[-4000:])
         events = {e["event"]: e for e in map(json.loads, events_path.read_text().splitlines())}
-    return summarise(tree, events, load_before, os.getloadavg()[0])
+    result = summarise(tree, events, load_before, os.getloadavg()[0])
+    t0 = tree.procs[tree.root.pid]["start"]
+    result["enter to first step line s"] = first_line[0] - t0 if first_line else None
+    result["enter to exit s"] = ended - t0
+    result["peak shares"] = [{"process": tree.procs[pid]["role"], "PSS MiB at the tree's peak": pss / 2**20}
+                             for pid, pss in sorted(tree.peak_shares.items(), key=lambda kv: -kv[1])]
+    return result
 
 
 def summarise(tree: Tree, events: dict, load_before: float, load_after: float) -> dict:
@@ -274,5 +303,38 @@ def details(result: dict) -> str:
     ])
 
 
+def repeated(runs: int, steps: int = 30, extra: tuple[str, ...] = ()) -> str:
+    """Markdown: `runs` cold quickstarts (enter to first step line, enter to exit, tree peak PSS),
+    their medians, then the median run's process shares at its PSS peak and its processes' CPU."""
+    import statistics
+
+    from benchmarks.run_all import table
+
+    results = [measure(steps, extra) for _ in range(runs)]
+    rows = [{"run": i + 1, "enter to first step line s": r["enter to first step line s"],
+             "enter to exit s": r["enter to exit s"], "tree peak PSS GiB": r["tree peak PSS GiB (whole run)"],
+             "processes (peak)": r["processes in the tree (peak)"], "load before / after": r["load before / after"]}
+            for i, r in enumerate(results)]
+    keys = ("enter to first step line s", "enter to exit s", "tree peak PSS GiB")
+    rows.append({"run": "median", **{k: statistics.median(r[k] for r in rows if r[k] is not None) for k in keys}})
+    median_run = sorted(results, key=lambda r: r["enter to first step line s"] or 0)[len(results) // 2]
+    return "\n\n".join([
+        table(rows),
+        "The median run's processes at the tree's PSS peak:\n\n" + table(median_run["peak shares"]),
+        details(median_run),
+    ])
+
+
 if __name__ == "__main__":
-    print(run(int(sys.argv[1]) if len(sys.argv) > 1 else 20))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, help="cold quickstarts of `--steps` steps, enter to exit, the median")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 30 with --runs, else 20)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more `trajflow run --set`")
+    args = parser.parse_args()
+    extra = tuple(x for kv in args.set for x in ("--set", kv))
+    if args.runs:
+        print(repeated(args.runs, args.steps or 30, extra))
+    else:
+        print(run(args.steps or 20))

@@ -79,9 +79,31 @@ def build_assets(root: Path) -> Path:
         "data": {"train_files": [str(root / "train.jsonl")], "test_files": [str(root / "test.jsonl")],
                  "prompt_key": "prompt", "max_prompt_tokens": 128},
         "prompts_per_step": 16, "group_size": 8, "max_staleness": 1, "eval_every": 0,
-        "sampling": {"max_new_tokens": 6}, "checkpoint_every": 0, "tensorboard": False,
+        "sampling": {"max_new_tokens": 6}, "checkpoint_every": 0, "report_to": [],
     }))
     return path
+
+
+# timed in a fresh process: what each Ray actor that loads the tokenizer pays (the generator no
+# longer does: it takes eos, pad and stop ids from the driver, engines/tokenizer.py TokenIds)
+TOKENIZER_LOAD = r'''
+import json, sys, time
+import transformers  # an actor has it imported already
+from trajflow.engines.models import load_tokenizer
+t1, c1 = time.perf_counter(), time.process_time()
+tokenizer = load_tokenizer(sys.argv[1])
+t2, c2 = time.perf_counter(), time.process_time()
+print(json.dumps({"tokenizer load s": t2 - t1, "tokenizer load CPU s": c2 - c1, "vocab": len(tokenizer)}))
+'''
+
+
+def tokenizer_load_seconds(python: str, model_dir: Path, runs: int = 3) -> dict:
+    """Median over `runs` fresh processes of loading the run's tokenizer (wall and CPU)."""
+    import statistics
+
+    samples = [json.loads(subprocess.run([python, "-c", TOKENIZER_LOAD, str(model_dir)], capture_output=True,
+                                         text=True, check=True).stdout.strip().splitlines()[-1]) for _ in range(runs)]
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
 
 
 def validation_seconds(python: str, config: Path) -> dict:
@@ -98,7 +120,9 @@ def run(pythons: list[str], steps: int = 2) -> str:
         config = build_assets(Path(tmp))
         for python in pythons:
             checked = validation_seconds(python, config)
+            loads = tokenizer_load_seconds(python, config.parent / "model")
             result = measure(steps, config=str(config), python=python)
+            generator = next((p for p in result["processes"] if p["process"].startswith("Generate")), {})
             phases = {p["phase"]: p["wall s"] for p in result["phases"]}
             rows.append({
                 "trajflow of": python,
@@ -110,6 +134,8 @@ def run(pythons: list[str], steps: int = 2) -> str:
                     "interpreter start", "CLI + jobs.run imports", "config checks, run dir")),
                 "run: wall to end of step 1 s": result["wall to end of step 1 s"],
                 "run: CPU s, all processes, to end of step 1": result["CPU s, all processes, to end of step 1"],
+                "tokenizer load CPU s (each process that loads it)": loads["tokenizer load CPU s"],
+                "run: generator process CPU s to end of step 1": generator.get("CPU s to step 1"),
                 "load before / after": result["load before / after"],
             })
     return table(rows)

@@ -125,7 +125,7 @@ def run_trajflow(spec: dict, overrides: dict, work: Path, name: str) -> dict:
     threads = spec["threads"] if overrides.get("max_staleness", 0) == 0 else 1
     sets = {"model": spec["model"], "steps": spec["steps"], "prompts_per_step": spec["prompts"],
             "group_size": spec["group"], "sampling.max_new_tokens": spec["max_new_tokens"], "optimizer.lr": spec["lr"],
-            "seed": spec["seed"], "inference_dtype": "float32", "eval_every": 0, "tensorboard": False,
+            "seed": spec["seed"], "inference_dtype": "float32", "eval_every": 0, "report_to": [],
             "checkpoint_every": 0, "trainer.torch_threads": threads, "generator.torch_threads": threads,
             "scorer.torch_threads": threads, **overrides}
     command = [sys.executable, "-m", "trajflow.jobs.cli", "run", "smollm2", "--run-dir", str(run_dir), "--no-progress"]

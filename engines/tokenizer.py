@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,22 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     """`text` up to (not including) the earliest occurrence of any stop string."""
     found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return text[: min(found)] if found else text
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """What generation needs of the tokenizer when it decodes nothing: eos, pad and the ids that
+    end a response (`stop_token_ids`). The driver, which has loaded the tokenizer anyway, hands
+    them to the generator so that it loads the tokenizer only to decode (`sampling.stop`
+    strings, an environment's turns): a 131k-token tokenizer takes seconds to load."""
+
+    eos_id: int
+    pad_id: int | None
+    stop_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase, model_dir: str | Path | None = None) -> "TokenIds":
+        return cls(tokenizer.eos_token_id, tokenizer.pad_token_id, tuple(stop_token_ids(tokenizer, model_dir)))
 
 
 class StopStrings:

@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=_cmd_report)
 
     cmp_ = command("compare", "side-by-side table and PNG plots of several runs")
-    cmp_.add_argument("run_dirs", nargs="+")
+    cmp_.add_argument("run_dirs", nargs="+", metavar="RUN", help="a run dir, a W&B run directory (offline ones "
+                      "too: RUN/wandb/offline-run-*) or mlflow:RUN_ID (MLFLOW_TRACKING_URI) / mlflow:URI#RUN_ID")
     cmp_.add_argument("--out", help="PNG path (default: a new compare-TIME.png in the current directory)")
     add_plot_options(cmp_)
     cmp_.set_defaults(func=_cmd_compare)

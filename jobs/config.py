@@ -22,13 +22,16 @@ least one key.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from trajflow.deprecations import TrajflowDeprecation
 from trajflow.pipelines.config import PipelineConfig, preflight
+from trajflow.settings import MAPPING, described
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -48,12 +51,46 @@ class JobConfig(PipelineConfig):
     keep_checkpoints: int = Field(2, ge=1, description="retention: keep the newest k checkpoints")
     save_all_versions: bool = Field(False, description="keep the weights of every version (exact replay)")
     trajectory_log: bool = Field(True, description="log every trajectory (Parquet, partitioned by step)")
-    tensorboard: bool = Field(True, description="TensorBoard event files (needs the `plots` extra)")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="where the config, every step's metrics, the summary "
+        "and the run's PNGs also go (TRL's report_to): tensorboard (RUN/tensorboard/), wandb, mlflow "
+        "(extras trajflow[wandb], trajflow[mlflow]); [] for none (jobs/trackers.py)")
+    tracker_project: str = Field("trajflow", min_length=1, description="the W&B project and MLflow experiment")
+    wandb_mode: Literal["online", "offline"] | None = Field(
+        None, description="null: WANDB_MODE if set, else online when a W&B key is configured, else offline (a "
+        "run in RUN/wandb/ that `wandb sync` uploads later)")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="null: MLFLOW_TRACKING_URI if set, else a SQLite store in RUN/mlflow/ (artifacts beside it)")
     ray_address: str | None = Field(None, pattern=r"^(auto|(ray://)?[^\s:/]+:\d{1,5})$",
                                     description="None: embedded Ray; else ray.init(address=...): auto, HOST:PORT "
                                     "(the GCS) or ray://HOST:PORT")
     dashboard: bool = Field(False, description="embedded Ray: start the dashboard (bound to 127.0.0.1)")
     status_every: int = Field(1, ge=0, description="print a status line every k steps (0: never)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_key(cls, data: Any) -> Any:
+        """`tensorboard: true/false` (before report_to) still works for one release, with a notice."""
+        if not isinstance(data, dict) or "tensorboard" not in data:
+            return data
+        data = dict(data)
+        value = data.pop("tensorboard")
+        if not isinstance(value, bool):
+            raise ValueError(f"tensorboard: expected true or false, got {value!r}")
+        warnings.warn(f"tensorboard: use report_to: {'[tensorboard]' if value else '[]'}; the old key goes in the "
+                      "next release", TrajflowDeprecation, stacklevel=2)
+        if "report_to" not in data:
+            data["report_to"] = ["tensorboard"] if value else []
+        return data
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers_installed(cls, report_to: list[str]) -> list[str]:
+        from trajflow.jobs.trackers import check_installed
+
+        report_to = list(dict.fromkeys(report_to))  # each once, in the order given
+        check_installed(report_to)  # a missing package: one line naming the extra, before Ray starts
+        return report_to
 
     def pipeline_config(self) -> PipelineConfig:
         fields = set(PipelineConfig.model_fields)
@@ -77,11 +114,17 @@ def format_validation_error(error: ValidationError) -> str:
         kind = e.get("type", "")
         if kind == "extra_forbidden":
             msg = "unknown key"
+        elif kind in MAPPING_ERRORS:  # a section or a dict-typed key given something else
+            msg = f"expected {MAPPING}, got {described(e.get('input'))}"
         elif kind != "value_error" and isinstance(e.get("input"), (str, int, float)) and len(repr(e["input"])) < 40:
             msg += f" (got {e['input']!r})"
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         parts.append(f"{key}: {msg}" if key else msg)
     return "; ".join(parts).replace("\n", " ")
+
+
+# pydantic's error types for a value that should be a mapping: a dict-typed key, or a section
+MAPPING_ERRORS = ("dict_type", "model_type", "model_attributes_type", "dataclass_type")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -90,7 +90,10 @@ def _kind(annotation: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_kind(a) for a in args)
     if origin in (tuple, list):
-        return "list"
+        item = args[0] if (origin is list and args) or (len(args) == 2 and args[1] is Ellipsis) else None
+        return "list" if item is None else f"list of {_kind(item)}"
+    if dataclasses.is_dataclass(annotation):  # a list item with keys of its own (correction.rejection)
+        return "{" + ", ".join(f.name for f in dataclasses.fields(annotation)) + "}"
     if origin is dict:
         return "mapping"
     names = {int: "integer", float: "number", bool: "true/false", str: "string", Path: "path", type(None): "null"}

@@ -22,6 +22,8 @@
       summary.txt                       the final summary table
       workers.log                       what the Ray worker processes printed (warnings, notices);
                                         `--verbose` prints it instead
+      ray-logs/                         a failed run's embedded Ray logs (its session dir's logs/;
+                                        a finished run's session dir is removed at exit)
 
 Step s is trained by the trainer at version s and produces version s + 1. Before version s + 1
 is published, `RunRecorder.on_rows` writes the version file s + 1 and then the trajectory

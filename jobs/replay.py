@@ -6,7 +6,8 @@
 The job around `pipelines.replay.Replay`: it finds the run's config beside the log (or takes the
 one given), checks every input before Ray starts, runs the replay on an embedded Ray and writes
 OUT (default RUN/replay/MODE-STRATEGIES-TIME): metrics.parquet, config.yaml, quarantine.parquet
-(rows with NaN/inf log-probs, when asked to quarantine them) and, in train mode, model.safetensors.
+(rows with NaN/inf log-probs, when asked to quarantine them), workers.log (what the Ray worker
+processes printed; `--verbose` prints it instead, as for a run) and, in train mode, model.safetensors.
 Everything is written into a temp dir renamed at the end: no half-written output. A diagnose
 replay under the run's own strategy prints how closely it reproduces the logged diagnostics.
 """
@@ -87,11 +88,14 @@ def replay_job(trajectories: str | os.PathLike, checkpoints: str | os.PathLike, 
     if replay.quarantined:
         print(f"trajflow: quarantined {sum(replay.quarantined.values())} rows with NaN/inf log-probs "
               f"(steps {format_versions(replay.quarantined)}): not trained, not in the diagnostics", flush=True)
-    start_ray(job, verbose)
-    metrics = replay.run(progress=progress and sys.stderr.isatty(), verbose=verbose)
-
-    tmp = out.with_name(f".{out.name}.tmp")
+    tmp = out.with_name(f".{out.name}.tmp")  # renamed to OUT at the end; kept, with its log, if the replay fails
     tmp.mkdir(parents=True, exist_ok=True)
+    start_ray(job, verbose)
+    from trajflow.pipelines.ray import patches as ray_patches
+
+    # what the Ray workers print goes to OUT/workers.log, as a run's to RUN/workers.log (--verbose: printed)
+    ray_patches.worker_output.to(None if verbose else tmp / "workers.log")
+    metrics = replay.run(progress=progress and sys.stderr.isatty(), verbose=verbose)
     write_table_atomic(metrics.to_arrow(), tmp / "metrics.parquet")
     ckpt.atomic_write_text(tmp / "config.yaml", job.to_yaml())
     if replay.quarantined:

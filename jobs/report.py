@@ -6,7 +6,8 @@ runs') per-step metrics.
     plot_runs(runs, "compare.png", smooth=5)
 
 A run is identified by its resolved path, and labelled by the shortest tail of that path that
-tells the runs apart. The plots draw the raw per-step values (an N-step rolling mean is an extra,
+tells the runs apart; a run can also be read back from a tracker (a W&B run directory, offline
+ones included, or `mlflow:RUN_ID`; jobs/trackers.py). The plots draw the raw per-step values (an N-step rolling mean is an extra,
 dashed line, only when asked for), with units on every y axis, a title naming the config(s) and
 strategy(ies), and one legend. Also works on metrics DataFrames from a notebook
 (`{"snapshot": df, ...}`), which have no path, config or timing.
@@ -64,6 +65,14 @@ class Run:
 
 
 def load_run(run_dir: str | Path) -> Run:
+    """A run dir, or a tracker's run (a W&B run directory, `mlflow:RUN_ID`: jobs/trackers.py)."""
+    from trajflow.jobs.trackers import is_tracked_run, load_tracked_run
+
+    if is_tracked_run(run_dir):
+        try:
+            return load_tracked_run(run_dir)
+        except ValueError as e:
+            raise ReportError(str(e)) from None
     root = Path(run_dir)
     if not root.is_dir():
         raise ReportError(f"{run_dir}: no such run directory")

@@ -49,11 +49,14 @@ from trajflow.jobs.recorder import (
     write_table_atomic,
 )
 from trajflow.jobs.summary import record_placement, status_line, summary_table
+from trajflow.jobs.trackers import Trackers, open_trackers, tracked_summary
 from trajflow.operators.trainer.recovery import RESTARTED_PREFIX
-from trajflow.pipelines.ray.embedded import WORKER_ENV, start_local_ray
+from trajflow.pipelines.ray.embedded import WORKER_ENV, keep_session_logs, session_logs_to, start_local_ray
 from trajflow.pipelines.ray.quiet import quiet_ray, quiet_run
 
 log = logging.getLogger("trajflow")
+
+RAY_LOGS = "ray-logs"  # a failed run's embedded Ray logs (pipelines/ray/embedded.py), in the run dir
 
 
 def default_run_dir(config: JobConfig) -> Path:
@@ -66,9 +69,10 @@ def default_run_dir(config: JobConfig) -> Path:
     return path
 
 
-def start_ray(config: JobConfig, verbose: bool = False) -> None:
-    """The embedded Ray (pipelines/ray/embedded.py: 127.0.0.1 only, ended with this process), or a
-    connection to `ray_address` / RAY_ADDRESS."""
+def start_ray(config: JobConfig, verbose: bool = False, logs: Path | None = None) -> None:
+    """The embedded Ray (pipelines/ray/embedded.py: 127.0.0.1 only, ended with this process, its
+    session dir removed at exit; kept in `logs` if the run fails), or a connection to
+    `ray_address` / RAY_ADDRESS."""
     import ray
 
     if ray.is_initialized():
@@ -76,6 +80,8 @@ def start_ray(config: JobConfig, verbose: bool = False) -> None:
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
     if not address:  # torch and transformers (the pipeline's model code) load while Ray starts
         start_local_ray(dashboard=config.dashboard, verbose=verbose, imports=("trajflow.engines.models",))
+        if logs is not None:
+            session_logs_to(logs)
         return
     quiet_ray(verbose)
     runtime_env = {"env_vars": dict(WORKER_ENV)}
@@ -85,34 +91,6 @@ def start_ray(config: JobConfig, verbose: bool = False) -> None:
         ray.init(address=address, runtime_env=runtime_env, configure_logging=False)
     except (ConnectionError, TimeoutError) as e:
         raise RunError(f"ray_address {address}: cannot connect to the Ray cluster ({str(e).splitlines()[0]})") from None
-
-
-class _TensorBoard:
-    """Scalars of each metrics row (global step = the step index)."""
-
-    def __init__(self, logdir: Path, purge_step: int | None) -> None:
-        self.writer = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            print("trajflow: tensorboard is not installed (pip install tensorboard); skipping event files",
-                  file=sys.stderr)
-            return
-        self.writer = SummaryWriter(str(logdir), purge_step=purge_step, flush_secs=10)
-
-    def add(self, row: dict) -> None:
-        if self.writer is None:
-            return
-        step = int(row["step"])
-        for key, value in row.items():
-            if key in ("step",) or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            self.writer.add_scalar(key, value, step)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
 
 
 # -- run.json: state and sessions -----------------------------------------------------------------
@@ -210,7 +188,7 @@ def prepare_pipeline(config: JobConfig, verbose: bool = False):
     (check_cluster): a cluster that cannot be reached or cannot hold the run ends here, before
     anything is written."""
     check_gpus_here(config)
-    start_ray(config, verbose)
+    start_ray(config, verbose, logs=Path(config.run_dir) / RAY_LOGS if config.run_dir is not None else None)
     with quiet_run(verbose):
         from trajflow.pipelines.rl_loop import RLPipeline
 
@@ -274,6 +252,7 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
     from trajflow.pipelines.ray import patches as ray_patches
 
     started = time.time()
+    trackers = None
     _begin_session(paths, first_step, config.steps)
     paths.trainer_lost.unlink(missing_ok=True)  # a previous session's
     if first_step >= config.steps:  # killed after its last checkpoint, before the summary
@@ -304,13 +283,18 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
             pipeline.start_store(initial_version=first_step, initial_weights=weights)
             print(wrap(pipeline.describe()), flush=True)
             print(f"trajflow: run dir {paths.root}", flush=True)
-            _stream(config, paths, pipeline, first_step, started, interactive, step_seconds, tqdm)
+            trackers = open_trackers(config, paths.root, first_step)  # report_to (jobs/trackers.py)
+            _stream(config, paths, pipeline, first_step, started, interactive, step_seconds, tqdm, trackers)
     except BaseException as e:
         from trajflow.operators.reward import RewardFailed
         from trajflow.pipelines.store_recovery import StoreLost
 
         stopped = isinstance(e, (KeyboardInterrupt, SystemExit))
         _end_session(paths, "stopped" if stopped else "failed", f"{type(e).__name__}: {e}"[:500])
+        if not stopped:  # the embedded Ray's logs survive the process, in RUN/ray-logs
+            keep_session_logs()
+        if trackers is not None:
+            trackers.finish(tracked_summary(paths.root), "stopped" if stopped else "failed")
         if isinstance(e, (RewardFailed, StoreLost)):  # the reward is broken, or a store not rebuilt: one line
             raise RunFailed(str(e).replace("RUN_DIR", str(paths.root))) from None
         written = paths.trainer_lost.read_text().strip() if paths.trainer_lost.is_file() else None
@@ -323,11 +307,10 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
         if sync is not None:  # a weight reader or the trainer was lost mid-transfer (weight_sync collective)
             raise RunFailed(sync.removeprefix("trajflow: ")) from None
         raise
-    _finish(config, paths, first_step, started, step_seconds)
+    _finish(config, paths, first_step, started, step_seconds, trackers)
 
 
-def _stream(config, paths, pipeline, first_step, started, interactive, step_seconds, tqdm) -> None:
-    tb = _TensorBoard(paths.tensorboard, purge_step=first_step if first_step else None) if config.tensorboard else None
+def _stream(config, paths, pipeline, first_step, started, interactive, step_seconds, tqdm, trackers) -> None:
     bar = tqdm(total=config.steps, initial=first_step, desc=f"trajflow {pipeline.strategy.name}", disable=not interactive,
                file=sys.stderr, dynamic_ncols=True, leave=False)
     say = bar.write if interactive else (lambda line: print(line, flush=True))
@@ -351,8 +334,7 @@ def _stream(config, paths, pipeline, first_step, started, interactive, step_seco
                 say(status_line(row, config.steps, step_seconds[-1]))  # first: the line shows the step's end
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward/mean']:.3f}")
-            if tb is not None:
-                tb.add(row)
+            trackers.log(row)
             if row.get("recovery/event"):
                 say(f"trajflow: recovered: {row['recovery/event']}")
                 record_recovery(paths, row)
@@ -367,11 +349,10 @@ def _stream(config, paths, pipeline, first_step, started, interactive, step_seco
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
         bar.close()
-        if tb is not None:
-            tb.close()
 
 
-def _finish(config: JobConfig, paths: RunPaths, first_step: int, started: float, step_seconds: list[float]) -> None:
+def _finish(config: JobConfig, paths: RunPaths, first_step: int, started: float, step_seconds: list[float],
+            trackers: Trackers | None = None) -> None:
     metrics = read_metrics(paths)
     if not metrics.is_empty():
         write_table_atomic(metrics.to_arrow(), paths.metrics)
@@ -384,7 +365,11 @@ def _finish(config: JobConfig, paths: RunPaths, first_step: int, started: float,
     ckpt.atomic_write_text(paths.summary, summary + "\n")
     print(summary, flush=True)
     missing = sorted(set(range(config.steps)) - set(metrics["step"].to_list() if not metrics.is_empty() else []))
+    state = "failed" if missing else "finished"
     if missing:
-        _end_session(paths, "failed", f"steps without metrics: {missing}")
+        keep_session_logs()
+    _end_session(paths, state, f"steps without metrics: {missing}" if missing else None)
+    if trackers is not None:  # the summary and the run's files (PNGs drawn now) to W&B / MLflow / TensorBoard
+        trackers.finish(tracked_summary(paths.root), state)
+    if missing:
         raise RunError(f"the run ended with steps {missing} missing from the metrics")
-    _end_session(paths, "finished")

@@ -39,7 +39,7 @@ from trajflow.engines.factory import VllmConfig, make_engine
 from trajflow.engines.lora import VersionWeights, is_adapter
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingConfig
-from trajflow.engines.tokenizer import stop_token_ids
+from trajflow.engines.tokenizer import TokenIds
 from trajflow.engines.torch_engine import Generation, TorchEngine
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient
@@ -83,6 +83,9 @@ class EngineConfig:
     vllm: VllmConfig = VllmConfig()       # engine: vllm's options
     lora_slots: int = 0                   # vLLM: the adapters kept resident (the staleness window's)
     lora_rank: int = 0
+    # eos, pad and stop ids from the driver's tokenizer (the generator then loads it only to
+    # decode); None: the generator loads the tokenizer and reads them itself
+    token_ids: TokenIds | None = None
 
 
 class Generate:
@@ -98,7 +101,11 @@ class Generate:
         self.source = weight_source(store, weight_sync, reader_dtype(engine.inference_dtype, exact=scores_at_switch),
                                     history=False, device=str(numerics.torch_device()))
         self.environment = workload.environment()
-        self.tokenizer = load_tokenizer(model_path)
+        # The tokenizer only to decode (stop strings, an environment's turns): eos, pad and the
+        # stop ids come from the driver's (`engine.token_ids`), which had it loaded already
+        decodes = bool(rollout.sampling.stop) or self.environment is not None or engine.token_ids is None
+        self.tokenizer = load_tokenizer(model_path) if decodes else None
+        token_ids = engine.token_ids or TokenIds.of(self.tokenizer, model_path)
         self.group_size = rollout.group_size
         self.sampling = rollout.sampling
         self.seed = rollout.seed
@@ -118,9 +125,9 @@ class Generate:
             engine.name,
             model if engine.name == "torch" else model_path,
             vllm=engine.vllm,
-            eos_id=self.tokenizer.eos_token_id,
-            pad_id=self.tokenizer.pad_token_id,
-            stop_token_ids=stop_token_ids(self.tokenizer, model_path),
+            eos_id=token_ids.eos_id,
+            pad_id=token_ids.pad_id,
+            stop_token_ids=list(token_ids.stop_ids),
             tokenizer=self.tokenizer,
             sampling=rollout.sampling,
             inference_dtype=engine.inference_dtype,

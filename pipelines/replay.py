@@ -166,11 +166,12 @@ def _prepare(table: pa.Table) -> pa.Table:
         KL_PENALTY_COLUMN,
         PROXIMAL_COLUMN,
         REFERENCE_COLUMN,
+        TOKEN_ADVANTAGE_COLUMN,
         replace_column,
     )
 
-    table = table.drop_columns([c for c in (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN)
-                                if c in table.column_names])
+    table = table.drop_columns([c for c in (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN,
+                                            TOKEN_ADVANTAGE_COLUMN) if c in table.column_names])
     table = replace_column(table, "old_logprobs", pa.nulls(table.num_rows, pa.list_(pa.float32())))
     return replace_column(table, "advantage", pa.nulls(table.num_rows, pa.float32()))
 
@@ -411,7 +412,8 @@ class Replay:
         ds = ray.data.from_arrow([_prepare(t) for _, t in sorted(self.steps.items())])
         # Everything before the last stage shares one process, the last (diagnose or train) its own:
         # every logged step is available at once, so scoring step b + 1 overlaps diagnosing step b.
-        groups = plan_groups(self.stages(stores), synchronous=False, colocate=self.config.colocate == "auto")
+        groups = plan_groups(self.stages(stores), synchronous=False, colocate=self.config.colocate != "off",
+                             rollout=self.config.colocate == "rollout")
         rows = self.config.rows_per_step
         return map_stages(ds, groups, store=stores["logged"], rows=rows, first_rows=rows,
                           light_stage_cpus=self.config.light_stage_cpus)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from trajflow.engines.models import WARM_START_DIR
+from trajflow.engines.tokenizer import TokenIds
 from trajflow.engines.training_numerics import checkpoint_dropout
 from trajflow.operators.advantage import Advantage
 from trajflow.operators.contracts.stage import Placement, Stage, place, stage_index
@@ -48,7 +49,7 @@ from trajflow.operators.train_step import TrainStep
 from trajflow.operators.trainer.services import HeldoutEvaluation, PublishWeights, StoreStatistics
 from trajflow.operators.trainer.spec import StepHooks, TrainStepConfig
 from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups
-from trajflow.pipelines.config import PipelineConfig, preflight
+from trajflow.pipelines.config import PipelineConfig, checked_tokenizer, preflight
 from trajflow.pipelines.policy_store import RayStore
 from trajflow.pipelines.ray.embedded import start_local_ray
 from trajflow.pipelines.ray.quiet import quiet_run
@@ -210,7 +211,8 @@ class RLPipeline:
                                 partial_rollout=c.partial_rollout, scores_at_switch=strategy.scores_at_switch,
                                 simulate_decode_seconds=c.simulate_decode_seconds)
         engine = EngineConfig(name=c.engine, inference_dtype=c.inference_dtype, vllm=s.vllm,
-                              lora_slots=c.engine_lora_slots(), lora_rank=c.lora.r)
+                              lora_slots=c.engine_lora_slots(), lora_rank=c.lora.r,
+                              token_ids=self.token_ids())
         generate = Stage("generate", Generate,
                          dict(model_path=self.model_path, workload=self.workload, rollout=rollout, engine=engine,
                               numerics=s.numerics, weight_sync=s.weight_sync, torch_threads=s.generator.torch_threads),
@@ -227,6 +229,11 @@ class RLPipeline:
         if c.kl.beta > 0:  # a frozen reference model, scored like an old log-prob (beta 0 builds none)
             place(stages, self.reference_stage())
         return stages
+
+    def token_ids(self) -> TokenIds:
+        """eos, pad and stop ids of the tokenizer the config's validation loaded (the generator
+        then loads it only to decode)."""
+        return TokenIds.of(checked_tokenizer(self.model_path), self.model_path)
 
     def reference_stage(self) -> Placement:
         """The reference model's log-probs (operators/reference.py): before the advantage when the
@@ -278,7 +285,7 @@ class RLPipeline:
         set, else the default plan for the config (see pipelines/colocation.py)."""
         if self.colocation is None:
             return plan_groups(self.stages, synchronous=self.config.max_staleness == 0,
-                               colocate=self.config.colocate == "auto")
+                               colocate=self.config.colocate != "off", rollout=self.config.colocate == "rollout")
         names = [name for group in self.colocation for name in group]
         if names != [s.name for s in self.stages]:
             raise ValueError(f"colocation {self.colocation} must list every stage once, in order: "

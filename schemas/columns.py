@@ -17,6 +17,8 @@ PROXIMAL_COLUMN = "proximal_logprobs"
 # `kl.in: reward` the per-row penalty the advantage subtracts from the reward
 REFERENCE_COLUMN = "reference_logprobs"
 KL_PENALTY_COLUMN = "kl_penalty"
+# per-token advantages (REINFORCE++ with advantage.gamma < 1); `advantage` is then their mean
+TOKEN_ADVANTAGE_COLUMN = "token_advantages"
 
 
 def replace_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:

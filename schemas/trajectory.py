@@ -40,6 +40,8 @@ _V1: dict[str, tuple[pa.DataType, bool]] = {
 _OPTIONAL: dict[str, pa.DataType] = {
     # why the reward failed on the row: "Type: message", at most 200 characters (null: it scored)
     "reward_error": pa.string(),
+    # one advantage per response token (REINFORCE++ with advantage.gamma < 1); absent otherwise
+    "token_advantages": pa.list_(pa.float32()),
 }
 
 COLUMNS: list[str] = list(_V1)

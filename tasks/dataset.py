@@ -14,9 +14,11 @@ a column cannot be named like a column of the trajectory record (RESERVED_COLUMN
 
 Checked before Ray starts, in one pass over every file (streamed BATCH_ROWS rows at a time:
 Parquet by record batches, JSON lines line by line; a JSON array is read whole), with a progress
-line past a few seconds: every row has every column, none null, each column of one type in every
-row and file; every prompt is a string or chat messages with a role and content, and goes through
-the tokenizer (and its chat template) once. Any problem is one DataError line naming the file, the
+line past a few seconds: every row has every column, each column of one type in every row and
+file, and the prompt and the reward's columns (`required`) never null — any other column may be
+null in some rows (an optional note, a source URL), and the reward gets None there; every prompt
+is a string or chat messages with a role and content, and goes through the tokenizer (and its
+chat template) once. Any problem is one DataError line naming the file, the
 row (for JSON lines, the line) and the column. The tokens are kept: the run's prompt source takes
 them from `checked_dataset` instead of reading and tokenizing again.
 
@@ -63,7 +65,7 @@ RESERVED_COLUMNS = (
     "trajectory_id", "group_id", "prompt_id", "prompt_tokens", "response_tokens", "loss_mask",
     "inference_logprobs", "versions", "old_logprobs", "finish_reason", "reward", "advantage",
     "rollout_step", "filter_reason", "trainer_version", "turns", "reward_error", "step",
-    "proximal_logprobs", "reference_logprobs", "kl_penalty", "prompts", "completions",
+    "proximal_logprobs", "reference_logprobs", "kl_penalty", "token_advantages", "prompts", "completions",
 )
 BATCH_ROWS = 2048  # rows read, checked and tokenized at a time: validation's memory bound
 PROGRESS_AFTER_SECONDS = 3.0  # a longer check prints a progress line ...
@@ -322,8 +324,9 @@ class _Scan:
     """One pass over a dataset's files: every record checked (columns, kinds, nulls, prompt) and
     tokenized once; the checked rows and their tokens kept as the run's table."""
 
-    def __init__(self, config: DataConfig, tokenizer, key: str) -> None:
+    def __init__(self, config: DataConfig, tokenizer, key: str, required: Sequence[str] = ()) -> None:
         self.config, self.tokenizer, self.key = config, tokenizer, key
+        self.required = [config.prompt_key, *(c for c in required if c != config.prompt_key)]
         self.kinds: dict[str, tuple[str, str]] = {}  # column -> (kind, where it was first seen)
         self.columns: list[str] | None = None
         self.rows = 0
@@ -380,8 +383,8 @@ class _Scan:
                     "other rows"
                 raise DataError(f"{self.key}: {where}: {what} (every row needs the same columns)")
             for column, value in record.items():
-                if value is None:
-                    raise DataError(f"{self.key}: {where}: column {column!r} is null (every row needs a value)")
+                if value is None and column in self.required:
+                    raise self._null(where, column)
                 self._check_kind(column, _kind(value), where)
             self._check_prompt(record[self.config.prompt_key], where)
 
@@ -390,12 +393,18 @@ class _Scan:
         for field in table.schema:
             self._check_kind(field.name, _arrow_kind(field.type), f"{name}")
             column = table[field.name]
-            if column.null_count:
+            if column.null_count and field.name in self.required:
                 i = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
-                raise DataError(f"{self.key}: {name}: {batch.where(i)}: column {field.name!r} is null (every row "
-                                "needs a value)")
+                raise self._null(f"{name}: {batch.where(i)}", field.name)
         for i, prompt in enumerate(batch.column(self.config.prompt_key)):
             self._check_prompt(prompt, f"{name}: {batch.where(i)}")
+
+    def _null(self, where: str, column: str) -> DataError:
+        reward = self.required[1:]
+        which = f"{self.config.prompt_key!r} (the prompt)" + (
+            f" and {', '.join(map(repr, reward))} (the reward's)" if reward else "")
+        return DataError(f"{self.key}: {where}: column {column!r} is null; required in every row: {which}; "
+                         "other columns may be null")
 
     def _check_prompt(self, prompt: object, where: str) -> None:
         problem = check_prompt(prompt)
@@ -454,12 +463,13 @@ class PromptDataset:
 
     @classmethod
     def load(cls, config: DataConfig, files: Sequence[Path], tokenizer,
-             key: str = "data.train_files") -> "PromptDataset":
+             key: str = "data.train_files", required: Sequence[str] = ()) -> "PromptDataset":
         """Read every row of `files` once (streamed in batches; a JSON array is read whole), check
         it and tokenize its prompt; any problem is a DataError naming the file, row (line) and
-        column. Rows with more than `max_prompt_tokens` tokens are dropped and counted."""
+        column. `required`: columns besides the prompt that no row may leave null (the reward's).
+        Rows with more than `max_prompt_tokens` tokens are dropped and counted."""
         labels = file_labels(files)
-        scan = _Scan(config, tokenizer, key)
+        scan = _Scan(config, tokenizer, key, required)
         raw = concat([scan.file(path, label) for path, label in zip(files, labels)], key)
         columns = [c for c in scan.columns if c != config.prompt_key]
         lengths = pc.list_value_length(raw["prompt_tokens"]).to_numpy(zero_copy_only=False)
@@ -501,19 +511,19 @@ _CHECKED_KEEP = 4  # datasets kept per process (train and test files of a config
 
 
 def checked_dataset(config: DataConfig, files: Sequence[Path], tokenizer,
-                    key: str = "data.train_files") -> PromptDataset:
+                    key: str = "data.train_files", required: Sequence[str] = ()) -> PromptDataset:
     """`PromptDataset.load`, once per process for the same files (path, size, mtime), tokenizer
     (loaded from the same directory, unchanged) and settings: the config's validation reads and
     tokenizes every row before Ray starts, and the run's prompt source takes those rows and tokens
     instead of reading the files again."""
     source = getattr(tokenizer, "name_or_path", "") or ""
     if not source or not Path(source).is_dir():  # a tokenizer built in memory: nothing to key on
-        return PromptDataset.load(config, files, tokenizer, key)
+        return PromptDataset.load(config, files, tokenizer, key, required)
     stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns)
                   for f in [*files, *sorted(Path(source).glob("*token*")), *sorted(Path(source).glob("*.jinja"))])
-    ident = (key, stamp, config.prompt_key, config.apply_chat_template, config.max_prompt_tokens)
+    ident = (key, stamp, config.prompt_key, config.apply_chat_template, config.max_prompt_tokens, tuple(required))
     if ident not in _CHECKED:
-        dataset = PromptDataset.load(config, files, tokenizer, key)
+        dataset = PromptDataset.load(config, files, tokenizer, key, required)
         while len(_CHECKED) >= _CHECKED_KEEP:
             _CHECKED.pop(next(iter(_CHECKED)))
         _CHECKED[ident] = dataset

@@ -162,6 +162,18 @@ def check_reward_signature(fn: Any, spec: str, columns: Sequence[str] | None = N
                               f"columns ({', '.join(columns) or 'none'})")
 
 
+def reward_columns(fn: Any, columns: Sequence[str]) -> list[str]:
+    """The dataset columns `fn` requires by name (parameters after prompts and completions, without
+    a default): no row may leave them null. A column it takes with a default (`note=None`) or
+    only through **kwargs is optional."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return []
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty}
+    return [c for c in columns if c in named]
+
+
 # -- the runner ------------------------------------------------------------------------------------
 class RewardScores(NamedTuple):
     """Per item: the score (None when the reward failed) and why it failed (None when it scored)."""

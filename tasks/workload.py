@@ -183,13 +183,25 @@ class Workload:
             else:
                 check_reward_signature(fn, self.reward, columns)
 
+    def required_columns(self) -> list[str]:
+        """The dataset columns besides the prompt that no row may leave null: those the reward
+        names (`answer` of exact and math; a function's own named parameters). Every other
+        column may be null (the reward gets None there)."""
+        if self.data is None or self.reward is None:
+            return []
+        from trajflow.tasks.rewards import BUILTIN_REWARDS, reward_columns
+
+        if self.reward in BUILTIN_REWARDS:
+            return ["answer"]
+        return reward_columns(resolve_reward(self.reward), self.columns())
+
     # -- what the pipeline's processes build from it ----------------------------------------------
     def prompt_source(self, tokenizer, seed: int, prompts_per_step: int) -> PromptSource:
         """The step rows (on the driver; a dataset's rows and tokens as the config's validation
         left them in this process, else read now)."""
         if self.data is None:
             return TaskPrompts(self.task_object(), tokenizer, seed, prompts_per_step)
-        dataset = checked_dataset(self.data, self.train_files(), tokenizer)
+        dataset = checked_dataset(self.data, self.train_files(), tokenizer, required=self.required_columns())
         return DatasetPrompts(dataset, seed, prompts_per_step, self.data.shuffle)
 
     def heldout_rows(self, tokenizer, n: int | None) -> pa.Table:
@@ -199,7 +211,8 @@ class Workload:
             return rows_of_prompts(0, self.task_object().heldout(n), tokenizer)
         if not self.data.test_files:
             raise DataError("eval_every: held-out evaluation of a dataset needs data.test_files")
-        dataset = checked_dataset(self.data, self.test_files(), tokenizer, key="data.test_files")
+        dataset = checked_dataset(self.data, self.test_files(), tokenizer, key="data.test_files",
+                                  required=self.required_columns())
         rows = dataset.table.slice(0, n)
         return rows.add_column(0, "rollout_step", pa.array(np.zeros(rows.num_rows, np.int32)))
 

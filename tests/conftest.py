@@ -21,6 +21,9 @@ def ray_session():
     DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()
+    from trajflow.pipelines.ray.embedded import end_sessions
+
+    end_sessions()  # its session dir (an xdist worker may end without running atexit hooks)
 
 
 @pytest.fixture(scope="session")

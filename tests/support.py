@@ -1,5 +1,6 @@
 """What several test modules share: the CLI as a subprocess or in this process, a run killed at
-a checkpoint, a run dir's trajectory log, and a synchronous pipeline run with its final weights.
+a checkpoint, the Ray session dirs a process left, a run dir's trajectory log, and a synchronous
+pipeline run with its final weights.
 (Test modules import from here, never from each other.)"""
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ CLI = [sys.executable, "-m", "trajflow.jobs.cli"]
 # the synchronous pipeline that data-parallel, sharded, LoRA and resumed runs must reproduce
 SYNC = dict(steps=5, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1, max_staleness=0,
             inference_dtype="float32", optimizer={"minibatches_per_step": 2})
+
+
+RAY_TMP = Path("/tmp/ray")
+
+
+def sessions_of(pids: set[int]) -> list[Path]:
+    """Ray session dirs left by these driver pids (Ray names them session_<time>_<pid>)."""
+    names = {str(pid) for pid in pids}
+    return [p for p in RAY_TMP.glob("session_*") if p.name != "session_latest" and p.name.rsplit("_", 1)[-1] in names]
 
 
 # -- the CLI ------------------------------------------------------------------------------------

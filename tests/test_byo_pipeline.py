@@ -67,7 +67,7 @@ def job(workload_dir: Path, model_dir: Path, **overrides) -> dict:
         "data": {"train_files": [str(workload_dir / "train.jsonl")], "shuffle": True},
         "reward": f"{workload_dir / 'rewards.py'}:reward", "steps": STEPS, "prompts_per_step": PER_STEP,
         "group_size": 2, "sampling": {"max_new_tokens": 5}, "seed": 3, "checkpoint_every": 2,
-        "keep_checkpoints": 5, "tensorboard": False, "save_all_versions": False, **overrides,
+        "keep_checkpoints": 5, "report_to": [], "save_all_versions": False, **overrides,
     }
 
 

@@ -35,6 +35,18 @@ def test_async_keeps_generator_and_train_step_alone():
         ["generate"], ["old_logprobs", "reward", "advantage", "filter"], ["train"]]
 
 
+def test_colocate_rollout_puts_the_rollout_side_in_one_process():
+    # the generator with reward, advantage, filter and the scorer; the trainer alone
+    assert layout(max_staleness=1, colocate="rollout") == [
+        ["generate", "reward", "advantage", "filter", "old_logprobs"], ["train"]]
+    # what never shares still does not: dedicated's own scorer, a second generator
+    assert layout(max_staleness=1, colocate="rollout", strategy="dedicated") == [
+        ["generate"], ["old_logprobs", "reward", "advantage", "filter"], ["train"]]
+    assert layout(max_staleness=1, colocate="rollout", num_generators=2) == [
+        ["generate", "reward", "advantage", "filter"], ["old_logprobs"], ["train"]]
+    assert layout(max_staleness=0, colocate="rollout") == layout(max_staleness=0)  # sync: one process anyway
+
+
 def test_colocate_off_is_one_process_per_operator_stage():
     assert layout(max_staleness=2, colocate="off") == [
         ["generate"], ["reward", "advantage", "filter"], ["old_logprobs"], ["train"]]

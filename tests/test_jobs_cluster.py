@@ -92,7 +92,7 @@ def jobs(two_node_cluster, tmp_path_factory) -> dict:
     settings = {
         "trajflow-two-nodes": ["steps=4", "checkpoint_every=2", "save_all_versions=false",
                                "generator.resources={gen_node: 0.1}", "trainer.resources={train_node: 0.1}"],
-        "trajflow-two-workers": ["steps=3", "save_all_versions=false", "tensorboard=false",
+        "trajflow-two-workers": ["steps=3", "save_all_versions=false", "report_to=[]",
                                  "generator.resources={gen_node: 0.1}", "trainer.num_workers=2",
                                  "trainer.placement=spread"]}
     procs = {sid: start_submit(two_node_cluster, tmp / sid, sid, s) for sid, s in settings.items()}

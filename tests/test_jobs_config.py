@@ -172,7 +172,8 @@ def test_bundled_configs_validate_and_cover_every_strategy():
     assert pipeline.model_dump() == {k: v for k, v in quick.model_dump().items() if k in PipelineConfig.model_fields}
     assert set(JobConfig.model_fields) - set(PipelineConfig.model_fields) == {
         "name", "runs_root", "run_dir", "checkpoint_every", "keep_checkpoints", "save_all_versions",
-        "trajectory_log", "tensorboard", "ray_address", "dashboard", "status_every"}
+        "trajectory_log", "report_to", "tracker_project", "wandb_mode", "mlflow_tracking_uri", "ray_address",
+        "dashboard", "status_every"}
 
 
 def test_advantage_accepts_the_estimator_name_and_defaults_to_the_sample_std():

@@ -60,7 +60,7 @@ def running_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("local_ray")
     log = open(tmp / "run.log", "w")
     args = ["run", "quickstart", "--run-dir", tmp / "run", "--no-progress", "--set", "steps=500",
-            "--set", "checkpoint_every=0", "--set", "save_all_versions=false", "--set", "tensorboard=false",
+            "--set", "checkpoint_every=0", "--set", "save_all_versions=false", "--set", "report_to=[]",
             "--set", "trajectory_log=false", "--set", "prompts_per_step=8", "--set", "group_size=4",
             "--set", "eval_every=0", "--set", "simulate_decode_seconds=0.2"]
     env = dict(_env(), TRAJFLOW_WATCHDOG_LOG=str(tmp / "watchdog.log"))

@@ -48,7 +48,7 @@ from trajflow.engines import checkpoint as ckpt
 from trajflow.jobs.config import load_job_config
 from trajflow.schemas import read_parquet
 
-from support import cli_env, cli_in_process, explain, run_cli, run_until_checkpoint_then_kill
+from support import cli_env, cli_in_process, explain, run_cli, run_until_checkpoint_then_kill, sessions_of
 
 pytestmark = pytest.mark.slow
 
@@ -202,7 +202,7 @@ def test_status_lines_are_printed_as_their_steps_end(tmp_path):
     args = ["run", "quickstart", "--run-dir", run_dir, "--no-progress", "--set", f"steps={steps}",
             "--set", "max_staleness=0", "--set", "prompts_per_step=4", "--set", "group_size=2",
             "--set", "simulate_decode_seconds=0.3", "--set", "eval_every=0", "--set", "checkpoint_every=0",
-            "--set", "save_all_versions=false", "--set", "trajectory_log=false", "--set", "tensorboard=false"]
+            "--set", "save_all_versions=false", "--set", "trajectory_log=false", "--set", "report_to=[]"]
     proc = subprocess.Popen([str(entry), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=cli_env())
     arrived: dict[int, float] = {}
@@ -217,6 +217,8 @@ def test_status_lines_are_printed_as_their_steps_end(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+    # a finished run leaves no Ray session dir behind and keeps no Ray logs (tests/test_ray_sessions.py)
+    assert sessions_of({proc.pid}) == [] and not (run_dir / "ray-logs").exists()
     ended = pl.read_parquet(run_dir / "metrics.parquet").sort("step")["time/step_end"].to_list()
     assert sorted(arrived) == list(range(steps)) and len(ended) == steps, "".join(lines)
     for k in range(steps):
@@ -419,7 +421,7 @@ def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path
     run_dir = tmp_path / "killed"
     args = ["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={steps}", *SMALL, "--set", "lora.r=8",
             "--set", "max_staleness=2", "--set", "inference_dtype=float32", "--set", "checkpoint_every=2",
-            "--set", "keep_checkpoints=2", "--set", "save_all_versions=true", "--set", "tensorboard=false",
+            "--set", "keep_checkpoints=2", "--set", "save_all_versions=true", "--set", "report_to=[]",
             "--set", "eval_every=4", "--set", "eval_prompts=16"]
     run_until_checkpoint_then_kill(args, run_dir, 4, tmp_path / "first.log")
     logged_before = sorted((run_dir / "metrics").glob("step=*.parquet"))
@@ -504,6 +506,44 @@ def test_replay_train_on_the_logged_data_retraces_the_run(quick_run, tmp_path, r
     original = ckpt.load_weights(run_dir / "versions" / "v000004.safetensors")
     trained = replay.final_weights
     assert max(float((trained[k] - original[k]).abs().max()) for k in original) < 1e-5
+
+
+LOUD_STRATEGY = """
+import sys
+import warnings
+
+from trajflow.operators.strategies.snapshot import Snapshot
+
+
+class Loud(Snapshot):
+    name = "loud"
+
+    def proximal(self, batch, current, trainer):
+        warnings.warn("loud: a warning from the strategy")
+        print("loud: a line on stderr", file=sys.stderr, flush=True)
+        return super().proximal(batch, current, trainer)
+"""
+
+
+def test_replay_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(quick_run, tmp_path):
+    """`trajflow replay` (a subprocess: its own Ray forwards the workers' lines) is as quiet as
+    `run`: a strategy that warns and writes to stderr in the Ray worker shows in OUT/workers.log,
+    not in the output; with --verbose it is printed."""
+    run_dir, _ = quick_run
+    (tmp_path / "loud.py").write_text(LOUD_STRATEGY)
+    log = _copy_log(run_dir, tmp_path / "log", steps=range(2))
+    args = ["replay", log, "--checkpoints", run_dir / "versions", "--strategy", f"{tmp_path / 'loud.py'}:Loud",
+            "--config", run_dir / "config.yaml", "--no-progress"]
+    proc = run_cli([*args, "--out", tmp_path / "quiet"])
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stderr == "", explain(proc)
+    assert "loud:" not in proc.stdout and "pid=" not in proc.stdout, explain(proc)
+    workers = (tmp_path / "quiet" / "workers.log").read_text()
+    assert "loud: a warning from the strategy" in workers and "loud: a line on stderr" in workers
+    proc = run_cli([*args, "--out", tmp_path / "loud", "--verbose"])
+    assert proc.returncode == 0, explain(proc)
+    assert "loud: a line on stderr" in proc.stdout + proc.stderr, explain(proc)
+    assert not (tmp_path / "loud" / "workers.log").exists()
 
 
 def test_the_session_ray_listens_on_loopback_only(ray_session):

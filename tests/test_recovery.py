@@ -71,7 +71,7 @@ def test_refusal_names_the_setting(tmp_path):
 # -- the must-show runs (slow): `trajflow run` as a subprocess, trainer processes SIGKILLed ------
 STEPS, CHECKPOINT_EVERY = 8, 3
 SYNC = ["--set", f"steps={STEPS}", "--set", f"checkpoint_every={CHECKPOINT_EVERY}", "--set", "save_all_versions=false",
-        "--set", "tensorboard=false", "--set", "trainer.num_workers=2", "--set", "prompts_per_step=8",
+        "--set", "report_to=[]", "--set", "trainer.num_workers=2", "--set", "prompts_per_step=8",
         "--set", "group_size=4", "--set", "eval_every=0", "--set", "max_staleness=0",
         "--set", "inference_dtype=float32", "--set", "seed=0", "--no-progress"]
 # columns left out of the exact comparison: timings, and process-local work (the version-switch
@@ -410,7 +410,7 @@ def test_a_lora_runs_store_is_rebuilt_from_its_adapters_and_snapshot_stays_exact
 
 # -- a policy store killed without its versions (a small run: 5 steps x 16 rows) ----------------
 SMALL = 5
-STORE = ["--set", f"steps={SMALL}", "--set", "checkpoint_every=3", "--set", "tensorboard=false",
+STORE = ["--set", f"steps={SMALL}", "--set", "checkpoint_every=3", "--set", "report_to=[]",
          "--set", "prompts_per_step=4", "--set", "group_size=4", "--set", "eval_every=0",
          "--set", "max_staleness=2", "--set", "inference_dtype=float32", "--set", "seed=0", "--no-progress",
          "--set", "strategy=snapshot", "--set", "save_all_versions=false"]

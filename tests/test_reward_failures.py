@@ -69,7 +69,7 @@ def job(workload_dir: Path, model_dir: Path, reward: str, **overrides) -> dict:
         "data": {"train_files": [str(workload_dir / "train.jsonl")], "shuffle": False},
         "reward": f"{workload_dir / 'rewards.py'}:{reward}", "steps": 6, "prompts_per_step": PER_STEP,
         "group_size": GROUP, "sampling": {"max_new_tokens": 4}, "seed": 1, "checkpoint_every": 0,
-        "tensorboard": False, **overrides,
+        "report_to": [], **overrides,
     }
 
 

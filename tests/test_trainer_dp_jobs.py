@@ -32,7 +32,7 @@ STEPS = 6
 
 def _args(workers: int) -> list[str]:
     return ["quickstart", "--set", f"steps={STEPS}", "--set", "checkpoint_every=2",
-            "--set", "save_all_versions=false", "--set", "tensorboard=false", "--set", f"trainer.num_workers={workers}",
+            "--set", "save_all_versions=false", "--set", "report_to=[]", "--set", f"trainer.num_workers={workers}",
             # the quickstart's pre-learning-demo size: these tests are about the trainer group
             "--set", "prompts_per_step=8", "--set", "group_size=4", "--set", "eval_every=0", "--no-progress",
             "--set", "strategy=dedicated",

@@ -58,18 +58,41 @@ def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+MAPPING = "a mapping of keys to values (e.g. {key: value})"
+
+
+def described(value: Any) -> str:
+    """`a list [1, 2]`, `the string 'abc'`: what was given instead of a mapping, briefly."""
+    if value is None:
+        return "null"
+    kind = {list: "a list", str: "the string", bool: "the boolean", int: "the number",
+            float: "the number"}.get(type(value), type(value).__name__)
+    text = repr(value) if not isinstance(value, bool) else str(value).lower()
+    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _wants_mapping(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_wants_mapping(a) for a in typing.get_args(annotation))
+    return typing.get_origin(annotation) is dict
+
+
 def _kind(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_kind(a) for a in args)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"a list of {_kind(args[0])}"
     if origin is tuple:
         return f"a list of {len(args)} numbers"
+    if dataclasses.is_dataclass(annotation):
+        return f"mappings with the keys {', '.join(f.name for f in dataclasses.fields(annotation))}"
     if origin is list:
         return f"a list of {_kind(args[0])}s" if args else "a list"
     if origin is dict:
-        return "a mapping"
+        return MAPPING
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
@@ -109,6 +132,11 @@ def _converted(annotation: Any, value: Any) -> tuple[bool, Any]:
         else:
             return False, value
         return all(ok for ok, _ in items), tuple(v for _, v in items)
+    if dataclasses.is_dataclass(annotation) and isinstance(value, dict):  # a nested settings group
+        try:
+            return True, annotation(**value)
+        except TypeError:  # an unknown or missing key
+            return False, value
     if origin is list:
         if not isinstance(value, (list, tuple)):
             return False, value
@@ -132,7 +160,10 @@ def check_setting(cls: type, name: str, value: Any) -> Any:
     annotation = field_types(cls)[name]
     ok, converted = _converted(annotation, value)
     if not ok:
-        got = f"the boolean {str(value).lower()}" if isinstance(value, bool) else repr(value)
+        if _wants_mapping(annotation) and not isinstance(value, dict):
+            got = described(value)
+        else:
+            got = f"the boolean {str(value).lower()}" if isinstance(value, bool) else repr(value)
         raise SettingError(name, f"expected {_kind(annotation)}, got {got}")
     originals = list(value.values()) if isinstance(value, dict) else value if isinstance(value, (tuple, list)) \
         else (value,)

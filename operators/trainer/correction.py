@@ -34,7 +34,7 @@ from trajflow.algorithms.objective import CorrectionConfig, LossOutput, decouple
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.strategies.base import Strategy, Trainer
-from trajflow.schemas.columns import REFERENCE_COLUMN, group_codes, padded
+from trajflow.schemas.columns import REFERENCE_COLUMN, TOKEN_ADVANTAGE_COLUMN, group_codes, padded
 
 
 @dataclass
@@ -46,7 +46,7 @@ class StepBatch:
     inference: Tensor   # [B, T] float32
     versions: Tensor    # [B, T] int64 (padding: the trainer's version)
     loss_mask: Tensor   # [B, T] bool
-    advantages: Tensor  # [B] float32
+    advantages: Tensor  # [B] float32, or [B, T] with per-token advantages (token_advantages)
     old: Tensor | None  # [B, T] the old_logprobs column; None when the rows carry none
     rows: Tensor        # [B] int64: positions in the step's batch
     groups: Tensor      # [B] int64: the prompt (group) of each row, a code shared by the step's rows
@@ -65,13 +65,17 @@ class StepBatch:
         width = width if width is not None else max(len(r) for r in responses)
         old_column = table["old_logprobs"]
         reference = table[REFERENCE_COLUMN] if REFERENCE_COLUMN in table.column_names else None
+        if TOKEN_ADVANTAGE_COLUMN in table.column_names:  # REINFORCE++ with a per-token discount
+            advantages = torch.from_numpy(padded(table[TOKEN_ADVANTAGE_COLUMN], width, 0.0))
+        else:
+            advantages = torch.from_numpy(table["advantage"].to_numpy(zero_copy_only=False).astype(np.float32))
         return cls(
             prompts=table["prompt_tokens"].to_pylist(),
             responses=responses,
             inference=torch.from_numpy(padded(table["inference_logprobs"], width, 0.0)),
             versions=torch.from_numpy(padded(table["versions"], width, trainer_version, np.int64)),
             loss_mask=torch.from_numpy(padded(table["loss_mask"], width, False, bool)),
-            advantages=torch.from_numpy(table["advantage"].to_numpy(zero_copy_only=False).astype(np.float32)),
+            advantages=advantages,
             old=None if old_column.null_count else torch.from_numpy(padded(old_column, width, 0.0)),
             rows=torch.arange(table.num_rows) if rows is None else torch.as_tensor(rows, dtype=torch.int64),
             groups=torch.as_tensor(groups) if groups is not None else torch.from_numpy(group_codes(table))

@@ -22,7 +22,10 @@ def migrate_deprecated_keys(data: dict, default_strategy: str) -> dict:
     per key. A strategy setting goes under `strategy_options` only if the configured strategy
     takes it (it used to be ignored by the others); else it is dropped, and the notice says so."""
     data = dict(data)
-    options = dict(data.get("strategy_options") or {})
+    given = data.get("strategy_options")
+    if given is not None and not isinstance(given, dict):
+        return data  # not a mapping: the field's own validation names the key
+    options = dict(given or {})
     accepted = _strategy_parameters(data.get("strategy", default_strategy))
     for old, new in RENAMED_KEYS.items():
         section, _, key = old.rpartition(".")

@@ -67,9 +67,10 @@ def preflight(config: Config) -> Config:
     from trajflow.tasks.dataset import checked_dataset
 
     # every row of every file, read and tokenized once (kept for the run's prompt source)
-    train = checked_dataset(data, workload.train_files(), tokenizer)
+    required = workload.required_columns()  # the reward's; any other column may be null
+    train = checked_dataset(data, workload.train_files(), tokenizer, required=required)
     if data.test_files:
-        checked_dataset(data, workload.test_files(), tokenizer, key="data.test_files")
+        checked_dataset(data, workload.test_files(), tokenizer, key="data.test_files", required=required)
     if data.epochs is None:
         return config
     epoch = train.epoch_size

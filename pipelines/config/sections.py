@@ -38,7 +38,7 @@ from trajflow.operators.contracts.stage import ResourceConfig
 from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.recovery import RecoveryConfig
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
-from trajflow.settings import check_setting, field_types
+from trajflow.settings import MAPPING, check_setting, field_types
 from trajflow.tasks.dataset import DataConfig
 
 
@@ -74,6 +74,8 @@ def _kind(annotation: Any) -> str:
     for a in (annotation, *typing.get_args(annotation)):
         if a in names:
             return names[a]
+        if typing.get_origin(a) is dict or (isinstance(a, type) and issubclass(a, BaseModel)):
+            return MAPPING
     return "a value of another type"
 
 

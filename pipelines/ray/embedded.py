@@ -14,6 +14,11 @@ with the process that started it.
   start each worker through the runtime-env agent and never reuse its prestarted workers.
 - Ended with its driver. Ray's dashboard and runtime-env agents outlive a SIGKILLed driver for
   minutes; a tiny watchdog (watchdog.py) ends every process of this Ray when the driver dies.
+- No leftovers. Ray leaves each session's directory (logs, sockets; /tmp/ray/session_*) behind
+  for good. At exit, once Ray has shut down, the sessions this process started are removed
+  (`end_sessions`); when a run that started it failed (`keep_session_logs()`), the session's
+  logs/ first move to the place `session_logs_to(dest)` named (RUN/ray-logs/). If the driver
+  dies without exiting (SIGKILL), the watchdog moves the logs there after ending the processes.
 - Quiet. The token-authentication notice and Ray Data's "progress bars disabled" warning are
   logged below the shown level unless `verbose`.
 - Lean. No autoscaler monitor, no log monitor when nobody reads worker output
@@ -24,8 +29,10 @@ with the process that started it.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -48,6 +55,11 @@ SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 _watchdog_write_fd: int | None = None
+_sessions: list[Path] = []  # session dirs of the embedded Rays this process started, to remove at exit
+_logs_dest: Path | None = None  # where a kept session's logs go (session_logs_to)
+_keep_logs = False  # the run failed: keep its session's logs (keep_session_logs)
+_at_exit = False  # end_sessions registered
+SESSION_EXIT_WAIT_SECONDS = 5.0  # at exit, how long the session's processes get to end before removal
 
 
 @contextmanager
@@ -101,6 +113,91 @@ def _start_watchdog(marker: str) -> None:
     _watchdog_write_fd = write_fd
 
 
+def _tell_watchdog(line: str) -> None:
+    """One line to the watchdog (watchdog.py reads `session`, `logs` and `clean`)."""
+    if _watchdog_write_fd is not None:
+        try:
+            os.write(_watchdog_write_fd, (line + "\n").encode())
+        except OSError:
+            pass
+
+
+def session_logs_to(dest: str | os.PathLike) -> None:
+    """Where this process's embedded Ray session logs go if they are kept: by `keep_session_logs`
+    (at exit), or by the watchdog when the process dies without exiting (SIGKILL)."""
+    global _logs_dest
+    _logs_dest = Path(dest)
+    _tell_watchdog(f"logs {_logs_dest}")
+
+
+def keep_session_logs() -> None:
+    """The run failed: at exit keep its Ray session's logs in `session_logs_to`'s place (without
+    one, e.g. a run on a Ray someone else started, nothing is kept)."""
+    global _keep_logs
+    _keep_logs = True
+
+
+def _session_processes(session: Path) -> list[int]:
+    """Pids whose command line names `session` (Ray's processes of that session; Linux /proc)."""
+    needle = session.name.encode()
+    found = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if needle in f.read():
+                        found.append(int(name))
+            except OSError:
+                continue
+    return found
+
+
+def end_sessions(wait: float = SESSION_EXIT_WAIT_SECONDS) -> list[Path]:
+    """Remove the session dirs of the embedded Rays this process started (Ray shut down): after
+    their processes ended (at most `wait` s), the kept one's logs moved first (keep_session_logs).
+    Runs at exit; returns what it removed or moved. Safe to call again."""
+    import time
+
+    import ray
+
+    if ray.is_initialized():
+        return []  # still in use: at exit, after Ray's own shutdown
+    _tell_watchdog("clean")  # the driver ends normally: the session dirs are dealt with here
+    try:  # also a session a ray.init of this process left when it failed to start (named by our pid)
+        from ray._common.utils import get_default_ray_temp_dir
+
+        started = Path(get_default_ray_temp_dir()).glob(f"session_*_{os.getpid()}")
+    except ImportError:
+        started = ()
+    _sessions[:0] = [p for p in started if p.is_dir() and p not in _sessions]
+    done = []
+    deadline = time.monotonic() + wait
+    latest_started = _sessions[-1] if _sessions else None  # a failed run's is the latest
+    while _sessions:
+        session = _sessions.pop()
+        while _session_processes(session) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _keep_logs and _logs_dest is not None and session == latest_started:
+            if (session / "logs").is_dir() and not _logs_dest.exists():
+                shutil.copytree(session / "logs", _logs_dest, symlinks=True, ignore_dangling_symlinks=True)
+        shutil.rmtree(session, ignore_errors=True)
+        latest = session.parent / "session_latest"
+        if latest.is_symlink() and not latest.exists():
+            latest.unlink(missing_ok=True)
+        done.append(session)
+    return done
+
+
+def _end_at_exit() -> None:
+    """At exit: Ray shut down (Ray's own exit hook, registered when ray is imported, would run
+    only after this one; a second shutdown does nothing), then the session dirs removed."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    end_sessions()
+
+
 def _import_in_background(modules: Sequence[str]) -> threading.Thread | None:
     """Import `modules` in a thread: `ray.init` mostly waits for Ray's processes to come up, so
     a driver that needs torch and transformers next can import them meanwhile (measured: the
@@ -136,6 +233,10 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: 
     quiet_ray(verbose)
     if ray.is_initialized():
         return
+    global _at_exit
+    if not _at_exit:
+        atexit.register(_end_at_exit)
+        _at_exit = True
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)
     init_kwargs.setdefault("configure_logging", False)
@@ -146,7 +247,11 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: 
         loader = _import_in_background(imports)
         with _env(**{MARKER_ENV: marker}), ray_patches.lean_head(log_monitor=log_to_driver):
             # address="local": a new Ray even if `ray start` left a cluster address file in /tmp/ray
-            ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1", **init_kwargs)
+            context = ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                               **init_kwargs)
+    session = Path(context.address_info["session_dir"])
+    _sessions.append(session)
+    _tell_watchdog(f"session {session}")
     ray_patches.data_services.apply(dashboard=dashboard)  # no cluster-wide Ray Data helper actors on one node
     if loader is not None:
         loader.join()

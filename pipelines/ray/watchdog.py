@@ -17,6 +17,12 @@ marker (Ray 2.60), so the watchdog records the raylet's children (pid and start 
 pid is never touched) once a second. Nothing else on the machine is touched. The
 watchdog runs in its own session: Ray's own reaper kills the driver's whole process group when the
 driver dies, and would otherwise take the watchdog with it.
+
+The driver also tells it, one line each through the pipe, its Ray's session dir (`session PATH`),
+where that session's logs go if the driver dies (`logs PATH`: a run's RUN/ray-logs) and, as it
+exits normally and deals with the session dir itself, `clean`. A driver that died without `clean`
+(SIGKILL) failed: once its processes are ended, the session's logs/ move to the `logs` place and
+the session dir is removed (without a `logs` place it stays, for a post-mortem).
 Linux only (it reads /proc); elsewhere the driver does not start it.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import sys
 import time
@@ -121,16 +128,35 @@ def reap(marker: str, members: dict[int, bytes] | None = None, grace: float = GR
     return signalled
 
 
+def keep_logs(session: str, dest: str) -> None:
+    """A dead driver's session: its logs/ to `dest`, then the session dir removed."""
+    logs = os.path.join(session, "logs")
+    if os.path.isdir(logs) and not os.path.exists(dest):
+        shutil.copytree(logs, dest, symlinks=True, ignore_dangling_symlinks=True)
+    shutil.rmtree(session, ignore_errors=True)
+    _log(f"session {session}: logs kept in {dest}")
+
+
 def watch(parent: int, read_fd: int, marker: str) -> None:
     _log(f"watching driver {parent} for marker {marker}")
     members: dict[int, bytes] = {}
+    said: dict[str, str] = {}  # the driver's lines: session, logs, clean
+    pending = b""
     while os.getppid() == parent:
         ready, _, _ = select.select([read_fd], [], [], 1.0)
-        if ready and not os.read(read_fd, 4096):
-            break  # end of file: the driver's write end is closed, so the driver is gone
+        if ready:
+            data = os.read(read_fd, 4096)
+            if not data:
+                break  # end of file: the driver's write end is closed, so the driver is gone
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                key, _, value = line.decode(errors="replace").partition(" ")
+                said[key] = value
         track(marker, members)
     _log(f"driver gone (parent now {os.getppid()}); run: {sorted(_still_members(members))}")
     reap(marker, members)
+    if "clean" not in said and said.get("session") and said.get("logs"):
+        keep_logs(said["session"], said["logs"])
     _log("done")
 
 

@@ -1,0 +1,473 @@
+"""Where a run's numbers also go: TensorBoard, Weights & Biases, MLflow (`report_to`, TRL's name).
+
+    report_to: [tensorboard, wandb, mlflow]    # default [tensorboard]; [] for none
+    tracker_project: trajflow                  # W&B project, MLflow experiment
+    wandb_mode: null                           # null: WANDB_MODE, else online with a W&B key, else offline
+    mlflow_tracking_uri: null                  # null: MLFLOW_TRACKING_URI, else RUN/mlflow/mlflow.db
+
+Each tracker gets, from the driver: the resolved config (W&B config, MLflow params, and
+config.yaml as a file), every per-step metrics row at its step (the step index, as everywhere),
+the summary at the end (the report's numbers: W&B summary, MLflow metrics `summary/<key>`;
+summary.txt as a file) and the run's PNGs (RUN/report.png, drawn at the end, and any other
+RUN/*.png) as artifacts. A resumed run continues the same W&B run (its id is kept in
+RUN/trackers.json) and the same MLflow run. W&B offline (no key, or `wandb_mode: offline`) writes
+RUN/wandb/offline-run-*/ that `wandb sync` uploads later. A tracker's package is an optional
+extra; a missing one is refused when the config is validated (`check_installed`), before Ray
+starts, naming the extra. What the tracker libraries print of their own stays out of the output.
+
+Reading runs back (`trajflow compare`): `load_tracked_run` takes a W&B run directory (offline,
+RUN/wandb/offline-run-*: read from its transaction log, no network) or `mlflow:RUN_ID` (on
+MLFLOW_TRACKING_URI or `mlflow:URI#RUN_ID`) and returns the metrics (under today's keys, as
+jobs/recorder.py's RENAMED_METRICS has them), config and summary as jobs/report.py's `Run`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import struct
+import sys
+import zlib
+from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+# what to install for each: the package's import name and what brings it (tensorboard is a
+# dependency of trajflow itself; wandb and mlflow are extras)
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "'trajflow[wandb]'"),
+            "mlflow": ("mlflow", "'trajflow[mlflow]'")}
+STATE_FILE = "trackers.json"  # the run's tracker run ids, so that a resume continues them
+
+
+def check_installed(report_to: Iterable[str]) -> None:
+    """ValueError (one line) naming the extra when a tracker's package is not installed."""
+    for name in report_to:
+        package, install = PACKAGES[name]
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except (ImportError, ValueError):  # a package whose import was blocked (sys.modules[name] = None)
+            found = False
+        if not found:
+            raise ValueError(f"{name} is not installed: pip install {install} (or remove {name} from report_to)")
+
+
+def numeric_items(row: Mapping[str, Any]) -> dict[str, float]:
+    """The row's numbers (not the step, not booleans, strings or None; NaN/inf kept as they are)."""
+    return {k: float(v) for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"optimizer.lr": "0.0003", ...}: a nested config as MLflow params (values as text)."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping) and value:
+            out.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value) if not isinstance(value, str) else value
+    return out
+
+
+@contextmanager
+def _quiet_loggers(*names: str):
+    """Library loggers at WARNING for the block (MLflow logs INFO lines as it creates its tables)."""
+    saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in names]
+    for logger, _ in saved:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in saved:
+            logger.setLevel(level)
+
+
+# -- the trackers ----------------------------------------------------------------------------------
+class TensorBoardTracker:
+    """Scalars of each metrics row (global step = the step index); the summary as scalars
+    `summary/<key>` at the last step."""
+
+    def __init__(self, logdir: Path, purge_step: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(logdir), purge_step=purge_step, flush_secs=10)
+        self.last_step = 0
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        step = int(row["step"])
+        self.last_step = step
+        for key, value in numeric_items(row).items():
+            self.writer.add_scalar(key, value, step)
+
+    def finish(self, summary: Mapping[str, Any], files: list[Path], state: str) -> None:
+        for key, value in numeric_items(summary).items():
+            self.writer.add_scalar(f"summary/{key}", value, self.last_step)
+        self.writer.flush()
+        self.writer.close()
+
+
+class WandbTracker:
+    """One W&B run per trajflow run (resumed with it); offline unless a key or WANDB_MODE says otherwise."""
+
+    def __init__(self, root: Path, config: Mapping[str, Any], project: str, mode: str | None,
+                 run_id: str | None) -> None:
+        import wandb
+
+        self.mode = mode or os.environ.get("WANDB_MODE") or ("online" if _wandb_key() else "offline")
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True,
+                                  save_code=False, x_save_requirements=False, show_info=False)
+        self.run = wandb.init(project=project, name=root.name, id=run_id, resume="allow" if run_id else None,
+                              dir=str(root), config=dict(config), mode=self.mode, settings=settings,
+                              reinit="create_new")
+        self.root = root
+
+    @property
+    def run_id(self) -> str:
+        return self.run.id
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        self.run.log(numeric_items(row), step=int(row["step"]))
+
+    def finish(self, summary: Mapping[str, Any], files: list[Path], state: str) -> None:
+        import shutil
+
+        self.run.summary.update({k: v for k, v in summary.items() if v is not None})
+        for path in files:  # the run's files directory is uploaded with the run
+            shutil.copy(path, Path(self.run.dir) / path.name)
+        self.run.finish(exit_code=0 if state == "finished" else 1)
+
+
+class MlflowTracker:
+    """One MLflow run per trajflow run, in experiment `project`, on `uri`."""
+
+    def __init__(self, root: Path, config: Mapping[str, Any], project: str, uri: str, run_id: str | None) -> None:
+        from mlflow import MlflowClient
+
+        self.uri = uri
+        with _quiet_loggers("mlflow", "alembic"):
+            self.client = MlflowClient(tracking_uri=uri)
+            experiment = self.client.get_experiment_by_name(project)
+            if experiment is not None:
+                experiment_id = experiment.experiment_id
+            else:
+                artifacts = (root / "mlflow" / "artifacts").as_uri() if uri.startswith("sqlite:") else None
+                experiment_id = self.client.create_experiment(project, artifact_location=artifacts)
+        if run_id is None:
+            run_id = self.client.create_run(experiment_id, run_name=root.name, tags={"trajflow.run_dir": str(root)}
+                                            ).info.run_id
+            params = flat_config(config)
+            from mlflow.entities import Param
+
+            items = [Param(k, v[:6000]) for k, v in params.items()]
+            for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+                self.client.log_batch(run_id, params=items[i:i + 100])
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+        self.run_id = run_id
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        import time
+
+        now, step = int(time.time() * 1000), int(row["step"])
+        metrics = [Metric(k, v, now, step) for k, v in numeric_items(row).items()]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def finish(self, summary: Mapping[str, Any], files: list[Path], state: str) -> None:
+        from mlflow.entities import Metric
+
+        import time
+
+        now = int(time.time() * 1000)
+        numbers = [Metric(f"summary/{k}", v, now, 0) for k, v in numeric_items(summary).items()]
+        if numbers:
+            self.client.log_batch(self.run_id, metrics=numbers)
+        self.client.set_tag(self.run_id, "trajflow.summary", json.dumps(dict(summary), default=str)[:5000])
+        for path in files:
+            self.client.log_artifact(self.run_id, str(path))
+        self.client.set_terminated(self.run_id, status="FINISHED" if state == "finished" else "FAILED")
+
+
+def default_mlflow_uri(root: Path) -> str:
+    """MLFLOW_TRACKING_URI, else a SQLite store under the run dir (MLflow's default backend)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
+
+
+class Trackers:
+    """The run's trackers together: log a row to each, finish each (a tracker that fails says so in
+    one line and is dropped: the run's own record is the run dir). They open in a thread while the
+    pipeline starts (MLflow creating its store takes seconds); the first row waits for them."""
+
+    def __init__(self, root: Path, report_to: Iterable[str], config: Mapping[str, Any], project: str,
+                 wandb_mode: str | None, mlflow_uri: str | None, first_step: int) -> None:
+        import threading
+
+        self.root = root
+        self.trackers: dict[str, Any] = {}
+        self._described = False
+        args = (list(report_to), dict(config), project, wandb_mode, mlflow_uri, first_step)
+        self._opening = threading.Thread(target=self._open, args=args, name="trajflow-trackers", daemon=True)
+        self._opening.start()
+
+    def _open(self, report_to: list[str], config: dict, project: str, wandb_mode: str | None,
+              mlflow_uri: str | None, first_step: int) -> None:
+        root = self.root
+        ids = self._ids()
+        for name in report_to:
+            try:
+                if name == "tensorboard":
+                    tracker = TensorBoardTracker(root / "tensorboard", purge_step=first_step or None)
+                elif name == "wandb":
+                    tracker = WandbTracker(root, config, project, wandb_mode, ids.get("wandb"))
+                else:
+                    (root / "mlflow").mkdir(parents=True, exist_ok=True)
+                    tracker = MlflowTracker(root, config, project, mlflow_uri or default_mlflow_uri(root),
+                                            ids.get("mlflow"))
+            except Exception as e:  # noqa: BLE001 - a tracker's service or files: the run goes on
+                self._dropped(name, e)
+                continue
+            self.trackers[name] = tracker
+        ids.update({k: t.run_id for k, t in self.trackers.items() if hasattr(t, "run_id")})
+        if ids:
+            (root / STATE_FILE).write_text(json.dumps(ids, indent=1, sort_keys=True) + "\n")
+
+    def _ids(self) -> dict:
+        try:
+            return json.loads((self.root / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _dropped(self, name: str, error: BaseException) -> None:
+        text = " ".join(str(error).split())[:200]
+        print(f"trajflow: report_to {name}: {type(error).__name__}: {text}; not reporting to it", file=sys.stderr,
+              flush=True)
+
+    def _ready(self) -> None:
+        self._opening.join()
+        if not self._described:  # in the caller's thread, once: where the numbers go besides the run dir
+            self._described = True
+            line = self.describe()
+            if line:
+                from trajflow.jobs.console import wrap
+
+                print(wrap(line), flush=True)
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        self._ready()
+        for name, tracker in list(self.trackers.items()):
+            try:
+                tracker.log(row)
+            except Exception as e:  # noqa: BLE001
+                self._dropped(name, e)
+                del self.trackers[name]
+
+    def finish(self, summary: Mapping[str, Any], state: str) -> None:
+        """The summary and the run's files (config.yaml, summary.txt, the PNGs) to each tracker."""
+        self._ready()
+        files = [p for p in (self.root / "config.yaml", self.root / "summary.txt") if p.is_file()]
+        if any(name != "tensorboard" for name in self.trackers):
+            files += run_pngs(self.root)
+        for name, tracker in list(self.trackers.items()):
+            try:
+                tracker.finish(summary, [f for f in files if name != "tensorboard"], state)
+            except Exception as e:  # noqa: BLE001
+                self._dropped(name, e)
+        self.trackers.clear()
+
+    def describe(self) -> str | None:
+        """One line on where the numbers also go (None when only TensorBoard or nothing)."""
+        parts = []
+        for name, tracker in self.trackers.items():
+            if name == "wandb":
+                where = (f"offline, `wandb sync {Path(tracker.run.dir).parent}` uploads it"
+                         if tracker.mode == "offline" else tracker.run.url or "online")
+                parts.append(f"W&B run {tracker.run_id} ({where})")
+            elif name == "mlflow":
+                parts.append(f"MLflow run {tracker.run_id} at {tracker.uri}")
+        return f"trajflow: reporting to {'; '.join(parts)}" if parts else None
+
+
+def open_trackers(config, root: Path, first_step: int) -> Trackers:
+    """The trackers a job config's `report_to` names, opening on its run dir; at the first row
+    they say where the numbers go besides the run dir (W&B, MLflow)."""
+    return Trackers(root, config.report_to, config.model_dump(mode="json"), config.tracker_project,
+                    config.wandb_mode, config.mlflow_tracking_uri, first_step)
+
+
+def tracked_summary(root: Path) -> dict:
+    """The run's summary as `trajflow report` computes it (jobs/report.py summarize), {} without metrics."""
+    from trajflow.jobs.report import ReportError, load_run, summarize
+
+    try:
+        return summarize(root.name, load_run(root))
+    except ReportError:
+        return {}
+
+
+def run_pngs(root: Path) -> list[Path]:
+    """RUN/report.png (drawn now from the run's metrics; `trajflow report` draws the same) and any
+    other PNG at the top of the run dir."""
+    from trajflow.jobs.report import load_run, plot_runs
+
+    try:
+        plot_runs({root.name: load_run(root)}, root / "report.png")
+    except Exception as e:  # noqa: BLE001 - no metrics (a run that failed at once): nothing to draw
+        print(f"trajflow: report.png not drawn ({type(e).__name__}: {' '.join(str(e).split())[:120]})",
+              file=sys.stderr, flush=True)
+    return sorted(root.glob("*.png"))
+
+
+def _wandb_key() -> bool:
+    """Whether a W&B API key is configured (WANDB_API_KEY, or a netrc entry for the W&B host)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        hosts = netrc.netrc().hosts
+    except (OSError, netrc.NetrcParseError):
+        return False
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    return host in hosts
+
+
+# -- reading runs back -------------------------------------------------------------------------------
+WANDB_BLOCK = 32768  # the .wandb transaction log: LevelDB's log format (32 KiB blocks, 7-byte record headers)
+WANDB_HEADER = b":W&B"
+
+
+def is_tracked_run(spec: str | os.PathLike) -> bool:
+    """Whether `spec` names a tracker's run (`mlflow:...`, or a W&B run directory)."""
+    text = str(spec)
+    return text.startswith("mlflow:") or bool(_wandb_log(Path(text)))
+
+
+def _wandb_log(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".wandb":
+        return path
+    found = sorted(path.glob("run-*.wandb")) if path.is_dir() else []
+    return found[0] if found else None
+
+
+def wandb_records(path: Path) -> Iterable[Any]:
+    """The protobuf records of a .wandb transaction log (as `wandb sync` reads it), in order."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    if data[:4] != WANDB_HEADER:
+        raise ValueError(f"{path}: not a W&B run log (no :W&B header)")
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = WANDB_BLOCK - pos % WANDB_BLOCK
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        body = data[pos + 7:pos + 7 + length]
+        if kind == 0 or len(body) < length or zlib.crc32(bytes([kind]) + body) != checksum:
+            break  # the end (zero padding), or a record cut off by a run that is still writing
+        pos += 7 + length
+        pending = body if kind in (1, 2) else pending + body
+        if kind in (1, 4):  # FULL, or the LAST part of a record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def _item_key(item) -> str:
+    return ".".join(item.nested_key) if item.nested_key else item.key
+
+
+def load_wandb_run(path: Path):
+    """A W&B run directory (or its .wandb file) as jobs/report.py's Run: every logged step's
+    numbers, the config and the summary."""
+    import polars as pl
+
+    from trajflow.jobs.recorder import current_metric_names
+    from trajflow.jobs.report import Run
+
+    log = _wandb_log(path)
+    config: dict = {}
+    summary: dict = {}
+    rows: dict[int, dict] = {}
+    name = None
+    for record in wandb_records(log):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            name = record.run.display_name or record.run.run_id
+            for item in record.run.config.update:
+                config[_item_key(item)] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in record.config.update:
+                config[_item_key(item)] = json.loads(item.value_json)
+        elif kind == "history":
+            values = {_item_key(i): json.loads(i.value_json) for i in record.history.item}
+            step = int(values.pop("_step", record.history.step.num))
+            rows.setdefault(step, {}).update({k: v for k, v in values.items() if not k.startswith("_")})
+        elif kind == "summary":
+            for item in record.summary.update:
+                key = _item_key(item)
+                if not key.startswith("_"):
+                    summary[key] = json.loads(item.value_json)
+    config.pop("_wandb", None)
+    if not rows:
+        raise ValueError(f"{path}: the W&B run logged no steps")
+    metrics = pl.DataFrame([{"step": s, **r} for s, r in sorted(rows.items())], infer_schema_length=None)
+    return Run(current_metric_names(metrics), log.parent.resolve(), config, {"summary": summary, "name": name})
+
+
+def load_mlflow_run(spec: str):
+    """`mlflow:RUN_ID` (tracking URI from MLFLOW_TRACKING_URI) or `mlflow:URI#RUN_ID` as Run:
+    every metric's history by step, the params as the config, the summary."""
+    import polars as pl
+    from mlflow import MlflowClient
+
+    from trajflow.jobs.recorder import current_metric_names
+    from trajflow.jobs.report import Run
+
+    body = spec.removeprefix("mlflow:")
+    uri, _, run_id = body.rpartition("#")
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise ValueError(f"{spec}: give the tracking URI (mlflow:URI#RUN_ID) or set MLFLOW_TRACKING_URI")
+    with _quiet_loggers("mlflow", "alembic"):
+        client = MlflowClient(tracking_uri=uri)
+        run = client.get_run(run_id)
+        rows: dict[int, dict] = {}
+        for key in run.data.metrics:
+            if key.startswith("summary/"):
+                continue
+            for m in client.get_metric_history(run_id, key):
+                rows.setdefault(int(m.step), {})[key] = m.value
+    config = {k: _param_value(v) for k, v in run.data.params.items()}
+    summary = json.loads(run.data.tags.get("trajflow.summary", "{}"))
+    metrics = pl.DataFrame([{"step": s, **r} for s, r in sorted(rows.items())], infer_schema_length=None)
+    return Run(current_metric_names(metrics), Path(f"mlflow:{run_id}"), config,
+               {"summary": summary, "name": run.info.run_name})
+
+
+def _param_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def load_tracked_run(spec: str | os.PathLike):
+    """A tracker's run (see `is_tracked_run`) as jobs/report.py's Run; ValueError naming it if unreadable."""
+    text = str(spec)
+    try:
+        return load_mlflow_run(text) if text.startswith("mlflow:") else load_wandb_run(Path(text))
+    except ImportError as e:
+        name = "mlflow" if text.startswith("mlflow:") else "wandb"
+        raise ValueError(f"{text}: reading it needs {name}: pip install 'trajflow[{name}]' ({e})") from None
+    except Exception as e:  # noqa: BLE001 - a file or a store of the user's (MlflowException included)
+        raise ValueError(f"{text}: not a readable tracker run ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+                         ) from None
+
