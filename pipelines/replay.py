@@ -153,8 +153,9 @@ def load_trajectories(path: str | Path, allow_nonfinite: bool = False) -> dict[i
 
 
 def _prepare(table: pa.Table) -> pa.Table:
-    """Drop what the replay recomputes: filter reasons, old, proximal and reference log-probs, the
-    KL penalty, advantages."""
+    """Drop what the replay recomputes: filter reasons, old, proximal, reference and teacher
+    log-probs (pi_old's and the teacher's on the top-k ids too), the KL penalty, advantages. The
+    sampler's top-k (ids, mu) are the log's, like the tokens."""
     from trajflow.schemas.columns import (
         FILTER_REASON,
         KL_PENALTY_COLUMN,
@@ -163,8 +164,9 @@ def _prepare(table: pa.Table) -> pa.Table:
         replace_column,
     )
 
-    table = table.drop_columns([c for c in (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN)
-                                if c in table.column_names])
+    recomputed = (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN, "top_k_old_logprobs",
+                  "teacher_logprobs", "top_k_teacher_logprobs")
+    table = table.drop_columns([c for c in recomputed if c in table.column_names])
     table = replace_column(table, "old_logprobs", pa.nulls(table.num_rows, pa.list_(pa.float32())))
     return replace_column(table, "advantage", pa.nulls(table.num_rows, pa.float32()))
 
@@ -369,7 +371,8 @@ class Replay:
             diagnose = dict(model_path=self.model_path, strategies=self.strategies, correction=c.correction_config(),
                             kl=c.kl.spec(),
                             sampling=live.sampling, max_staleness=c.max_staleness, numerics=c.training_numerics(),
-                            torch_threads=c.trainer.torch_threads, gradients=self.gradients)
+                            torch_threads=c.trainer.torch_threads, gradients=self.gradients,
+                            distill=c.distill_config())
             return chain + [Stage("diagnose", Diagnose, diagnose, c.trainer)]
         train = live.train_stage(self.strategies[0])
         train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones

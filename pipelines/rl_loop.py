@@ -1,7 +1,7 @@
 """The asynchronous RL loop as one Ray Data pipeline whose output stream is metrics rows.
 
   prompts ─▶ generate ─▶ [dedicated old log-probs] ─▶ reward ─▶ advantage ─▶ filter
-          ─▶ [snapshot old log-probs] ─▶ train step ─▶ metrics
+          ─▶ [snapshot old log-probs] ─▶ [reference] ─▶ [teacher] ─▶ train step ─▶ metrics
                  ▲                                       │
                  └──────── policy store (versions) ◀─────┘
 
@@ -47,6 +47,7 @@ from trajflow.operators.filter import Filter
 from trajflow.operators.generate import Generate
 from trajflow.operators.reference import ReferenceLogprobs
 from trajflow.operators.reward import FailedRewardSteps, Reward
+from trajflow.operators.teacher import TeacherLogprobs
 from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
 from trajflow.operators.train_step import TrainStep
 from trajflow.operators.trainer.services import HeldoutEvaluation, PublishWeights, StoreStatistics
@@ -195,7 +196,8 @@ class RLPipeline:
                            optimizer=c.optimizer.spec(), sampling=self.sampling, numerics=c.training_numerics(),
                            data_parallel=c.trainer.data_parallel(self.trainer_group_name),
                            torch_threads=c.trainer.torch_threads,
-                           total_updates=c.steps * c.optimizer.minibatches_per_step, lora=c.lora.spec())
+                           total_updates=c.steps * c.optimizer.minibatches_per_step, lora=c.lora.spec(),
+                           distill=c.distill_config())
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
                      recovery=c.recovery.spec(), failed_rewards=self.failed_reward_steps(),
                      weight_sync=c.weight_sync.spec(), reader_dtypes=c.reader_dtypes(strategy), workers=RayWorkerGroup)
@@ -223,6 +225,7 @@ class RLPipeline:
                 weight_sync=c.weight_sync.spec(),
                 lora_slots=c.engine_lora_slots(),
                 lora_rank=c.lora.r,
+                top_k_logprobs=c.top_k_logprobs,
             ),
             c.generator,
             pool_size=c.num_generators,
@@ -238,6 +241,8 @@ class RLPipeline:
             place(stages, placement)
         if c.kl.beta > 0:  # a frozen reference model, scored like an old log-prob (beta 0 builds none)
             place(stages, self.reference_stage())
+        if c.teacher is not None:  # distillation: a second model scores the student's tokens
+            place(stages, self.teacher_stage())
         return stages
 
     def reference_stage(self) -> Placement:
@@ -250,6 +255,14 @@ class RLPipeline:
                       torch_threads=c.scorer.torch_threads)
         stage = Stage("reference", ReferenceLogprobs, kwargs, c.scorer)
         return Placement(stage, before="advantage") if in_reward else Placement(stage, before="train")
+
+    def teacher_stage(self) -> Placement:
+        """The teacher's log-probs (operators/teacher.py), right before the train step on the rows
+        it trains, on a scorer's resources."""
+        c = self.config
+        kwargs = dict(model_path=str(c.teacher), sampling=self.sampling, numerics=c.training_numerics(),
+                      skip_filtered=True, torch_threads=c.scorer.torch_threads)
+        return Placement(Stage("teacher", TeacherLogprobs, kwargs, c.scorer), before="train")
 
     # -- building and running --------------------------------------------------------------------
     def start_store(self, initial_version: int = 0, initial_weights: dict | None = None) -> RayStore:

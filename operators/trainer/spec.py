@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from trajflow.algorithms.config import CorrectionConfig, KLConfig, OptimizerConfig
+from trajflow.algorithms.config import CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig
 from trajflow.engines import lora
 from trajflow.engines.sampling import SamplingParams
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -37,6 +37,7 @@ class TrainerSpec:
     torch_threads: int
     total_updates: int | None = None  # optimizer updates in the run (steps x minibatches_per_step): the lr schedule's N
     lora: lora.LoraSettings = lora.LoraSettings()  # r > 0: train and publish an adapter (engines/lora.py)
+    distill: DistillConfig | None = None  # on-policy distillation's terms (a teacher scores the rows); None: off
 
 
 @dataclass

@@ -15,13 +15,14 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig
+from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig
 from trajflow.engines.factory import VLLM_LORA_RANKS, VLLM_LORA_REFUSED_MODULES
 from trajflow.pipelines.config.deprecations import migrate_deprecated_keys
-from trajflow.pipelines.config.model_dir import check_model_dir, checked_tokenizer, ties_embeddings
+from trajflow.pipelines.config.model_dir import check_model_dir, checked_tokenizer, model_vocab_size, ties_embeddings
 from trajflow.pipelines.config.sections import (
     AdvantageSection,
     CorrectionSection,
+    DistillSection,
     KLSection,
     LoraSection,
     OptimizerSection,
@@ -89,6 +90,15 @@ class PipelineConfig(_Strict):
     correction: CorrectionSection = Field(default_factory=CorrectionSection)
     advantage: AdvantageSection = Field(default_factory=AdvantageSection)
     kl: KLSection = Field(default_factory=KLSection)
+    top_k_logprobs: int = Field(
+        0, ge=0, description="record per response token the K most likely ids of the distribution it was sampled "
+        "from and their log-probs (mu), and on them pi_old at the token's version (exact strategies) and the "
+        "teacher's; the distribution-level mismatch, Score Centering and the forward KL read them "
+        "(schemas/trajectory.py); 0 = off: the record without them")
+    teacher: Path | None = Field(
+        None, description="on-policy distillation: a local HF model dir (the model's tokenizer) that scores the "
+        "student's tokens before the train step (operators/teacher.py); null = no distillation")
+    distill: DistillSection = Field(default_factory=DistillSection)
     drop_zero_variance_groups: bool = True
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     lora: LoraSection = Field(default_factory=LoraSection)
@@ -130,7 +140,7 @@ class PipelineConfig(_Strict):
     def _advantage_by_name(cls, value: Any) -> Any:
         return {"estimator": value} if isinstance(value, str) else value
 
-    @field_validator("model")
+    @field_validator("model", "teacher")
     @classmethod
     def _resolve_model(cls, model: Path | None) -> Path | None:
         if model is None or model.is_absolute() or model.exists():
@@ -177,6 +187,7 @@ class PipelineConfig(_Strict):
             raise ValueError(f"advantage: {e}") from None
         if self.engine != "vllm" and self.vllm != VllmSection():
             raise ValueError("vllm: settings given but engine is not vllm")
+        self._check_distributions()
         try:
             strategy = self.build_strategy()
         except (TypeError, ValueError) as e:  # the constructor refused strategy_options
@@ -189,6 +200,40 @@ class PipelineConfig(_Strict):
                 f"the {rows} rows of a step"
             )
         return self
+
+    def _check_distributions(self) -> None:
+        """What the top-k record, the distribution-level mask and distillation need, refused by key."""
+        k = self.top_k_logprobs
+        if k and self.env is not None:
+            raise ValueError("top_k_logprobs: the top-k of multi-turn episodes (env) is not recorded yet; use 0")
+        if k:
+            vocab = model_vocab_size(self.model_path)
+            if vocab is not None and k > vocab:
+                raise ValueError(f"top_k_logprobs: {k} is more than the model's vocabulary of {vocab} ids")
+        if self.correction.dist_mask is not None:
+            if not k:
+                raise ValueError("correction.dist_mask: the distribution-level mask needs top_k_logprobs > 0")
+            if not self.build_strategy().old_distribution:
+                raise ValueError(f"correction.dist_mask: strategy {self.strategy} supplies no pi_old distribution on the "
+                                 "top-k ids (an exact strategy or behavior does)")
+        if self.teacher is None:
+            if self.distill != DistillSection():
+                raise ValueError("distill: settings given but no teacher (teacher: a model directory)")
+            return
+        try:
+            check_model_dir(self.teacher)
+        except ValueError as e:
+            raise ValueError(f"teacher: {e}") from None
+        if model_vocab_size(self.teacher) != model_vocab_size(self.model_path):
+            raise ValueError(f"teacher: {self.teacher} has {model_vocab_size(self.teacher)} ids, the model "
+                             f"{model_vocab_size(self.model_path)}: the teacher scores the student's token ids")
+        if self.distill.forward_kl_coef > 0 and not k:
+            raise ValueError("distill.forward_kl_coef: the forward KL is taken on the top-k support; set "
+                             "top_k_logprobs > 0")
+
+    def distill_config(self) -> DistillConfig | None:
+        """The distillation's settings, or None without a teacher."""
+        return None if self.teacher is None else self.distill.spec()
 
     def _check_workload(self) -> None:
         """Every name of the workload resolved before Ray starts: task, env, reward (importable,

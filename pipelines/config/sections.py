@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
-from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, OptimizerConfig
+from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig
 from trajflow.engines.factory import VllmOptions
 from trajflow.engines.lora import LoraSettings
 from trajflow.engines.sampling import SamplingParams
@@ -105,6 +105,7 @@ SamplingSection = settings_section(SamplingParams, "SamplingSection")
 CorrectionSection = settings_section(CorrectionConfig, "CorrectionSection")
 AdvantageSection = settings_section(AdvantageConfig, "AdvantageSection")
 KLSection = settings_section(KLConfig, "KLSection")
+DistillSection = settings_section(DistillConfig, "DistillSection")
 OptimizerSection = settings_section(OptimizerConfig, "OptimizerSection")
 VllmSection = settings_section(VllmOptions, "VllmSection")
 RecoverySection = settings_section(RecoveryConfig, "RecoverySection")
