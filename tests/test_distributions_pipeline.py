@@ -185,3 +185,14 @@ def _warm_start_copy(tmp_path):
     model_dir = RLPipeline(_config()).model_path
     save_model(load_model(model_dir), load_tokenizer(model_dir), path)
     return path
+
+
+@pytest.mark.timeout(600)
+def test_a_fixed_lag_makes_every_rollout_that_many_versions_old(without_ray):
+    """run_in_process(lag=S): step k's tokens come from version max(0, k - S), whatever the load
+    (the stale-rollout experiments of benchmarks/distillation.py)."""
+    metrics = run_in_process(RLPipeline(_config(top_k_logprobs=0, max_staleness=2, steps=4)), lag=2)
+    assert metrics["staleness/mean"].to_list() == [0.0, 1.0, 2.0, 2.0]
+    assert metrics["version"].to_list() == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="lag: 3 must be in"):
+        run_in_process(RLPipeline(_config(max_staleness=2)), lag=3)
