@@ -18,7 +18,7 @@ from trajflow.pipelines.local import run_in_process
 from trajflow.pipelines.policy_store import InProcessStore
 from trajflow.pipelines.rl_loop import RLPipeline
 from trajflow.schemas import COLUMNS, META_TOP_K_KEY, TopKSemantics, top_k_semantics, validate
-from trajflow.schemas.columns import nested_rows
+from trajflow.schemas.columns import nested_array, nested_rows, replace_column
 
 K = 8
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -196,3 +196,25 @@ def test_a_fixed_lag_makes_every_rollout_that_many_versions_old(without_ray):
     assert metrics["version"].to_list() == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="lag: 3 must be in"):
         run_in_process(RLPipeline(_config(max_staleness=2)), lag=3)
+
+
+@pytest.mark.timeout(900)
+def test_a_nan_in_a_tokens_top_k_takes_that_token_out_and_nothing_else(without_ray, tmp_path):
+    """Score Centering and the forward KL together, one token's sampler top-k corrupted (NaN): the
+    token leaves the loss and is counted; loss and weights stay finite."""
+    pipe = RLPipeline(_config(strategy="score_centering", teacher=str(_warm_start_copy(tmp_path)), max_staleness=0,
+                              distill={"forward_kl_coef": 1.0, "reverse_kl_coef": 0.5}, steps=1))
+    ops, store = _ops(pipe)
+    batch = _prompts(pipe, 0)
+    for name, op in ops.items():
+        if name == "train":
+            break
+        batch = op(batch)
+    rows = nested_rows(batch["top_k_inference_logprobs"])
+    rows[0] = rows[0].copy()
+    rows[0][0, 3] = np.nan
+    batch = replace_column(batch, "top_k_inference_logprobs", nested_array(rows, pa.float32(), K))
+    row = ops["train"](batch).to_pylist()[0]
+    assert row["support/outside_tokens"] >= 1.0 and np.isfinite(row["loss"])
+    _, weights = store.weights(1)
+    assert all(np.isfinite(t.numpy()).all() for t in weights.values())

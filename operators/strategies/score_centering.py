@@ -64,6 +64,8 @@ class ScoreCentering(Snapshot):
         coefficients = centering_coefficients(current_top_k, batch.top_k_old, batch.top_k_inference,
                                               tis_cap=None if sequence else config.tis_cap,
                                               sequence_weight=out.is_weights if sequence else None)
+        # only the tokens that carry the policy term: elsewhere 0, so not even 0 x NaN reaches the gradient
+        coefficients = torch.where(out.active[..., None], coefficients, 0.0)
         adv = broadcast_to_tokens(advantages.detach().to(current_top_k.dtype), out.active)
         term = torch.where(out.active, adv * centering_term(current_top_k, coefficients) * out.token_weights, 0.0)
         with torch.no_grad():  # the step's report

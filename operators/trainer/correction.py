@@ -214,7 +214,10 @@ def correct(strategy: Strategy, batch: StepBatch, current: Tensor, trainer: Trai
         out = dataclasses.replace(out, kl=torch.where(loss_mask, kl_estimate(current.detach(), ref, kl.estimator), 0.0))
     extra = [strategy.extra_loss(batch, current_top_k, out, advantages, config)] if real else []
     if distill is not None and distill.forward_kl_coef > 0 and real:
-        forward = forward_kl_tokens(batch.top_k_teacher, current_top_k)
+        # off the counted tokens the teacher is replaced by the student itself (KL 0): nothing of
+        # theirs, not even 0 x NaN, reaches the gradient
+        teacher = torch.where(out.counted[..., None], batch.top_k_teacher, current_top_k.detach())
+        forward = forward_kl_tokens(teacher, current_top_k)
         extra.append(distill.forward_kl_coef * torch.where(out.counted, forward * out.token_weights, 0.0).sum())
     extra = [term for term in extra if term is not None]
     if extra:  # in sum form, counted like the rest: the one division stays the aggregation's
@@ -231,11 +234,15 @@ def top_k_in_loss(strategy: Strategy, distill: DistillConfig | None, batch: Step
 
 def finite_loss_mask(batch: StepBatch, current: Tensor, old: Tensor) -> Tensor:
     """The loss tokens whose current, old, inference (and reference, teacher) log-probs are all
-    finite (step 2 above)."""
+    finite, and whose top-k log-probs hold no NaN or +inf (-inf is an id outside a support)
+    (step 2 above)."""
     finite = torch.isfinite(current.detach()) & torch.isfinite(old) & torch.isfinite(batch.inference)
     for extra in (batch.reference, batch.teacher):
         if extra is not None:
             finite &= torch.isfinite(extra)
+    for support in (batch.top_k_inference, batch.top_k_old, batch.top_k_teacher):
+        if support is not None:
+            finite &= ~(torch.isnan(support) | (support == float("inf"))).any(dim=-1)
     return batch.loss_mask & finite
 
 
