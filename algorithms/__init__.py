@@ -23,8 +23,9 @@ load on first use (PEP 562): `trajflow.algorithms.config` is importable without 
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from trajflow.lazy import lazy_exports
 
 _EXPORTS = {
     "ESTIMATORS": "trajflow.algorithms.advantages",
@@ -127,14 +128,4 @@ if TYPE_CHECKING:
     from .score_centering import centering_coefficients, centering_term
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

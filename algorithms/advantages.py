@@ -38,6 +38,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from trajflow.settings import check_number
+
 from .config import GROUP_STDS, AdvantageConfig, GroupStd
 
 ArrayLike = Any  # np.ndarray | torch.Tensor | sequence
@@ -84,6 +86,7 @@ def grpo(rewards: ArrayLike, group_ids: ArrayLike, *, normalize_std: bool = True
     std: "sample" (ddof 1, veRL's and TRL's convention; the default) or "population" (ddof 0).
     Groups with identical rewards get exactly 0 (not rounding noise / tiny std, and no 0/0).
     """
+    check_number("grpo", eps=eps)
     if std not in GROUP_STDS:
         raise ValueError(f"grpo: std must be one of {GROUP_STDS}, got {std!r}")
     r, codes, size, total = _group_stats(rewards, group_ids)
@@ -152,6 +155,7 @@ def reinforce_plus_plus_baseline(rewards: ArrayLike, group_ids: ArrayLike, *,
 
 def overlong_penalty(lengths: ArrayLike, max_tokens: int, buffer: int, penalty: float = 1.0) -> np.ndarray:
     """DAPO's soft overlong punishment R_len [N] (float64, <= 0) for response lengths [N]."""
+    check_number("overlong_penalty", max_tokens=max_tokens, buffer=buffer, penalty=penalty)
     if not 0 < buffer <= max_tokens:
         raise ValueError(f"overlong_penalty: need 0 < buffer <= max_tokens, got {buffer} and {max_tokens}")
     excess = _to_numpy(lengths).astype(np.float64).reshape(-1) - (max_tokens - buffer)

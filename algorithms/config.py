@@ -10,11 +10,11 @@ config imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import typing
+from dataclasses import dataclass
 from typing import Literal
 
-from trajflow.settings import check_settings, fail, setting
+from trajflow.settings import check_number, check_settings, fail, setting
 
 Loss = Literal["ppo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"]
 MaskLevel = Literal["token", "sequence", "sequence-product", "sequence-any", "none"]
@@ -142,7 +142,8 @@ class CorrectionConfig:
         r_d: geometric-mean sequence mask [1/c_ti, c_ti].
         r_s: sequence-level clip [1/c_stale, c_stale], i.e. eps_low = 1 - 1/c_stale, eps_high = c_stale - 1.
         """
-        if isinstance(c_stale, bool) or not c_stale >= 1.0:
+        check_number("CorrectionConfig.paper", c_ti=c_ti, c_stale=c_stale)
+        if not c_stale >= 1.0:
             raise ValueError(f"CorrectionConfig.paper: c_stale must be >= 1, got {c_stale!r}")
         kwargs = dict(mask_level="sequence", mask_c_seq=c_ti, clip_level="sequence",
                       eps_low=1.0 - 1.0 / c_stale, eps_high=c_stale - 1.0)

@@ -46,6 +46,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trajflow.settings import check_number
+
 from .kl import kl_metrics
 from .objective import LossOutput
 
@@ -93,6 +95,7 @@ def effective_sample_size(weights: Tensor, mask: Tensor) -> float:
 
 def staleness_stats(versions: Tensor, trainer_version: int, mask: Tensor) -> dict[str, float]:
     """Lag = trainer_version - version per loss token: mean, max, histogram (counts per lag)."""
+    check_number("staleness_stats", trainer_version=trainer_version)
     lag = (trainer_version - versions[mask].to(torch.int64))
     if lag.numel() == 0:
         return {"staleness/mean": 0.0, "staleness/max": 0.0}

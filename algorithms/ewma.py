@@ -23,12 +23,15 @@ import math
 import torch
 from torch import Tensor
 
+from trajflow.settings import check_number
+
 StateDict = dict[str, Tensor]
 
 
 def ewma_beta(window: int, minibatches_per_step: int = 1) -> float:
     """beta = n / (n + 2) for a window of n = window · minibatches_per_step EWMA updates: mean age
     n / 2 updates = window / 2 versions. window = 0 gives beta = 0 (prox = current)."""
+    check_number("ewma_beta", window=window, minibatches_per_step=minibatches_per_step)
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
     if minibatches_per_step < 1:
@@ -39,6 +42,7 @@ def ewma_beta(window: int, minibatches_per_step: int = 1) -> float:
 
 def ewma_mean_age(beta: float) -> float:
     """Mean age in steps of the stationary EWMA weights: sum k beta^k / sum beta^k = beta / (1 - beta)."""
+    check_number("ewma_mean_age", beta=beta)
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"beta must be in [0, 1), got {beta}")
     return beta / (1.0 - beta)
@@ -49,9 +53,10 @@ class EwmaProximal:
 
     def __init__(self, state_dict: StateDict, beta: float, *, reset_threshold: float,
                  device: str | torch.device | None = None) -> None:
+        check_number("EwmaProximal", beta=beta, reset_threshold=reset_threshold)
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"EwmaProximal.beta must be in [0, 1), got {beta}")
-        if isinstance(reset_threshold, bool) or not 0.0 <= reset_threshold <= 1.0:
+        if not 0.0 <= reset_threshold <= 1.0:
             raise ValueError(f"EwmaProximal.reset_threshold must be in [0, 1], got {reset_threshold}")
         self.beta = float(beta)
         self.reset_threshold = float(reset_threshold)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trajflow.settings import check_number
+
 from .config import KL_ESTIMATORS, KLEstimator
 from .masked import log_ratio, masked_mean, masked_sum
 
@@ -52,6 +54,7 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator =
 def kl_penalized_rewards(rewards: Tensor, kl: Tensor, loss_mask: Tensor, beta: float) -> Tensor:
     """r_i - beta x sum_t KL_t over row i's loss tokens: [N] rewards, [N, T] per-token KL, [N, T]
     bool mask -> [N] (detached; the reward carries no gradient)."""
+    check_number("kl_penalized_rewards", beta=beta)
     if loss_mask.dtype != torch.bool:
         raise TypeError(f"loss_mask must be bool, got {loss_mask.dtype}")
     if kl.shape != loss_mask.shape or rewards.shape != loss_mask.shape[:1]:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trajflow.settings import check_number
+
 
 def m2_cutoff(squared: Tensor, tau: float) -> float:
     """The bound b such that keeping the values < b leaves a mean <= tau, masking as few as possible.
@@ -36,6 +38,7 @@ def m2_cutoff(squared: Tensor, tau: float) -> float:
     Returns inf when the mean is already <= tau (nothing masked). Sort descending (s_1 >= s_2 >= ...);
     the smallest k with mean(s_{k+1..n}) <= tau masks s_1..s_k, and b = s_k.
     """
+    check_number("m2_cutoff", tau=tau)
     if not (math.isfinite(tau) and tau >= 0.0):
         raise ValueError(f"m2_cutoff: tau must be a finite number >= 0, got {tau!r}")
     values = squared.detach().reshape(-1).to(torch.float64)
@@ -66,6 +69,7 @@ def m2po_mask(log_ratio: Tensor, loss_mask: Tensor, tau: float) -> M2Mask:
 
     Single-process form of `m2_cutoff` (gather first when the update is spread over workers).
     """
+    check_number("m2po_mask", tau=tau)
     squared = torch.where(loss_mask, log_ratio.detach().to(torch.float64) ** 2, 0.0)
     selected = squared[loss_mask]
     bound = m2_cutoff(selected, tau)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trajflow.settings import check_number
+
 LOG_RATIO_CLAMP = 20.0  # exp(20) ≈ 4.9e8: finite in float32, squares still finite
 
 
@@ -22,17 +24,20 @@ def log_ratio(numer: Tensor, denom: Tensor) -> Tensor:
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of x where mask is true (over everything, or along `dim`)."""
+    check_number("masked_sum", dim=dim)
     x = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     return x.sum() if dim is None else x.sum(dim=dim)
 
 
 def masked_count(mask: Tensor, dim: int | None = None) -> Tensor:
     """Number of true entries (int64)."""
+    check_number("masked_count", dim=dim)
     return mask.sum() if dim is None else mask.sum(dim=dim)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of x where mask is true; 0 where the selection is empty."""
+    check_number("masked_mean", dim=dim)
     total = masked_sum(x, mask, dim)
     count = masked_count(mask, dim).clamp(min=1).to(total.dtype)
     return total / count

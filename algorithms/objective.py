@@ -69,10 +69,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trajflow.settings import check_number
+
 from .config import AGGREGATIONS, CLIP_LEVELS, LOSSES, MASK_LEVELS, CorrectionConfig, KLConfig
 from .kl import kl_estimate
-from .losses import (PolicyTerm, cispo_term, covariance_selection, dppo_term, dppo_trust_region, kl_cov_term,
-                     ppo_term, sapo_term)
+from .losses import (
+    PolicyTerm,
+    cispo_term,
+    covariance_selection,
+    dppo_term,
+    dppo_trust_region,
+    kl_cov_term,
+    ppo_term,
+    sapo_term,
+)
 from .masked import LOG_RATIO_CLAMP, broadcast_to_tokens, log_ratio, masked_mean, masked_sum
 
 __all__ = ["AGGREGATIONS", "CLIP_LEVELS", "LOG_RATIO_CLAMP", "LOSSES", "MASK_LEVELS", "CorrectionConfig",
@@ -325,6 +335,7 @@ def decoupled_loss(
     Every loss token must have finite log-probs: a token the sampling filter excludes under
     training numerics (-inf) is taken out of `loss_mask` by the caller and counted there.
     """
+    check_number("decoupled_loss", denominator=denominator)
     if loss_mask.dtype != torch.bool:
         raise TypeError(f"loss_mask must be bool, got {loss_mask.dtype}")
     named = [("current_logprobs", current_logprobs), ("old_logprobs", old_logprobs),

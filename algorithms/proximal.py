@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trajflow.settings import check_number
+
 
 def behavior_logprobs(inference_logprobs: Tensor) -> Tensor:
     """`behavior`: old := mu, the inference engine's own log-probs."""
@@ -40,6 +42,7 @@ def loglinear_alpha(versions: Tensor, theta_version: int, prox_version: int | No
     Edge case v_theta == v_behav (the token came from the very weights being optimised): alpha := 1,
     prox := current, the trainer-numerics reference that `recompute` would give.
     """
+    check_number("loglinear_alpha", theta_version=theta_version, prox_version=prox_version)
     v_b = versions.to(torch.float64)
     v_t = float(theta_version)
     v_p = float(theta_version - 1 if prox_version is None else prox_version)
@@ -50,12 +53,14 @@ def loglinear_alpha(versions: Tensor, theta_version: int, prox_version: int | No
 
 def loglinear_logprobs(current_logprobs: Tensor, inference_logprobs: Tensor, alpha: Tensor | float) -> Tensor:
     """`loglinear` (A-3PO): log pi_prox = log mu + alpha (log pi_theta - log mu), detached."""
+    check_number("loglinear_logprobs", alpha=alpha)
     cur, inf = current_logprobs.detach(), inference_logprobs.detach()
     return inf + alpha * (cur - inf)
 
 
 def linear_logprobs(current_logprobs: Tensor, inference_logprobs: Tensor, alpha: Tensor | float) -> Tensor:
     """Arithmetic interpolation (linear_prox): pi_prox = (1 - alpha) mu + alpha pi_theta, as a log, detached."""
+    check_number("linear_logprobs", alpha=alpha)
     cur, inf = current_logprobs.detach(), inference_logprobs.detach()
     alpha = torch.as_tensor(alpha, dtype=cur.dtype, device=cur.device)
     return torch.logaddexp(torch.log1p(-alpha) + inf, torch.log(alpha) + cur)

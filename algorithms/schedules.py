@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import math
 
+from trajflow.settings import check_number
+
 from .config import OptimizerConfig
 
 
 def lr_multiplier(update: int, total_updates: int | None, config: OptimizerConfig) -> float:
     """The lr multiplier of optimizer update `update` (0-based) of `total_updates` (module
     docstring). `total_updates` may be None for the constant schedule."""
-    if isinstance(update, bool) or not isinstance(update, int) or update < 0:
+    check_number("lr_multiplier", update=update, total_updates=total_updates)
+    if not isinstance(update, int) or update < 0:
         raise ValueError(f"lr_multiplier: update must be an integer >= 0, got {update!r}")
     warmup = config.warmup_steps
     if update < warmup:

@@ -84,11 +84,13 @@ class ActorMemory:
 
 
 class ProcessTree:
-    """Peak PSS, process count and thread count of this process and all its descendants — with an
-    embedded Ray, that is the whole run: driver, Ray's own services, idle workers and actors."""
+    """Peak PSS, process count and thread count of a process (default: this one) and all its
+    descendants — with an embedded Ray, that is the whole run: driver, Ray's own services, idle
+    workers and actors."""
 
-    def __init__(self, interval: float = 1.0) -> None:
+    def __init__(self, interval: float = 1.0, pid: int | None = None) -> None:
         self.interval = interval
+        self.pid = pid  # the tree's root (default: this process)
         self.peak_pss_bytes = 0
         self.peak_processes = 0
         self.peak_threads = 0
@@ -96,7 +98,10 @@ class ProcessTree:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> None:
-        me = psutil.Process()
+        try:
+            me = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:  # the root has exited
+            return
         pss = threads = processes = 0
         for proc in [me, *me.children(recursive=True)]:
             try:

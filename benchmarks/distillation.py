@@ -80,9 +80,9 @@ def run_arm(part: str, name: str, steps: int, ray: bool) -> pl.DataFrame:
 
 def heldout(m: pl.DataFrame) -> dict[int, float]:
     """Held-out greedy accuracy by version: the start (version 0) and every eval_every versions."""
-    out = {0: m["heldout_accuracy_start"].drop_nulls()[0]}
-    for row in m.filter(pl.col("heldout_accuracy").is_not_null()).iter_rows(named=True):
-        out[row["version"]] = row["heldout_accuracy"]
+    out = {0: m["heldout/accuracy_start"].drop_nulls()[0]}
+    for row in m.filter(pl.col("heldout/accuracy").is_not_null()).iter_rows(named=True):
+        out[row["version"]] = row["heldout/accuracy"]
     return out
 
 

@@ -1,6 +1,7 @@
 """Evidence (issue 23): where does the choice of pi_old change the gradient, and does it change the outcome?
 
     python -m benchmarks.run_all --only evidence_regime      # the mechanism
+    python -m benchmarks.evidence regime --real --steps 8     # the same on SmolLM2-135M (issue 32)
     python -m benchmarks.evidence ewma --run RUN              # EWMA's window and reset threshold
     python -m benchmarks.evidence outcome --seeds 8 ...       # the outcome study (hours: background)
 
@@ -38,6 +39,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trajflow.jobs.summary import heldout_metric
 from trajflow.jobs.recorder import RunPaths, read_metrics
 
 HERE = Path(__file__).resolve().parent
@@ -57,6 +59,14 @@ SETTINGS = [
     ("reverse bf16 lr3e-4", "quickstart", {"task": "reverse", "model": "artifacts/warm_start/reverse",
                                            "inference_dtype": "bfloat16", "sampling.max_new_tokens": 8}),
 ]
+# The real model (jobs/configs/smollm2.yaml: SmolLM2-135M-Instruct, Q4_1 weights dequantized, word
+# problems): its engine mismatch in bf16 is ten times the toy's (issue 32), fp8 more again. Every
+# version is kept for the replays: 538 MB each on disk.
+REAL_SETTINGS = [
+    ("smollm2 bf16 lr1e-5", "smollm2", {"inference_dtype": "bfloat16"}),
+    ("smollm2 fp8 lr1e-5", "smollm2", {"inference_dtype": "fp8"}),
+]
+REAL_STALENESS = [0, 1, 2, 4]
 KEYS = {"cos": "grad/cos_vs_exact", "rel_err": "grad/rel_err_vs_exact", "kept": "mask/token_kept_frac",
         "clip": "clip/frac", "active": "active_frac"}
 
@@ -115,10 +125,11 @@ def retimed(run_dir: Path, delay: int, out: Path, spread: bool = False) -> int:
 
 
 def regime(steps: int = 14, settings=SETTINGS, staleness=STALENESS, proxies=PROXIES,
-           work: Path | None = None) -> pl.DataFrame:
+           work: Path | None = None, spread: bool = True) -> pl.DataFrame:
     """Per setting x staleness x strategy: the mean over steps of the gradient agreement with the
     exact strategy, the kept / clipped / active fractions and (snapshot) the log-ratio split.
-    `work`: where the logged runs and replays go (kept for `ewma --run`); a temp dir by default."""
+    `work`: where the logged runs and replays go (kept for `ewma --run`); a temp dir by default.
+    `spread`: also replay with ages spread over 0..S (S > 1)."""
     frames = []
     work = work or Path(tempfile.mkdtemp(prefix="trajflow-evidence-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -130,20 +141,20 @@ def regime(steps: int = 14, settings=SETTINGS, staleness=STALENESS, proxies=PROX
             shutil.rmtree(run_dir, ignore_errors=True)
             logged_run(config, {"prompts_per_step": 32, **overrides} if config == "quickstart" else overrides,
                        steps, run_dir, log)
-        for delay, spread in [(d, False) for d in staleness] + [(d, True) for d in staleness if d > 1]:
-            ages = f"0-{delay}" if spread else str(delay)
+        for delay, spread_ages in [(d, False) for d in staleness] + [(d, True) for d in staleness if d > 1 and spread]:
+            ages = f"0-{delay}" if spread_ages else str(delay)
             logs, out = work / f"run{n}-S{ages}", work / f"replay{n}-S{ages}"
             if not (out / "metrics.parquet").exists():
                 for partial in (logs, out):
                     shutil.rmtree(partial, ignore_errors=True)
-                if not retimed(run_dir, delay, logs / "trajectories", spread):
+                if not retimed(run_dir, delay, logs / "trajectories", spread_ages):
                     continue
                 trajflow("replay", str(logs / "trajectories"), "--checkpoints", str(run_dir), "--config",
                          str(run_dir / "config.yaml"), "--set", f"max_staleness={delay}", "--strategy",
                          ",".join(["snapshot", *proxies]), "--diagnose", "--gradients", "--out", str(out), log=log)
             m = pl.read_parquet(out / "metrics.parquet")
             frames.append(m.with_columns(pl.lit(label).alias("setting"), pl.lit(ages).alias("staleness"),
-                                         pl.lit(delay).alias("delay"), pl.lit(spread).alias("spread")))
+                                         pl.lit(delay).alias("delay"), pl.lit(spread_ages).alias("spread")))
             print(f"[evidence regime {time.time() - started:5.0f} s] {label}, S={ages}: {m.height // (1 + len(proxies))} "
                   "steps", flush=True)
     return pl.concat(frames, how="diagonal_relaxed")
@@ -214,27 +225,35 @@ def plot_regime(summary: pl.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def run_regime(steps: int = 14, quick: bool = False, work: Path | None = None) -> str:
-    """Markdown for benchmarks/results: the pivots and the split, plus the plot."""
-    settings = SETTINGS[1:2] if quick else SETTINGS
-    staleness = [0, 2] if quick else STALENESS
+def run_regime(steps: int = 14, quick: bool = False, work: Path | None = None, real: bool = False) -> str:
+    """Markdown for benchmarks/results: the pivots and the split, plus the plot. `real`: the real
+    model's settings (results `evidence_real_regime.*`), every token exactly S stale (no spread)."""
+    settings = (REAL_SETTINGS[:1] if quick else REAL_SETTINGS) if real else (SETTINGS[1:2] if quick else SETTINGS)
+    staleness = ([0, 1] if real else [0, 2]) if quick else (REAL_STALENESS if real else STALENESS)
+    steps = (3 if real else 6) if quick else steps
     started = time.time()
-    metrics = regime(steps=6 if quick else steps, settings=settings, staleness=staleness, work=work)
+    metrics = regime(steps=steps, settings=settings, staleness=staleness, work=work, spread=not real)
     RESULTS.mkdir(exist_ok=True)
-    metrics.write_parquet(RESULTS / "evidence_regime.parquet")
+    metrics.write_parquet(RESULTS / f"{regime_prefix(real)}.parquet")
     return (f"Logged runs: {steps} sync snapshot steps each (every version kept), replayed with every "
-            f"token S = {staleness} versions stale, and (S=0-S) with ages spread evenly over 0..S as in an "
-            f"async run; wall {time.time() - started:.0f} s.\n\n" + regime_report(metrics))
+            f"token S = {staleness} versions stale" + ("" if real else ", and (S=0-S) with ages spread evenly "
+            "over 0..S as in an async run") + f"; wall {time.time() - started:.0f} s at load "
+            f"{os.getloadavg()[0]:.1f}.\n\n" + regime_report(metrics, real))
 
 
-def regime_report(metrics: pl.DataFrame) -> str:
+def regime_prefix(real: bool) -> str:
+    return "evidence_real_regime" if real else "evidence_regime"
+
+
+def regime_report(metrics: pl.DataFrame, real: bool = False) -> str:
     """The tables of the regime study from its per-step rows (also `regime --report`), and the plot."""
     from benchmarks.run_all import table
 
     summary = regime_summary(metrics)
-    plot_regime(summary, RESULTS / "evidence_regime.png")
+    name = regime_prefix(real)
+    plot_regime(summary, RESULTS / f"{name}.png")
     return "\n\n".join([
-        "Raw per-step rows: `results/evidence_regime.parquet`; plot: `results/evidence_regime.png`.",
+        f"Raw per-step rows: `results/{name}.parquet`; plot: `results/{name}.png`.",
         "Gradient cosine with the exact strategy's gradient (mean over the steps that have a gradient; "
         "1 = same direction):\n\n" + table(pivot(summary, "cos")),
         "Share of steps on which the strategy's masks removed every token (no gradient at all; rows "
@@ -313,7 +332,8 @@ def outcome(config: str, overrides: dict, strategies: list[str], seeds: int, wor
                                 **overrides}), log=log)
             m = read_metrics(RunPaths(run_dir))
             start = float((work / f"{run_dir.name}.started_at").read_text())  # enter: the command's start
-            frames.append(m.select("version", "heldout_accuracy", "time/step_end")
+            heldout = heldout_metric(m)[0]  # heldout/accuracy (0/1 rewards); heldout/mean_reward in old runs
+            frames.append(m.select("version", pl.col(heldout).alias("heldout_accuracy"), "time/step_end")
                           .filter(pl.col("heldout_accuracy").is_not_null())
                           .with_columns(pl.lit(strategy).alias("strategy"), pl.lit(seed).alias("seed"),
                                         (pl.col("time/step_end") - start).alias("seconds_from_enter")))
@@ -378,6 +398,8 @@ def main() -> None:
     r.add_argument("--quick", action="store_true")
     r.add_argument("--report", action="store_true", help="only the tables and plot, from results/ (no runs)")
     r.add_argument("--work", type=Path, help="keep the logged runs and replays here (default: a temp dir)")
+    r.add_argument("--real", action="store_true", help="the real model (SmolLM2-135M, smollm2 config): bf16 "
+                   "and fp8, S = 0, 1, 2, 4")
     e = sub.add_parser("ewma")
     e.add_argument("--run", type=Path, required=True, help="a logged run with every version (regime's run dirs)")
     o = sub.add_parser("outcome")
@@ -389,8 +411,8 @@ def main() -> None:
     o.add_argument("--work", type=Path, required=True, help="run dirs (resumable)")
     a = p.parse_args()
     if a.what == "regime":
-        print(regime_report(pl.read_parquet(RESULTS / "evidence_regime.parquet")) if a.report
-              else run_regime(a.steps, a.quick, a.work))
+        print(regime_report(pl.read_parquet(RESULTS / f"{regime_prefix(a.real)}.parquet"), a.real) if a.report
+              else run_regime(a.steps, a.quick, a.work, a.real))
         return
     from benchmarks.run_all import table
 

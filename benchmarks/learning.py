@@ -25,13 +25,13 @@ def run(config: dict) -> list[dict]:
     started, curve = time.perf_counter(), []
     for row in pipe.iter_metrics():
         wall = time.perf_counter() - started
-        accuracy = row.get("heldout_accuracy")
+        accuracy = row.get("heldout/accuracy")
         if accuracy is not None:
-            curve.append({"steps": row["version"], "heldout_accuracy": accuracy, "wall_s": round(wall)})
+            curve.append({"steps": row["version"], "heldout/accuracy": accuracy, "wall_s": round(wall)})
         if accuracy is not None or row["step"] % 10 == 0:
-            print(f"step {row['step']:4d}  {wall:6.0f}s  reward {row['reward_mean']:.3f}  acc {accuracy}  "
+            print(f"step {row['step']:4d}  {wall:6.0f}s  reward {row['reward/mean']:.3f}  acc {accuracy}  "
                   f"mask kept {row.get('mask/token_kept_frac', float('nan')):.3f}  "
-                  f"lag {row.get('staleness/max')}  trainer busy {row['trainer_busy_frac']:.2f}", flush=True)
+                  f"lag {row.get('staleness/max')}  trainer busy {row['trainer/busy_frac']:.2f}", flush=True)
     return curve
 
 
@@ -39,4 +39,4 @@ if __name__ == "__main__":
     curve = run(json.loads(sys.argv[1]))
     print("| steps | held-out accuracy | wall s |\n|---|---|---|")
     for point in curve:
-        print(f"| {point['steps']} | {point['heldout_accuracy']:.3f} | {point['wall_s']} |")
+        print(f"| {point['steps']} | {point['heldout/accuracy']:.3f} | {point['wall_s']} |")

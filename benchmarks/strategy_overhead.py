@@ -27,10 +27,10 @@ def run(steps: int = 30, max_staleness: int = 2) -> list[dict]:
             "actors peak RSS MiB": round(sum(r.memory_mb.values())),
             "extra RSS MiB vs behavior": round(sum(r.memory_mb.values()) - base_mem),
             # only the strategies whose store keeps history report snapshots
-            "max snapshot MiB (store)": round(float(m["snapshot_bytes"].max()) / 2**20, 2)
-            if "snapshot_bytes" in m.columns else 0.0,
-            "max versions held": int(m["snapshot_max_versions_held"].max())
-            if "snapshot_max_versions_held" in m.columns else 1,
+            "max snapshot MiB (store)": round(float(m["snapshot/bytes"].max()) / 2**20, 2)
+            if "snapshot/bytes" in m.columns else 0.0,
+            "max versions held": int(m["snapshot/max_versions_held"].max())
+            if "snapshot/max_versions_held" in m.columns else 1,
             "old log-prob s/step": round(float(m["seconds/old_logprob_seconds"].mean()), 3)
             if "seconds/old_logprob_seconds" in m.columns else 0.0,
         })

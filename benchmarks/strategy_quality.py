@@ -19,7 +19,7 @@ STRATEGIES = strategy_names()  # every built-in (operators/strategies/registry.p
 STEPS, PROMPTS, GROUP, LR = 40, 32, 8, 1.5e-4
 SAMPLES = PROMPTS * GROUP
 EVAL_EVERY, EVAL_PROMPTS = 10, 200
-WARM_START_ACCURACY = 0.275  # greedy, on the same first 200 held-out prompts (heldout_accuracy)
+WARM_START_ACCURACY = 0.275  # greedy, on the same first 200 held-out prompts (heldout/accuracy)
 TARGET = 0.36  # warm start + 8.5 points
 # At max_staleness 0 these four are one algorithm (old = pi_v^train of the trainer's own version v,
 # scored exactly), so it runs once and its row stands for all four.
@@ -43,9 +43,9 @@ def run(steps: int, seeds: int, staleness: list[int], strategies: list[str] = ST
                                       eval_every=min(EVAL_EVERY, steps), eval_prompts=EVAL_PROMPTS, seed=seed,
                                       **top_k_for(strategy))
                 m = result.metrics
-                evals = m.filter(m["heldout_accuracy"].is_not_null())
-                finals.append(evals["heldout_accuracy"][-1])
-                hit = evals.filter(evals["heldout_accuracy"] >= TARGET)
+                evals = m.filter(m["heldout/accuracy"].is_not_null())
+                finals.append(evals["heldout/accuracy"][-1])
+                hit = evals.filter(evals["heldout/accuracy"] >= TARGET)
                 to_target.append(int(hit["version"][0]) if hit.height else None)
                 masks.append(float(m["mask/token_kept_frac"].mean()))
                 clips.append(float(m["clip/frac"].mean()))

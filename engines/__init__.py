@@ -6,15 +6,16 @@ needs to check a run dir, does not pay for importing torch and transformers.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from trajflow.lazy import lazy_exports
 
 _EXPORTS = {
     "INFERENCE_DTYPES": "numerics",
     "InferenceDtype": "numerics",
     "load_inference_weights": "numerics",
     "make_inference_model": "numerics",
-    "SamplingParams": "sampling",
+    "SamplingConfig": "sampling",
     "process_logits": "sampling",
     "token_logprobs": "sampling",
     "response_logprobs": "scoring",
@@ -31,19 +32,9 @@ if TYPE_CHECKING:
         load_inference_weights,
         make_inference_model,
     )
-    from trajflow.engines.sampling import SamplingParams, process_logits, token_logprobs
+    from trajflow.engines.sampling import SamplingConfig, process_logits, token_logprobs
     from trajflow.engines.scoring import response_logprobs, score
     from trajflow.engines.torch_engine import Generation, TorchEngine
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, {name: f"{__name__}.{module}" for name, module in _EXPORTS.items()})

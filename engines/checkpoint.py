@@ -36,6 +36,10 @@ ever unpickled: JSON for structure, safetensors for tensors (`torch.load` is nev
 
 `save_weights` / `load_weights` write single version files (`versions/v000012.safetensors`) for
 runs that keep every version for exact offline replay.
+
+One module on purpose: the on-disk formats (replicated, sharded, exported, version files) and
+their atomic writing and checked reading are one contract; a writer and a reader kept apart
+could drift.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Both engines meet the same contract (tests/test_engine_contract.py): `generate(prompts, n,
 between_steps=None) -> list[Generation]`, `load_weights(state_dict, version)`, `version`,
 `abort()`, and `generator` (a torch.Generator whose `manual_seed` makes later sampling
-reproducible). Torch-free at import: a job config's `vllm:` section is built from `VllmOptions`
+reproducible). Torch-free at import: a job config's `vllm:` section is built from `VllmConfig`
 before Ray starts.
 """
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
+from trajflow.deprecations import renamed_names
 from trajflow.settings import check_settings, setting
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ Engine = Union["TorchEngine", "VllmEngine"]
 
 
 @dataclass(frozen=True)
-class VllmOptions:
+class VllmConfig:
     """Knobs of the vLLM engine (`engine: vllm`; engines/vllm_engine.py). null = vLLM's default."""
 
     gpu_memory_utilization: float | None = setting(
@@ -46,17 +47,17 @@ class VllmOptions:
         check_settings(self)
 
 
-VLLM_OPTIONS = tuple(f.name for f in dataclasses.fields(VllmOptions))
+VLLM_OPTIONS = tuple(f.name for f in dataclasses.fields(VllmConfig))
 
 
-def make_engine(name: str, model: Any, *, vllm: VllmOptions | None = None, **kwargs: Any) -> Engine:
+def make_engine(name: str, model: Any, *, vllm: VllmConfig | None = None, **kwargs: Any) -> Engine:
     """Build the named engine: `TorchEngine(model, **kwargs)` or `VllmEngine(model, **kwargs)`.
 
     `model`: a `PreTrainedModel` or a local Hugging Face model directory (either engine).
     `kwargs`: the shared contract (eos_id, pad_id, sampling, inference_dtype, seed, version,
     stop_token_ids, tokenizer — the last two for extra stop ids and `sampling.stop` strings —
     and top_k_logprobs: K > 0 records each token's top-K of the distribution it was sampled from).
-    `vllm`: the vLLM engine's options (ignored by the torch engine); a VllmOptions field given as
+    `vllm`: the vLLM engine's options (ignored by the torch engine); a VllmConfig field given as
     a keyword overrides it (e.g. `kv_cache_memory_bytes=64 << 20`). An option the engine does not
     take is a TypeError that names it.
     """
@@ -72,5 +73,8 @@ def make_engine(name: str, model: Any, *, vllm: VllmOptions | None = None, **kwa
         from trajflow.engines.vllm_engine import VllmEngine
 
         given = {key: kwargs.pop(key) for key in VLLM_OPTIONS if key in kwargs}
-        return VllmEngine(model, options=dataclasses.replace(vllm or VllmOptions(), **given), **kwargs)
+        return VllmEngine(model, options=dataclasses.replace(vllm or VllmConfig(), **given), **kwargs)
     raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(ENGINES)}")
+
+
+__getattr__ = renamed_names(__name__, {"VllmOptions": VllmConfig})  # one release: the old name, with a notice

@@ -19,11 +19,11 @@ unmerged forward (base(x) + B(A(x)) x scaling): the same function, rounded diffe
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dataclasses import dataclass
-
+from trajflow.deprecations import renamed_names
 from trajflow.settings import check_settings, setting
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ INIT_SEED = 0
 
 
 @dataclass(frozen=True)
-class LoraSettings:
+class LoraConfig:
     """A LoRA adapter trained through PEFT over frozen base weights (engines/lora.py)."""
 
     r: int = setting(0, "adapter rank; 0 = off (full fine-tuning)", ge=0, le=1024)
@@ -62,15 +62,16 @@ class LoraSettings:
         return self.alpha / self.r
 
 
-def wrap(model: "torch.nn.Module", settings: LoraSettings) -> "torch.nn.Module":
+def wrap(model: "torch.nn.Module", settings: LoraConfig) -> "torch.nn.Module":
     """`model` as a PEFT model with a fresh adapter (B = 0: the base function) whose parameters
     alone require a gradient. A's random init is drawn from a fixed seed, apart from the
     process's random state: every run (and a resumed one's first session) starts from the same
     adapter whatever ran before in the process."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
-    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+    config = PeftLoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=list(settings.target_modules), bias="none")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(INIT_SEED)
@@ -143,3 +144,6 @@ class VersionWeights:
 
             self._base = load_model(self.model_path).state_dict()
         return merged(self._base, payload)
+
+
+__getattr__ = renamed_names(__name__, {"LoraSettings": LoraConfig})  # one release: the old name, with a notice

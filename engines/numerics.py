@@ -1,6 +1,6 @@
 """Inference numerics: a copy of the training model whose arithmetic deliberately differs.
 
-This makes the training–inference discrepancy r_d = π_train / μ (DESIGN.md §1) real and
+This makes the training–inference discrepancy r_d = π_train / μ (docs/design.md §1) real and
 measurable on any machine:
 
 - "float32": an exact copy; same weights, same kernels, so r_d ≡ 1 up to float rounding.

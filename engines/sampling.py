@@ -16,16 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from trajflow.deprecations import renamed_names
 from trajflow.settings import check_settings, setting
 
 if TYPE_CHECKING:  # torch loads in the functions below: a job config's `sampling:` section is
-    # built from SamplingParams before Ray starts, without torch (tests/test_startup.py)
+    # built from SamplingConfig before Ray starts, without torch (tests/test_startup.py)
     import torch
     from torch import Tensor
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class SamplingConfig:
     """How responses are sampled, and so the distribution every log-prob is taken under."""
 
     temperature: float = setting(1.0, "0 = greedy (log-probs then at temperature 1)", ge=0.0)
@@ -42,7 +43,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def warp_logits(logits: Tensor, sampling: SamplingParams) -> Tensor:
+def warp_logits(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     """Float32 logits [..., V] -> tempered, top-k/top-p filtered logits (filtered entries -inf).
 
     Not normalised: `process_logits` / `token_logprobs` normalise. Differentiable in the kept
@@ -69,7 +70,7 @@ def warp_logits(logits: Tensor, sampling: SamplingParams) -> Tensor:
     return logits
 
 
-def process_logits(logits: Tensor, sampling: SamplingParams) -> Tensor:
+def process_logits(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     """Float32 logits [..., V] -> processed log-probs [..., V] (temperature, top-k, top-p; -inf
     where filtered). The distribution generation samples from."""
     import torch
@@ -77,7 +78,7 @@ def process_logits(logits: Tensor, sampling: SamplingParams) -> Tensor:
     return torch.log_softmax(warp_logits(logits, sampling), dim=-1)
 
 
-def processed_entropy(logits: Tensor, sampling: SamplingParams) -> Tensor:
+def processed_entropy(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     """Entropy [...] of the processed distribution (the one sampled from) at each position of
     float32 logits [..., V]; filtered entries contribute 0. Differentiable."""
     import torch
@@ -87,7 +88,7 @@ def processed_entropy(logits: Tensor, sampling: SamplingParams) -> Tensor:
     return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
 
 
-def support_logprobs(logits: Tensor, ids: Tensor, sampling: SamplingParams) -> Tensor:
+def support_logprobs(logits: Tensor, ids: Tensor, sampling: SamplingConfig) -> Tensor:
     """Processed log-probs [..., K] of the ids [..., K] under `logits` [..., V], in the
     memory-light gather-minus-logsumexp form (no [..., V] log-softmax kept). Equals
     `process_logits(logits).gather(ids)`; a filtered id scores -inf."""
@@ -97,7 +98,7 @@ def support_logprobs(logits: Tensor, ids: Tensor, sampling: SamplingParams) -> T
     return warped.gather(-1, ids) - torch.logsumexp(warped, dim=-1, keepdim=True)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingParams) -> Tensor:
+def token_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingConfig) -> Tensor:
     """Processed log-prob of `tokens` [...] under `logits` [..., V] (`support_logprobs` of one id)."""
     return support_logprobs(logits, tokens.unsqueeze(-1), sampling).squeeze(-1)
 
@@ -113,7 +114,7 @@ class Sampled(NamedTuple):
     top_k_logprobs: Tensor | None = None
 
 
-def sample_tokens(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None = None,
+def sample_tokens(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None,
                   top_k: int = 0) -> Sampled:
     """Sample one token per row from float32 logits [B, V] (see `Sampled`).
 
@@ -134,3 +135,6 @@ def sample_tokens(logits: Tensor, sampling: SamplingParams, generator: torch.Gen
         return Sampled(tokens, (picked - lse).squeeze(-1))
     top = torch.topk(warped, top_k, dim=-1)
     return Sampled(tokens, (picked - lse).squeeze(-1), top.indices, top.values - lse)
+
+
+__getattr__ = renamed_names(__name__, {"SamplingParams": SamplingConfig})  # one release: the old name, with a notice

@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from trajflow.engines.numerics import check_inference_dtype, load_inference_weights, make_inference_model
-from trajflow.engines.sampling import SamplingParams, sample_tokens
+from trajflow.engines.sampling import SamplingConfig, sample_tokens
 from trajflow.engines.scoring import pack_batch
 from trajflow.engines.tokenizer import StopStrings
 
@@ -70,7 +70,7 @@ class TorchEngine:
         *,
         eos_id: int,
         pad_id: int,
-        sampling: SamplingParams,
+        sampling: SamplingConfig,
         inference_dtype: str = "float32",
         seed: int = 0,
         version: int = 0,
@@ -217,5 +217,5 @@ def greedy_engine(model: PreTrainedModel, tokenizer, max_new_tokens: int,
                   stop_token_ids: Sequence[int] = ()) -> TorchEngine:
     """A float32 greedy engine for evaluation (held-out accuracy, episode success)."""
     return TorchEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                       sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
+                       sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens),
                        stop_token_ids=stop_token_ids)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.scoring import response_logprobs
 
 MixedPrecision = Literal["no", "bf16"]
@@ -63,7 +63,7 @@ class TrainingNumerics:
         model: torch.nn.Module,
         prompt_tokens: Sequence[Sequence[int]],
         response_tokens: Sequence[Sequence[int]],
-        sampling: SamplingParams,
+        sampling: SamplingConfig,
         *,
         width: int,
         grad: bool = False,
@@ -93,7 +93,7 @@ class TrainingNumerics:
         model: torch.nn.Module,
         prompt_tokens: Sequence[Sequence[int]],
         response_tokens: Sequence[Sequence[int]],
-        sampling: SamplingParams,
+        sampling: SamplingConfig,
         *,
         top_k_ids: Sequence[np.ndarray] | None = None,
         top_k: list[np.ndarray] | None = None,

@@ -20,7 +20,7 @@ Design
   until every sample has finished. Each step returns the token(s) each running sample produced in
   that step; they are appended to the `Generation`s, and `between_steps` runs after every step
   that produced tokens — the vLLM counterpart of the torch engine's "after every decode step".
-* Log-probs: `LLM(logprobs_mode="processed_logprobs")` and `SamplingParams(logprobs=0)` return the
+* Log-probs: `LLM(logprobs_mode="processed_logprobs")` and `SamplingConfig(logprobs=0)` return the
   log-prob of the sampled token under the tempered, top-k/top-p-filtered distribution (vLLM applies
   temperature, then top-k, then top-p, with the same tie and top-p boundary rules as
   engines/sampling.py). vLLM's default (`raw_logprobs`) would be pre-temperature: wrong for μ.
@@ -79,6 +79,10 @@ here: no GPU.
 Process-wide side effects of in-process vLLM on CPU (documented, partly undone): vLLM's CPU worker
 replaces `torch.set_num_threads` with a no-op and may lower torch's thread count to 1 (unless
 OMP_NUM_THREADS is set). The engine restores `torch.set_num_threads` after construction.
+
+One module on purpose: the engine contract (the torch engine's, engines/torch_engine.py) met
+on top of one vLLM version's internals — the scheduler driven step by step, weight reloads,
+LoRA requests — which change together when vLLM does.
 """
 
 from __future__ import annotations
@@ -98,12 +102,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trajflow.engines.factory import VLLM_LORA_RANKS, VllmConfig
+from trajflow.engines.lora import ADAPTER_PREFIX, ADAPTER_SCALING, is_adapter
 from trajflow.engines.numerics import check_inference_dtype
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.tokenizer import StopStrings
 from trajflow.engines.torch_engine import Generation
-from trajflow.engines.factory import VLLM_LORA_RANKS, VllmOptions
-from trajflow.engines.lora import ADAPTER_PREFIX, ADAPTER_SCALING, is_adapter
 
 BetweenSteps = Callable[["VllmEngine", list[Generation]], None]
 
@@ -137,7 +141,7 @@ class VllmEngine:
     temporary directory that lives as long as the engine. The weights in that directory are the
     initial weights; `load_weights` replaces them.
 
-    Knobs: `options` (engines.factory.VllmOptions: the `vllm:` section of a job config),
+    Knobs: `options` (engines.factory.VllmConfig: the `vllm:` section of a job config),
     `max_logprobs`, `lora_slots` / `lora_rank` (LoRA versions, see the module docstring), and
     `llm_kwargs` passed verbatim to `vllm.LLM`.
     """
@@ -148,11 +152,11 @@ class VllmEngine:
         *,
         eos_id: int,
         pad_id: int,
-        sampling: SamplingParams,
+        sampling: SamplingConfig,
         inference_dtype: str = "float32",
         seed: int = 0,
         version: int = 0,
-        options: VllmOptions = VllmOptions(),
+        options: VllmConfig = VllmConfig(),
         max_logprobs: int = 64,
         llm_kwargs: dict[str, Any] | None = None,
         stop_token_ids: Sequence[int] = (),
@@ -580,7 +584,7 @@ def _untie(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _greedy_filtered_logprob(entry: dict, token: int, sampling: SamplingParams) -> float:
+def _greedy_filtered_logprob(entry: dict, token: int, sampling: SamplingConfig) -> float:
     """Log-prob of the greedy token under trajflow's greedy semantics (untempered, top-k/top-p
     applied, renormalised), from vLLM's top-N untempered log-probs of one position."""
     values = sorted((float(v.logprob) for v in entry.values()), reverse=True)

@@ -7,12 +7,16 @@
     trajflow replay TRAJECTORIES --checkpoints DIR --strategy NAME [--diagnose | --train]
     trajflow report RUN_DIR  /  trajflow compare RUN_DIR...   summary table and a PNG of the curves
     trajflow generate / trajflow eval               quick looks at a model (no Ray)
+    trajflow prepare smollm2                        build a packaged model's HF directory (once, cached)
 
 CONFIG is a YAML file or the name of a bundled one (`trajflow configs` lists them). Bad input
 (a command-line argument, a config key, a Parquet file, missing weights, an unreachable cluster)
 ends with one `trajflow: ...` line that names the problem and exit status 2, before anything is
 written or started. `--verbose` shows what a normal run keeps quiet (Ray's own notices, weight
 loading bars).
+
+One module on purpose: the argparse front end of every command and the one rule that turns any
+bad input into one line and exit status 2; the commands' work lives in their own modules.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from trajflow.engines import SamplingParams, TorchEngine, score
+    from trajflow.engines import SamplingConfig, TorchEngine, score
     from trajflow.engines.models import load_model, load_tokenizer
     from trajflow.engines.tokenizer import decode_response, encode_prompt
     from trajflow.jobs.console import format_table
@@ -44,7 +48,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          "plays its episodes")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
-    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     engine = TorchEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, sampling=sampling,
                          inference_dtype=args.inference_dtype, seed=args.seed)
     stream = task.prompts("train", seed=args.seed)
@@ -144,6 +148,16 @@ def _checked_address(address: str) -> str:
     except ValueError:
         raise UsageError(f"--address {address!r}: the port is not a number from 0 to 65535") from None
     return address
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from trajflow.engines.prepared import PrepareError, prepare
+
+    try:
+        print(prepare(args.name))
+    except PrepareError as e:
+        raise UsageError(str(e)) from None
+    return 0
 
 
 def _cmd_configs(args: argparse.Namespace) -> int:
@@ -381,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "(cosine, relative error; give an exact strategy, e.g. snapshot)")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
     rp.set_defaults(func=_cmd_replay)
+
+    pr = command("prepare", "build a model a package ships (e.g. smollm2) into an HF directory in the cache, "
+                 "once; print its path")
+    pr.add_argument("name", help="smollm2 (smollm2-135m-instruct-q4_1: SmolLM2-135M-Instruct, 4-bit-quantized "
+                    "(Q4_1) weights dequantized to float32; needs the smollm2 extra)")
+    pr.set_defaults(func=_cmd_prepare)
 
     cf = command("configs", "list the bundled job configs and the strategies")
     cf.set_defaults(func=_cmd_configs)

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError
 
-from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.config import PipelineConfig, preflight
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -183,15 +183,21 @@ def decode_config_bytes(data: bytes, source: str) -> str:
 
 
 def build_job_config(data: dict[str, Any], overrides: list[str] | None = None) -> JobConfig:
+    """The job config of `data` with `overrides` (`key=value`), validated, then preflighted
+    (pipelines/config/preflight.py); any problem is one JobConfigError line."""
     data = dict(data)
     for assignment in overrides or []:
         _set_key(data, assignment)
     try:
-        return JobConfig(**data)
+        config = JobConfig(**data)
     except ValidationError as e:
         raise JobConfigError(f"config error: {format_validation_error(e)}") from None
     except TypeError as e:  # e.g. non-string keys in a nested mapping
         raise JobConfigError(f"config error: {e}") from None
+    try:  # what needs the disk: the model directory, the tokenizer, every row of a dataset
+        return preflight(config)
+    except ValueError as e:
+        raise JobConfigError(f"config error: {str(e).replace(chr(10), ' ')}") from None
 
 
 def load_job_config(path: str | os.PathLike, overrides: list[str] | None = None) -> JobConfig:

@@ -17,7 +17,7 @@ def wrap(text: str) -> str:
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """A plain right-aligned table of `rows` (dicts); columns are (header, key, format), e.g.
-    ("reward", "reward_mean", "{:.3f}"). Columns no row has are left out; a missing value is '-';
+    ("reward", "reward/mean", "{:.3f}"). Columns no row has are left out; a missing value is '-';
     columns that would pass WIDTH are left out from the right."""
     columns = [c for c in columns if any(r.get(c[1]) is not None for r in rows)]
     cells = [[_cell(r.get(key), fmt) for _, key, fmt in columns] for r in rows]

@@ -207,15 +207,37 @@ def logged_steps(paths: RunPaths) -> list[int]:
     return sorted(s for s in (step_of(p.name) for p in paths.metrics_dir.glob("step=*.parquet")) if s is not None)
 
 
+# metric keys renamed to the one style (docs/design.md §4a) -> their names now; a run written
+# before reads under the new names. heldout_accuracy was the held-out mean reward whatever the
+# reward (an accuracy only for 0/1 rewards), so that is what it reads as.
+RENAMED_METRICS = {
+    "reward_mean": "reward/mean",
+    "heldout_accuracy": "heldout/mean_reward",
+    "heldout_accuracy_start": "heldout/mean_reward_start",
+    "snapshot_versions_held": "snapshot/versions_held",
+    "snapshot_bytes": "snapshot/bytes",
+    "snapshot_max_versions_held": "snapshot/max_versions_held",
+    "trainer_busy_frac": "trainer/busy_frac",
+    "train_seconds": "seconds/train_seconds",
+    "over_stale_tokens_dropped": "staleness/over_stale_tokens",
+}
+
+
+def current_metric_names(metrics):
+    """A metrics DataFrame with the keys renamed since it was written under their names now."""
+    renamed = {old: new for old, new in RENAMED_METRICS.items() if old in metrics.columns and new not in metrics.columns}
+    return metrics.rename(renamed) if renamed else metrics
+
+
 def read_metrics(paths: RunPaths):
-    """All per-step metrics rows as one polars DataFrame, sorted by step."""
+    """All per-step metrics rows as one polars DataFrame, sorted by step, under today's keys."""
     import polars as pl
 
     files = sorted(paths.metrics_dir.glob("step=*.parquet")) if paths.metrics_dir.is_dir() else []
     if not files:
         return pl.DataFrame()
     frames = [pl.read_parquet(f) for f in files]
-    return pl.concat(frames, how="diagonal_relaxed").sort("step")
+    return current_metric_names(pl.concat(frames, how="diagonal_relaxed").sort("step"))
 
 
 @dataclass

@@ -25,13 +25,15 @@ import polars as pl
 import yaml
 
 from trajflow.jobs.console import WIDTH
-from trajflow.jobs.recorder import RunPaths, read_metrics, read_state
+from trajflow.jobs.recorder import RunPaths, current_metric_names, read_metrics, read_state
+from trajflow.jobs.summary import heldout_metric
 
+HELDOUT = "heldout"  # CURVES' stand-in for the run's held-out metric (jobs/summary.py heldout_metric)
 # (metrics key, panel title, y-axis label)
 CURVES = [
-    ("reward_mean", "mean reward of the train batch", "reward"),
-    # heldout_accuracy is the mean reward of greedy responses: an accuracy only for a 0/1 reward
-    ("heldout_accuracy", "held-out greedy mean reward", "mean reward (0/1: accuracy)"),
+    ("reward/mean", "mean reward of the train batch", "reward"),
+    # the greedy responses' mean reward: heldout/accuracy for 0/1 rewards, else heldout/mean_reward
+    (HELDOUT, "held-out greedy mean reward", "mean reward (0/1: accuracy)"),
     ("mask/token_kept_frac", "train-infer mask: tokens kept", "fraction of tokens"),
     ("clip/frac", "PPO clip fraction", "fraction of tokens"),
     ("staleness/mean", "staleness (mean per token)", "versions behind"),
@@ -100,7 +102,8 @@ def load_runs(run_dirs: list[str | Path]) -> dict[str, Run]:
 
 
 def _as_runs(runs: dict[str, Run | pl.DataFrame]) -> dict[str, Run]:
-    return {label: r if isinstance(r, Run) else Run(r) for label, r in runs.items()}
+    """Runs, a notebook's DataFrames among them under today's metric keys."""
+    return {label: r if isinstance(r, Run) else Run(current_metric_names(r)) for label, r in runs.items()}
 
 
 def step_seconds(run: Run) -> pl.DataFrame:
@@ -117,7 +120,7 @@ def step_seconds(run: Run) -> pl.DataFrame:
 
 
 def summarize(label: str, run: Run | pl.DataFrame) -> dict:
-    run = run if isinstance(run, Run) else Run(run)
+    run = run if isinstance(run, Run) else Run(current_metric_names(run))
     m = run.metrics
 
     def col(name: str) -> pl.Series:
@@ -127,7 +130,8 @@ def summarize(label: str, run: Run | pl.DataFrame) -> dict:
         values = col(name)
         return round(float(values.mean()), digits) if len(values) else None
 
-    acc, start = col("heldout_accuracy"), col("heldout_accuracy_start")
+    heldout = heldout_metric(m)
+    acc, start = (col(heldout[0]), col(f"{heldout[0]}_start")) if heldout else (col(""), col(""))
     tail = m.tail(max(1, m.height // FINAL_FRACTION))
     seconds = step_seconds(run)["seconds_per_step"]
     first_session = (run.state.get("sessions") or [{}])[0]
@@ -141,12 +145,13 @@ def summarize(label: str, run: Run | pl.DataFrame) -> dict:
         "config": run.config.get("name"),
         "strategy": run.strategy,
         "steps": m.height,
-        "final_reward": round(float(tail["reward_mean"].mean()), 3),
+        "final_reward": round(float(tail["reward/mean"].mean()), 3),
         "final_reward_steps": tail.height,
         "reward_errors": int(col("reward/errors").sum()) if "reward/errors" in m.columns else None,
-        "start_heldout_accuracy": round(float(start[0]), 3) if len(start) else None,
-        "best_heldout_accuracy": round(float(acc.max()), 3) if len(acc) else None,
-        "final_heldout_accuracy": round(float(acc[-1]), 3) if len(acc) else None,
+        "heldout": heldout[1] if heldout else None,
+        "start_heldout": round(float(start[0]), 3) if len(start) else None,
+        "best_heldout": round(float(acc.max()), 3) if len(acc) else None,
+        "final_heldout": round(float(acc[-1]), 3) if len(acc) else None,
         "mask_kept": mean("mask/token_kept_frac", 4),
         "clip_frac": mean("clip/frac", 4),
         "mean_staleness": mean("staleness/mean", 2),
@@ -157,9 +162,9 @@ def summarize(label: str, run: Run | pl.DataFrame) -> dict:
 
 
 def comparison_table(runs: dict[str, Run | pl.DataFrame]) -> pl.DataFrame:
-    """One summary row per run; the best final held-out accuracy (else reward) first."""
+    """One summary row per run; the best final held-out score (else reward) first."""
     table = pl.DataFrame([summarize(label, r) for label, r in _as_runs(runs).items()])
-    key = "final_heldout_accuracy" if table["final_heldout_accuracy"].null_count() < table.height else "final_reward"
+    key = "final_heldout" if table["final_heldout"].null_count() < table.height else "final_reward"
     return table.sort(key, descending=True, nulls_last=True)
 
 
@@ -170,9 +175,10 @@ PRINTED = [
     ("final reward", "final_reward", "{:.3f}"),
     ("  = mean of last N steps, N", "final_reward_steps", "{:d}"),
     ("reward errors (rows)", "reward_errors", "{:d}"),
-    ("held-out accuracy, version 0", "start_heldout_accuracy", "{:.3f}"),
-    ("held-out accuracy, best", "best_heldout_accuracy", "{:.3f}"),
-    ("held-out accuracy, final", "final_heldout_accuracy", "{:.3f}"),
+    ("held-out score is the", "heldout", "{}"),
+    ("held-out score, version 0", "start_heldout", "{:.3f}"),
+    ("held-out score, best", "best_heldout", "{:.3f}"),
+    ("held-out score, final", "final_heldout", "{:.3f}"),
     ("mask: tokens kept (mean)", "mask_kept", "{:.4f}"),
     ("clip fraction (mean)", "clip_frac", "{:.4f}"),
     ("staleness, mean (versions)", "mean_staleness", "{:.2f}"),
@@ -239,11 +245,12 @@ def plot_runs(runs: dict[str, Run | pl.DataFrame], path: str | Path, smooth: int
     for ax, (column, title, unit) in zip(axes.flat, CURVES):
         missing = []
         for i, (label, m) in enumerate(data.items()):
-            values = m.select("step", column).drop_nulls() if column in m.columns else pl.DataFrame()
+            key = (heldout_metric(m) or ("",))[0] if column == HELDOUT else column
+            values = m.select("step", key).drop_nulls() if key in m.columns else pl.DataFrame()
             if values.is_empty():
                 missing.append(label)
                 continue
-            steps, ys = values["step"].to_list(), values[column].to_list()
+            steps, ys = values["step"].to_list(), values[key].to_list()
             color = colors[i % len(colors)]
             few = len(steps) <= 40
             (line,) = ax.plot(steps, ys, color=color, lw=1.2, marker="o" if few else None, ms=2.5, label=label)
@@ -260,7 +267,7 @@ def plot_runs(runs: dict[str, Run | pl.DataFrame], path: str | Path, smooth: int
         ax.ticklabel_format(axis="y", useOffset=False)  # values as they are, not as offsets from a constant
         ax.grid(alpha=0.3)
         if len(missing) == len(data):
-            reason = {"heldout_accuracy": "evaluation off (eval_every: 0)",
+            reason = {HELDOUT: "evaluation off (eval_every: 0)", "": "evaluation off (eval_every: 0)",
                       "seconds_per_step": "no step timestamps\n(runs from a notebook or older runs)"}
             ax.text(0.5, 0.5, reason.get(column, "no data"), ha="center", va="center", transform=ax.transAxes,
                     color="0.35")

@@ -326,7 +326,7 @@ def _stream(config, paths, pipeline, first_step, started, interactive, step_seco
             if config.status_every and (step % config.status_every == 0 or step == config.steps - 1):
                 say(status_line(row, config.steps, step_seconds[-1]))  # first: the line shows the step's end
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
+            bar.set_postfix(reward=f"{row['reward/mean']:.3f}")
             if tb is not None:
                 tb.add(row)
             if row.get("recovery/event"):

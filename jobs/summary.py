@@ -12,7 +12,7 @@ NODE_PREFIX = f"{NODE_AREA}/"  # metrics-row columns naming the node of a stage'
 
 # (label, metrics key, format) of a status line, in the order they are dropped last to first
 STATUS_KEYS = (
-    ("reward", "reward_mean", "{:.3f}"),
+    ("reward", "reward/mean", "{:.3f}"),
     ("mask", "mask/token_kept_frac", "{:.3f}"),
     ("clip", "clip/frac", "{:.3f}"),
     ("k3", "mismatch/k3", "{:.1e}"),
@@ -23,7 +23,7 @@ STATUS_KEYS = (
 # (header, metrics key, format) of the summary table
 SUMMARY_COLUMNS = (
     ("step", "step", "{:d}"),
-    ("reward", "reward_mean", "{:.3f}"),
+    ("reward", "reward/mean", "{:.3f}"),
     ("trained", "rows_trained", "{:d}"),
     ("reward errors", "reward/errors", "{:d}"),  # shown when the reward failed on some row
     ("mask", "mask/token_kept_frac", "{:.3f}"),
@@ -32,7 +32,7 @@ SUMMARY_COLUMNS = (
     ("stale", "staleness/mean", "{:.2f}"),
     ("stale max", "staleness/max", "{:.0f}"),
     ("loss", "loss", "{:+.4f}"),
-    ("train s", "train_seconds", "{:.2f}"),
+    ("train s", "seconds/train_seconds", "{:.2f}"),
 )
 
 
@@ -43,7 +43,7 @@ def status_line(row: dict, steps: int, seconds: float | None = None) -> str:
     started, so it shows the start-up)."""
     step = int(row["step"])
     parts = [f"step {step:>{len(str(steps - 1))}} ({100 * (step + 1) // steps:>3}%)"]
-    fields = [f"reward {row['reward_mean']:.3f}"] if row.get("reward_mean") is not None else []
+    fields = [f"reward {row['reward/mean']:.3f}"] if row.get("reward/mean") is not None else []
     fields.append(f"rows {row.get('rows_trained', 0)}/{row.get('rows', 0)}")
     if row.get("reward/errors"):
         fields.append(f"reward errors {row['reward/errors']}")
@@ -84,11 +84,21 @@ def record_placement(paths: RunPaths, placement: dict[str, list[str]], row: dict
     return changed
 
 
+def heldout_metric(metrics) -> tuple[str, str] | None:
+    """(the held-out metric's key, what it is) in a run's metrics: `heldout/accuracy` (every reward
+    0 or 1) or `heldout/mean_reward`; None without an evaluation."""
+    for key, what in (("heldout/accuracy", "accuracy"), ("heldout/mean_reward", "mean reward")):
+        if key in metrics.columns or f"{key}_start" in metrics.columns:
+            return key, what
+    return None
+
+
 def heldout_line(metrics, prompts: int) -> str | None:
-    """Held-out accuracy of the starting weights (version 0) and of the last version evaluated,
-    with the standard error sqrt(p (1 - p) / n) over the n held-out prompts (exact for a 0/1
-    reward, an upper bound for rewards in [0, 1]); of the change, sqrt(se0² + se1²) (the same
-    prompts both times, so conservative). None without an evaluation. `metrics`: polars, by step."""
+    """The held-out score (accuracy, or mean reward) of the starting weights (version 0) and of the
+    last version evaluated, with the standard error sqrt(p (1 - p) / n) over the n held-out
+    prompts (exact for a 0/1 reward, an upper bound for rewards in [0, 1]); of the change,
+    sqrt(se0² + se1²) (the same prompts both times, so conservative). None without an
+    evaluation. `metrics`: polars, by step."""
     import math
 
     def se(p: float | None) -> float | None:
@@ -98,8 +108,12 @@ def heldout_line(metrics, prompts: int) -> str | None:
         values = metrics.select("version", column).drop_nulls() if column in metrics.columns else metrics.clear()
         return (float(values[column][-1]), int(values["version"][-1])) if values.height else (None, None)
 
-    start, _ = last("heldout_accuracy_start")
-    end, version = last("heldout_accuracy")
+    found = heldout_metric(metrics)
+    if found is None:
+        return None
+    key, what = found
+    start, _ = last(f"{key}_start")
+    end, version = last(key)
     if start is not None and end is not None:
         errors = (se(start), se(end))
         interval = f" ± {math.hypot(*errors):.3f} (s.e.)" if None not in errors else ""
@@ -110,7 +124,7 @@ def heldout_line(metrics, prompts: int) -> str | None:
             f" at version {0 if start is not None else version}"
     else:
         return None
-    return f"held-out accuracy on {prompts} prompts: {text}"
+    return f"held-out {what} on {prompts} prompts: {text}"
 
 
 def reward_errors_line(metrics) -> str | None:
@@ -135,7 +149,7 @@ def summary_table(paths: RunPaths, steps: int, first_step: int, session_seconds:
         return "no steps were trained"
     rows = metrics.to_dicts()
     shown = rows if len(rows) <= 12 else [rows[i] for i in sorted({*range(0, len(rows), len(rows) // 10), len(rows) - 1})]
-    rewards = metrics["reward_mean"]
+    rewards = metrics["reward/mean"]
     n = min(5, len(rewards))
     checkpoints = [c.path.name for c in ckpt.list_checkpoints(paths.checkpoints)]
     timing = f"this session: steps {first_step}..{steps - 1} in {session_seconds:.1f}s"

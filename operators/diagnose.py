@@ -36,7 +36,7 @@ from trajflow.algorithms.config import CorrectionConfig, DistillConfig, KLConfig
 from trajflow.algorithms.diagnostics import gradient_agreement
 from trajflow.engines.lora import VersionWeights
 from trajflow.engines.models import load_model
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient, VersionNotHeld
 from trajflow.operators.strategies.base import Strategy
@@ -54,7 +54,7 @@ class Diagnose(PolicyHolder):
         strategies: list[Strategy],
         correction: CorrectionConfig,
         kl: KLConfig,
-        sampling: SamplingParams,
+        sampling: SamplingConfig,
         max_staleness: int,
         numerics: TrainingNumerics,
         torch_threads: int,

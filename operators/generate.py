@@ -31,16 +31,18 @@ strategy that scores at a switch scores pi_old on those ids too (`top_k_old_logp
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from trajflow.engines.factory import VllmOptions, make_engine
+from trajflow.engines.factory import VllmConfig, make_engine
 from trajflow.engines.lora import VersionWeights, is_adapter
 from trajflow.engines.models import load_model, load_tokenizer
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.tokenizer import stop_token_ids
 from trajflow.engines.torch_engine import Generation, TorchEngine
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -64,79 +66,86 @@ def rollout_step_of(batch: pa.Table) -> int:
     return int(steps[0])
 
 
-class Generate:
-    """The rollout of one train step per call (see the module docstring). Every argument is a
-    setting of the pipeline's config (pipelines/config.py), which holds their defaults."""
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the rollouts of a step are sampled (each a setting of the pipeline's config,
+    pipelines/config/, which holds its default and documents it)."""
 
-    def __init__(
-        self,
-        store: PolicyStoreClient,
-        model_path: str | Path,
-        workload: Workload,
-        group_size: int,
-        sampling: SamplingParams,
-        inference_dtype: str,
-        seed: int,
-        partial_rollout: bool,
-        scores_at_switch: bool,
-        simulate_decode_seconds: float,
-        torch_threads: int,
-        engine: str,
-        vllm: VllmOptions,
-        numerics: TrainingNumerics,
-        weight_sync: WeightSyncConfig,
-        lora_slots: int = 0,
-        lora_rank: int = 0,
-        top_k_logprobs: int = 0,
-    ) -> None:
+    group_size: int                       # responses per prompt
+    sampling: SamplingConfig
+    seed: int
+    partial_rollout: bool = False         # take new weights between decode steps
+    scores_at_switch: bool = False        # the strategy scores the prefix before a switch (interrupt)
+    simulate_decode_seconds: float = 0.0  # sleep per decode step (a slower engine, for studies)
+    top_k_logprobs: int = 0               # K > 0: record each token's top-K (module docstring)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Which generation engine samples, in which numerics (engines/factory.py)."""
+
+    name: Literal["torch", "vllm"]
+    inference_dtype: str                  # float32, bfloat16 or fp8 (simulated)
+    vllm: VllmConfig = VllmConfig()       # engine: vllm's options
+    lora_slots: int = 0                   # vLLM: the adapters kept resident (the staleness window's)
+    lora_rank: int = 0
+
+
+class Generate:
+    """The rollout of one train step per call (see the module docstring)."""
+
+    def __init__(self, store: PolicyStoreClient, model_path: str | Path, workload: Workload, rollout: RolloutConfig,
+                 engine: EngineConfig, numerics: TrainingNumerics, weight_sync: WeightSyncConfig,
+                 torch_threads: int) -> None:
         torch.set_num_threads(torch_threads)
-        self.top_k_logprobs = top_k_logprobs
+        self.top_k_logprobs = rollout.top_k_logprobs
         self.store = store
+        scores_at_switch = rollout.scores_at_switch
         # the newest version only, in the dtype it samples in (float32 to score prefixes at a switch)
-        self.source = weight_source(store, weight_sync, reader_dtype(inference_dtype, exact=scores_at_switch),
-                                     history=False, device=str(numerics.torch_device()))
+        self.source = weight_source(store, weight_sync, reader_dtype(engine.inference_dtype, exact=scores_at_switch),
+                                    history=False, device=str(numerics.torch_device()))
         self.environment = workload.environment()
         self.tokenizer = load_tokenizer(model_path)
-        self.group_size = group_size
-        self.sampling = sampling
-        self.seed = seed
+        self.group_size = rollout.group_size
+        self.sampling = rollout.sampling
+        self.seed = rollout.seed
         # a strategy that scores at a switch takes new weights mid-generation by definition
-        self.partial_rollout = partial_rollout or scores_at_switch
+        self.partial_rollout = rollout.partial_rollout or scores_at_switch
         self.scores_at_switch = scores_at_switch
-        self.simulate_decode_seconds = simulate_decode_seconds
+        self.simulate_decode_seconds = rollout.simulate_decode_seconds
         # The torch engine copies an in-memory model; vLLM loads the directory itself. The float32
         # model is also the scorer of prefixes at a switch (interrupt).
-        model = load_model(model_path) if (engine == "torch" or scores_at_switch) else None
+        model = load_model(model_path) if (engine.name == "torch" or scores_at_switch) else None
         # vLLM applies a LoRA version's adapter itself (the window's adapters resident); the torch
         # engine gets the adapter merged into full weights
-        self.lora_slots = lora_slots if engine == "vllm" else 0
-        adapters = dict(lora_slots=lora_slots, lora_rank=lora_rank) if self.lora_slots else {}
+        self.lora_slots = engine.lora_slots if engine.name == "vllm" else 0
+        adapters = dict(lora_slots=engine.lora_slots, lora_rank=engine.lora_rank) if self.lora_slots else {}
         self.engine = make_engine(
-            engine,
-            model if engine == "torch" else model_path,
-            vllm=vllm,
+            engine.name,
+            model if engine.name == "torch" else model_path,
+            vllm=engine.vllm,
             eos_id=self.tokenizer.eos_token_id,
             pad_id=self.tokenizer.pad_token_id,
             stop_token_ids=stop_token_ids(self.tokenizer, model_path),
             tokenizer=self.tokenizer,
-            sampling=sampling,
-            inference_dtype=inference_dtype,
-            seed=seed,
+            sampling=rollout.sampling,
+            inference_dtype=engine.inference_dtype,
+            seed=rollout.seed,
             version=-1,
-            top_k_logprobs=top_k_logprobs,
+            top_k_logprobs=rollout.top_k_logprobs,
             **adapters,
         )
         # Training numerics of the resident version, for scoring prefixes at a switch (interrupt).
         self.numerics = numerics
         self.scoring_model = numerics.prepare(model) if scores_at_switch else None
         self.versions = VersionWeights(model_path)
-        self.semantics = SamplingSemantics(sampling.temperature, sampling.top_p, sampling.top_k)
+        self.semantics = SamplingSemantics(rollout.sampling.temperature, rollout.sampling.top_p, rollout.sampling.top_k)
         self.top_k_semantics = None
-        if top_k_logprobs:
+        if rollout.top_k_logprobs:
             from transformers import AutoConfig
 
             vocab = AutoConfig.from_pretrained(model_path, local_files_only=True).vocab_size
-            self.top_k_semantics = TopKSemantics(top_k_logprobs, vocab)
+            self.top_k_semantics = TopKSemantics(rollout.top_k_logprobs, vocab)
         self.weight_load_seconds = 0.0  # of the current call
 
     def _take_newest(self, pins: set[int]) -> None:

@@ -34,7 +34,7 @@ import torch
 from trajflow.deprecations import renamed_names
 from trajflow.engines.lora import VersionWeights
 from trajflow.engines.models import load_model
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient, VersionNotHeld
 from trajflow.operators.trainer.weight_receiver import weight_source
@@ -49,7 +49,7 @@ class OldLogprobsAtBehaviorVersion:
         self,
         store: PolicyStoreClient,
         model_path: str | Path,
-        sampling: SamplingParams,
+        sampling: SamplingConfig,
         skip_filtered: bool,
         numerics: TrainingNumerics,
         torch_threads: int,

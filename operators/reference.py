@@ -29,7 +29,7 @@ import torch
 
 from trajflow.algorithms.config import KLConfig
 from trajflow.engines.models import load_model
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.schemas.columns import KL_PENALTY_COLUMN, REFERENCE_COLUMN, filter_reasons, padded, replace_column
@@ -38,7 +38,7 @@ from trajflow.schemas.columns import KL_PENALTY_COLUMN, REFERENCE_COLUMN, filter
 class ReferenceLogprobs:
     """log pi_ref of every token of the scored rows (see the module docstring)."""
 
-    def __init__(self, store: PolicyStoreClient | None, model_path: str | Path, kl: KLConfig, sampling: SamplingParams,
+    def __init__(self, store: PolicyStoreClient | None, model_path: str | Path, kl: KLConfig, sampling: SamplingConfig,
                  numerics: TrainingNumerics, skip_filtered: bool, torch_threads: int) -> None:
         # `store`: every class stage is handed the policy store; the reference is frozen and
         # read from its directory, so it never asks it for weights

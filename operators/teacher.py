@@ -24,7 +24,7 @@ import pyarrow as pa
 import torch
 
 from trajflow.engines.models import load_model
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.schemas.columns import filter_reasons, nested_array, nested_rows, replace_column
@@ -33,7 +33,7 @@ from trajflow.schemas.columns import filter_reasons, nested_array, nested_rows, 
 class TeacherLogprobs:
     """The teacher's log-probs of the scored rows' tokens (see the module docstring)."""
 
-    def __init__(self, store: PolicyStoreClient | None, model_path: str | Path, sampling: SamplingParams,
+    def __init__(self, store: PolicyStoreClient | None, model_path: str | Path, sampling: SamplingConfig,
                  numerics: TrainingNumerics, skip_filtered: bool, torch_threads: int) -> None:
         # `store`: every class stage is handed the policy store; the teacher never asks it for weights
         torch.set_num_threads(torch_threads)

@@ -61,7 +61,7 @@ from trajflow.operators.trainer.recovery import (
 )
 from trajflow.operators.trainer.replica import ShardWork, TrainerReplica
 from trajflow.operators.trainer.services import AfterStep
-from trajflow.operators.trainer.spec import StepHooks, TrainerSpec
+from trajflow.operators.trainer.spec import StepHooks, TrainStepConfig
 from trajflow.operators.trainer.weight_server import WeightServer
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 from trajflow.schemas import conform
@@ -74,12 +74,12 @@ class TrainStep(TrainerReplica):
     """Worker 0: the pipeline's operator. Workers 1..N-1 are built from the same `spec` by a
     `workers` group (operators/trainer/group.py; the Ray pipeline passes its own)."""
 
-    def __init__(self, store: PolicyStoreClient, spec: TrainerSpec, max_staleness: int,
+    def __init__(self, store: PolicyStoreClient, spec: TrainStepConfig, max_staleness: int,
                  after_step: Sequence[AfterStep], hooks: StepHooks,
                  recovery: RecoveryConfig = RecoveryConfig(), failed_rewards: FailedRewardSteps | None = None,
                  weight_sync: WeightSyncConfig = WeightSyncConfig(), reader_dtypes: Sequence[str] = (),
                  workers: type[WorkerGroup] = InProcessGroup) -> None:
-        data_parallel = spec.data_parallel
+        trainer = spec.trainer
         self.failed_rewards = failed_rewards
         self.workers = workers
         # One train step per store: a second one means this process replaced a trainer that died
@@ -94,7 +94,7 @@ class TrainStep(TrainerReplica):
         self.recovered: dict = {}  # a recovery's metrics, for the next step trained
         self.restarts = store.claim_trainer()
         if self.restarts > 0:
-            what = (f"trainer worker 0 of {data_parallel.num_workers} (node {self.node[:12]}) was restarted after "
+            what = (f"trainer worker 0 of {trainer.num_workers} (node {self.node[:12]}) was restarted after "
                     "its process died")
             why = refusal(recovery, hooks.source, self.restarts)
             if why is not None:
@@ -102,18 +102,18 @@ class TrainStep(TrainerReplica):
                                              f"{RESUME_HINT}")
                 return
             self.fault = Fault(what, time.time())
-            workers.remove_leftover(data_parallel.group_name)  # the dead worker 0's group: its bundles are held
+            workers.remove_leftover(spec.group_name)  # the dead worker 0's group: its bundles are held
         super().__init__(store, spec)
         self.max_staleness = max_staleness
-        self.data_parallel = data_parallel
+        self.trainer = trainer
         self.after_step = list(after_step)
         self.on_step = hooks.on_step  # the job's hook (metrics file, checkpoints), after the services
         self.on_rows = hooks.on_rows  # the job's trajectory log, before them
         self.busy_seconds = 0.0
         self.started = time.perf_counter()
-        if data_parallel.num_workers > 1:
-            self.group = workers(dict(store=store, spec=spec, version=self.version), data_parallel,
-                                 device=self.numerics.torch_device())
+        if trainer.num_workers > 1:
+            self.group = workers(dict(store=store, spec=spec, version=self.version), trainer,
+                                 device=self.numerics.torch_device(), name=spec.group_name)
             self.join_group(self.group.collective)
         elif self.sharded:  # one worker: FSDP over a group of one (the same code path)
             self.join_group(Collective(device=self.numerics.torch_device(), default_group=True))
@@ -178,7 +178,7 @@ class TrainStep(TrainerReplica):
         this worker writes the weights, optimizer and strategy state; sharded, every worker
         writes its shards. `export`: the checkpoint is also a plain Hugging Face model directory
         (full float32 weights, the model's config and tokenizer files)."""
-        dp = self.data_parallel
+        dp = self.trainer
         meta = {**meta, "sharding": {"method": dp.sharding, "workers": dp.num_workers}}
         with ckpt.writing_checkpoint(root, self.version, meta) as tmp:
             if self.sharded:
@@ -202,7 +202,7 @@ class TrainStep(TrainerReplica):
         if checkpoint.sharded != self.sharded:
             kind = "a sharded" if checkpoint.sharded else "a replicated"
             raise RuntimeError(f"resume: checkpoint {path} was written by {kind} trainer, and trainer.sharding is "
-                               f"{self.data_parallel.sharding}; resume with the sharding the run used")
+                               f"{self.trainer.sharding}; resume with the sharding the run used")
         if self.sharded:
             self._on_every_worker(lambda: self.load_shards(str(path)), lambda group: group.load_shards(str(path)))
         else:
@@ -275,9 +275,9 @@ class TrainStep(TrainerReplica):
         metrics[f"{RECOVERY_PREFIX}restarts"] = self.restarts
         for hook in self.after_step:
             hook(self, batch, metrics)
-        metrics["train_seconds"] = time.perf_counter() - started
-        self.busy_seconds += metrics["train_seconds"]
-        metrics["trainer_busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
+        metrics["seconds/train_seconds"] = time.perf_counter() - started
+        self.busy_seconds += metrics["seconds/train_seconds"]
+        metrics["trainer/busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
         if self.on_step is not None:
             self.on_step(self, logged, metrics)
         if self.failed_rewards is not None:
@@ -314,7 +314,7 @@ class TrainStep(TrainerReplica):
         metrics.update(self._finish_step(diagnostics))
         metrics["version"] = self.version
         metrics["optimizer_steps"] = self.optimizer_steps
-        metrics["trainer/num_workers"] = self.data_parallel.num_workers
+        metrics["trainer/num_workers"] = self.trainer.num_workers
         metrics["trainer/nodes"] = ",".join(self.nodes)
         return batch, metrics
 
@@ -329,7 +329,7 @@ class TrainStep(TrainerReplica):
         self.fault = Fault(str(lost).split(";")[0], time.time())
         self.close()
         ranks = dict(store=self.store, spec=self.spec, version=None)  # the checkpoint's weights come next
-        self.group = self.workers(ranks, self.data_parallel, device=self.numerics.torch_device())
+        self.group = self.workers(ranks, self.trainer, device=self.numerics.torch_device(), name=self.spec.group_name)
         self.join_group(self.group.collective)
 
     def _recover(self, step: int) -> dict:
@@ -361,7 +361,7 @@ class TrainStep(TrainerReplica):
         (diagnostics, pi_old as used per row, the data-parallel metrics)."""
         batch = StepBatch.from_table(table, trainer_version)
         lengths = np.array([len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)])
-        dp = self.data_parallel
+        dp = self.trainer
         plan = plan_shards(lengths, self.minibatches_per_step, dp.num_workers, dp.max_tokens_per_microbatch,
                            lockstep=self.sharded)
         work = [ShardWork(table.take(pa.array(plan.rows(rank), pa.int64())), plan.rows(rank), plan.microbatches[rank],

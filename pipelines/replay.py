@@ -36,6 +36,10 @@ are reported by number (`ReplayError`).
 
 Memory: all needed versions are held in the object store at once (fine for small models; a
 streaming variant would publish and release versions as the steps advance).
+
+One module on purpose: what a replay needs (the logged steps, each strategy's versions, where
+they are on disk) and how it runs (the live stage list re-cut around the log) are one set of
+rules; split, each half would have to restate the other's.
 """
 
 from __future__ import annotations
@@ -368,17 +372,17 @@ class Replay:
         chain = [s for s in chain if s.fn is not _nothing]
         c = self.config
         if self.mode == "diagnose":
-            diagnose = dict(model_path=self.model_path, strategies=self.strategies, correction=c.correction_config(),
-                            kl=c.kl.spec(),
-                            sampling=live.sampling, max_staleness=c.max_staleness, numerics=c.training_numerics(),
-                            torch_threads=c.trainer.torch_threads, gradients=self.gradients,
-                            distill=c.distill_config())
-            return chain + [Stage("diagnose", Diagnose, diagnose, c.trainer)]
+            s = c.settings
+            diagnose = dict(model_path=self.model_path, strategies=self.strategies, correction=s.correction, kl=s.kl,
+                            sampling=live.sampling, max_staleness=c.max_staleness, numerics=s.numerics,
+                            torch_threads=s.trainer.torch_threads, gradients=self.gradients,
+                            distill=s.distill)
+            return chain + [Stage("diagnose", Diagnose, diagnose, s.trainer)]
         train = live.train_stage(self.strategies[0])
         train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones
         train.kwargs["weight_sync"] = WeightSyncConfig()  # nothing reads its versions but the end of the replay
         train.kwargs["failed_rewards"] = None  # every logged step is trained, whatever its rewards were
-        self._trainer_group_name = train.kwargs["spec"].data_parallel.group_name  # removed when the replay ends
+        self._trainer_group_name = train.kwargs["spec"].group_name  # removed when the replay ends
         return chain + [train]
 
     # -- execution --------------------------------------------------------------------------------

@@ -44,22 +44,22 @@ from trajflow.operators.advantage import Advantage
 from trajflow.operators.contracts.stage import Placement, Stage, place, stage_index
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.filter import Filter
-from trajflow.operators.generate import Generate
+from trajflow.operators.generate import EngineConfig, Generate, RolloutConfig
 from trajflow.operators.reference import ReferenceLogprobs
 from trajflow.operators.reward import FailedRewardSteps, Reward
-from trajflow.operators.teacher import TeacherLogprobs
 from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
+from trajflow.operators.teacher import TeacherLogprobs
 from trajflow.operators.train_step import TrainStep
 from trajflow.operators.trainer.services import HeldoutEvaluation, PublishWeights, StoreStatistics
-from trajflow.operators.trainer.spec import StepHooks, TrainerSpec
+from trajflow.operators.trainer.spec import StepHooks, TrainStepConfig
 from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups
-from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.config import PipelineConfig, preflight
 from trajflow.pipelines.policy_store import RayStore
 from trajflow.pipelines.ray import patches as ray_patches
 from trajflow.pipelines.ray.embedded import start_local_ray
 from trajflow.pipelines.ray.quiet import quiet_run
 from trajflow.pipelines.ray.trainer_group import RayWorkerGroup, remove_placement_group_named
-from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreGuard, StoreLost, StoreSpec, VersionArchive
+from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreConfig, StoreGuard, StoreLost, VersionArchive
 from trajflow.tasks.workload import PromptSource
 
 __all__ = ["Fused", "Placement", "RLPipeline", "Stage", "in_order_pool", "map_stages"]
@@ -121,9 +121,11 @@ def map_stages(ds: ray.data.Dataset, groups: list[list[Stage]], *, store: Policy
 class RLPipeline:
     def __init__(self, config: PipelineConfig, model_path: str | Path | None = None,
                  strategy: Strategy | None = None) -> None:
+        config = preflight(config)  # what needs the disk (model dir, dataset), before Ray starts
         self.config = config
+        self.settings = config.settings  # every section as the settings dataclass its operators take
         self.model_path = str(model_path or config.model or WARM_START_DIR)
-        self.sampling = config.sampling.spec()
+        self.sampling = self.settings.sampling
         if strategy is None:
             strategy = config.build_strategy()
         else:  # an object from Python (a notebook, a test): checked like a config's, before Ray starts
@@ -176,8 +178,8 @@ class RLPipeline:
     # -- the default stage list ----------------------------------------------------------------
     def stage_context(self) -> StageContext:
         """What a strategy's operator stages are built from."""
-        return StageContext(self.model_path, self.sampling, self.config.training_numerics(), self.config.scorer,
-                            self.config.weight_sync.spec())
+        s = self.settings
+        return StageContext(self.model_path, self.sampling, s.numerics, s.scorer, s.weight_sync)
 
     def failed_reward_steps(self) -> FailedRewardSteps:
         """A count of consecutive steps whose reward failed on every row (reward_max_failed_steps)."""
@@ -186,54 +188,37 @@ class RLPipeline:
     def train_stage(self, strategy: Strategy) -> Stage:
         """The train step under `strategy`, with the services that run in its process after each
         step: publish, held-out evaluation (every eval_every versions), store statistics."""
-        c = self.config
+        c, s = self.config, self.settings
         services: list = [PublishWeights()]
         if c.eval_every:
             services.append(HeldoutEvaluation(self.model_path, self.workload, c.eval_every, c.eval_prompts,
                                               c.sampling.max_new_tokens, c.sampling.stop))
         services.append(StoreStatistics())
-        spec = TrainerSpec(model_path=self.model_path, strategy=strategy, correction=c.correction_config(), kl=c.kl.spec(),
-                           optimizer=c.optimizer.spec(), sampling=self.sampling, numerics=c.training_numerics(),
-                           data_parallel=c.trainer.data_parallel(self.trainer_group_name),
-                           torch_threads=c.trainer.torch_threads,
-                           total_updates=c.steps * c.optimizer.minibatches_per_step, lora=c.lora.spec(),
-                           distill=c.distill_config())
+        spec = TrainStepConfig(model_path=self.model_path, strategy=strategy, correction=s.correction, kl=s.kl,
+                               optimizer=s.optimizer, sampling=self.sampling, numerics=s.numerics, trainer=s.trainer,
+                               total_updates=c.steps * c.optimizer.minibatches_per_step, lora=s.lora,
+                               group_name=self.trainer_group_name, distill=s.distill)
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
-                     recovery=c.recovery.spec(), failed_rewards=self.failed_reward_steps(),
-                     weight_sync=c.weight_sync.spec(), reader_dtypes=c.reader_dtypes(strategy), workers=RayWorkerGroup)
-        return Stage("train", TrainStep, train, c.trainer)
+                     recovery=s.recovery, failed_rewards=self.failed_reward_steps(), weight_sync=s.weight_sync,
+                     reader_dtypes=c.reader_dtypes(strategy), workers=RayWorkerGroup)
+        return Stage("train", TrainStep, train, s.trainer)
 
     def _default_stages(self) -> list[Stage]:
-        c, strategy = self.config, self.strategy
-        generate = Stage(
-            "generate",
-            Generate,
-            dict(
-                model_path=self.model_path,
-                workload=self.workload,
-                group_size=c.group_size,
-                sampling=self.sampling,
-                inference_dtype=c.inference_dtype,
-                seed=c.seed,
-                partial_rollout=c.partial_rollout,
-                scores_at_switch=strategy.scores_at_switch,
-                simulate_decode_seconds=c.simulate_decode_seconds,
-                torch_threads=c.generator.torch_threads,
-                engine=c.engine,
-                vllm=c.vllm.spec(),
-                numerics=c.training_numerics(),
-                weight_sync=c.weight_sync.spec(),
-                lora_slots=c.engine_lora_slots(),
-                lora_rank=c.lora.r,
-                top_k_logprobs=c.top_k_logprobs,
-            ),
-            c.generator,
-            pool_size=c.num_generators,
-        )
+        c, s, strategy = self.config, self.settings, self.strategy
+        rollout = RolloutConfig(group_size=c.group_size, sampling=self.sampling, seed=c.seed,
+                                partial_rollout=c.partial_rollout, scores_at_switch=strategy.scores_at_switch,
+                                simulate_decode_seconds=c.simulate_decode_seconds,
+                                top_k_logprobs=c.top_k_logprobs)
+        engine = EngineConfig(name=c.engine, inference_dtype=c.inference_dtype, vllm=s.vllm,
+                              lora_slots=c.engine_lora_slots(), lora_rank=c.lora.r)
+        generate = Stage("generate", Generate,
+                         dict(model_path=self.model_path, workload=self.workload, rollout=rollout, engine=engine,
+                              numerics=s.numerics, weight_sync=s.weight_sync, torch_threads=s.generator.torch_threads),
+                         s.generator, pool_size=c.num_generators)
         stages = [
             generate,
             Stage("reward", Reward(self.model_path, self.workload, self.sampling.stop)),
-            Stage("advantage", Advantage(c.advantage_config())),
+            Stage("advantage", Advantage(s.advantage)),
             Stage("filter", Filter(c.drop_zero_variance_groups)),
             self.train_stage(strategy),
         ]
@@ -248,21 +233,21 @@ class RLPipeline:
     def reference_stage(self) -> Placement:
         """The reference model's log-probs (operators/reference.py): before the advantage when the
         KL is in the reward (it shapes the advantage), else before the train step (trained rows only)."""
-        c = self.config
-        in_reward = c.kl.in_ == "reward"
-        kwargs = dict(model_path=self.model_path, kl=c.kl.spec(), sampling=self.sampling,
-                      numerics=c.training_numerics(), skip_filtered=not in_reward,
-                      torch_threads=c.scorer.torch_threads)
-        stage = Stage("reference", ReferenceLogprobs, kwargs, c.scorer)
+        s = self.settings
+        in_reward = s.kl.in_ == "reward"
+        kwargs = dict(model_path=self.model_path, kl=s.kl, sampling=self.sampling, numerics=s.numerics,
+                      skip_filtered=not in_reward, torch_threads=s.scorer.torch_threads)
+        stage = Stage("reference", ReferenceLogprobs, kwargs, s.scorer)
         return Placement(stage, before="advantage") if in_reward else Placement(stage, before="train")
 
     def teacher_stage(self) -> Placement:
         """The teacher's log-probs (operators/teacher.py), right before the train step on the rows
         it trains, on a scorer's resources."""
         c = self.config
-        kwargs = dict(model_path=str(c.teacher), sampling=self.sampling, numerics=c.training_numerics(),
-                      skip_filtered=True, torch_threads=c.scorer.torch_threads)
-        return Placement(Stage("teacher", TeacherLogprobs, kwargs, c.scorer), before="train")
+        s = self.settings
+        kwargs = dict(model_path=str(c.teacher), sampling=self.sampling, numerics=s.numerics,
+                      skip_filtered=True, torch_threads=s.scorer.torch_threads)
+        return Placement(Stage("teacher", TeacherLogprobs, kwargs, s.scorer), before="train")
 
     # -- building and running --------------------------------------------------------------------
     def start_store(self, initial_version: int = 0, initial_weights: dict | None = None) -> RayStore:
@@ -288,7 +273,7 @@ class RLPipeline:
                 model.load_state_dict(initial_weights)
             self.store.publish(model.state_dict(), initial_version)
         if rebuilt:
-            spec = StoreSpec(c.max_staleness, self.strategy.keep_history, c.recovery.max_restarts, c.lora.r > 0)
+            spec = StoreConfig(c.max_staleness, self.strategy.keep_history, c.recovery.max_restarts, c.lora.r > 0)
             self.store_guard = StoreGuard(self.store, self.version_archive, spec, lambda: self.restarts,
                                           self._store_rebuilt)
         return self.store
@@ -350,7 +335,7 @@ class RLPipeline:
         for group in self.process_groups():
             num_cpus, num_gpus, custom = group_resources(group, self.config.light_stage_cpus)
             demand.append((group_name(group), group_pool_size(group), {"CPU": num_cpus, "GPU": num_gpus, **custom}))
-        t = self.config.trainer
+        t = self.settings.trainer
         if t.num_workers > 1:
             demand.append(("trainer.num_workers", t.num_workers - 1,
                            {"CPU": t.num_cpus, "GPU": t.num_gpus, **t.resources}))
@@ -372,7 +357,7 @@ class RLPipeline:
         return (
             f"strategy {s.name} ({s.kind}): {s.meaning}\n"
             f"stages: {' -> '.join(stage.name for stage in self.stages)}\n"
-            f"training numerics: {c.training_numerics().describe()}{off}\n"
+            f"training numerics: {self.settings.numerics.describe()}{off}\n"
             f"max_staleness {c.max_staleness}, inference_dtype {c.inference_dtype}, "
             f"{c.steps} steps x {c.rows_per_step} rows"
         )
@@ -414,7 +399,7 @@ class RLPipeline:
             for row in self.iter_metrics():
                 rows.append(row)
                 bar.update(1)
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", version=row["version"])
+                bar.set_postfix(reward=f"{row['reward/mean']:.3f}", version=row["version"])
         return pl.DataFrame(rows)
 
     def shutdown(self) -> None:

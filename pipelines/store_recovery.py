@@ -30,7 +30,7 @@ from trajflow.operators.trainer.group import RESUME_HINT
 from trajflow.operators.trainer.recovery import RECOVERY_PREFIX
 from trajflow.pipelines.policy_store import RayStore, StoreLost
 
-__all__ = ["RECONNECT_SECONDS", "StoreGuard", "StoreLost", "StoreSpec", "VersionArchive", "needed_versions",
+__all__ = ["RECONNECT_SECONDS", "StoreGuard", "StoreLost", "StoreConfig", "VersionArchive", "needed_versions",
            "rebuild", "refusal"]
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class VersionArchive(Protocol):
 
 
 @dataclass(frozen=True)
-class StoreSpec:
+class StoreConfig:
     """What a store is started with (RayStore.start) and rebuilt under."""
 
     max_staleness: int
@@ -64,7 +64,7 @@ class StoreSpec:
     adapters: bool = False  # a LoRA run publishes adapters
 
 
-def needed_versions(source: VersionArchive, spec: StoreSpec) -> tuple[list[int], list[int]]:
+def needed_versions(source: VersionArchive, spec: StoreConfig) -> tuple[list[int], list[int]]:
     """(versions the live window may read, those of them not on disk)."""
     kept = source.kept_versions(spec.adapters)
     latest = max([*kept, source.last_logged_step() + 1])
@@ -73,7 +73,7 @@ def needed_versions(source: VersionArchive, spec: StoreSpec) -> tuple[list[int],
     return needed, [v for v in needed if v not in set(kept)]
 
 
-def refusal(source: VersionArchive, spec: StoreSpec, restarts: int) -> str | None:
+def refusal(source: VersionArchive, spec: StoreConfig, restarts: int) -> str | None:
     """Why the store is not rebuilt as restart number `restarts`, or None."""
     if restarts > spec.max_restarts:
         return f"recovery.max_restarts ({spec.max_restarts}) is spent"
@@ -85,7 +85,7 @@ def refusal(source: VersionArchive, spec: StoreSpec, restarts: int) -> str | Non
     return None
 
 
-def rebuild(store: RayStore, source: VersionArchive, spec: StoreSpec, restarts: int) -> tuple[RayStore, list[int]]:
+def rebuild(store: RayStore, source: VersionArchive, spec: StoreConfig, restarts: int) -> tuple[RayStore, list[int]]:
     """A new store actor, the next generation of `store`, holding the needed versions read from
     disk (put by this process, which outlives the run's readers), and the versions it holds."""
     import ray
@@ -112,7 +112,7 @@ class StoreGuard:
     readers waiting for a new store get it (`RayStore.give_up`): their operators fail, Ray Data
     ends the run and RLPipeline.iter_metrics raises StoreLost with the line."""
 
-    def __init__(self, store: RayStore, source: VersionArchive, spec: StoreSpec, restarts: Callable[[], int],
+    def __init__(self, store: RayStore, source: VersionArchive, spec: StoreConfig, restarts: Callable[[], int],
                  on_rebuilt: Callable[[RayStore, dict], None]) -> None:
         self.store, self.source, self.spec = store, source, spec
         self.restarts, self.on_rebuilt = restarts, on_rebuilt

@@ -1,4 +1,4 @@
-"""Trajectory record, schema v1 (DESIGN.md §2): Arrow schema, validation, conforming casts."""
+"""Trajectory record, schema v1 (docs/design.md §2): Arrow schema, validation, conforming casts."""
 
 from __future__ import annotations
 

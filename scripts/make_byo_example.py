@@ -65,6 +65,47 @@ def word_problem(rng: np.random.Generator) -> tuple[str, str]:
     return f"{name} shares {a * b} {item} equally among {b} friends. How many does each friend get?", str(a)
 
 
+def two_step_problem(rng: np.random.Generator) -> tuple[str, str]:
+    """One GSM8K-shaped problem of two operations in one story, and its integer answer."""
+    name, other = rng.choice(NAMES, 2, replace=False)
+    item = rng.choice(ITEMS)
+    kind = int(rng.integers(4))
+    if kind == 0:
+        a, b = (int(x) for x in rng.integers(2, 21, 2))
+        c = int(rng.integers(1, a + b))
+        return (f"{name} has {a} {item}. {name} buys {b} more and then gives {c} to {other}. "
+                f"How many {item} does {name} have now?", str(a + b - c))
+    if kind == 1:
+        a, b = (int(x) for x in rng.integers(2, 10, 2))
+        c = int(rng.integers(1, 21))
+        return (f"{name} already has {c} {item} and buys {b} boxes with {a} {item} in each box. "
+                f"How many {item} does {name} have in all?", str(a * b + c))
+    if kind == 2:
+        each, friends = (int(x) for x in rng.integers(2, 10, 2))
+        c = int(rng.integers(1, 11))
+        return (f"{name} has {each * friends + c} {item}, keeps {c} and shares the rest equally among "
+                f"{friends} friends. How many {item} does each friend get?", str(each))
+    a, b, c = (int(x) for x in rng.integers(2, 10, 3))
+    return (f"A bag holds {a} {item}. {name} fills {b} bags and {other} fills {c} bags. "
+            f"How many {item} do they have together?", str(a * (b + c)))
+
+
+def make_word_problems(seed: int, n_train: int, n_test: int, system: str) -> tuple[list[dict], list[dict]]:
+    """GSM8K-shaped rows for a chat model: one- and two-step problems (half each), every prompt
+    with `system` as its system message; train and test texts disjoint."""
+    rng = np.random.default_rng(seed)
+    seen: set[str] = set()
+    rows: list[dict] = []
+    while len(rows) < n_train + n_test:
+        text, answer = (two_step_problem if rng.random() < 0.5 else word_problem)(rng)
+        if text in seen:
+            continue
+        seen.add(text)
+        rows.append({"prompt": [{"role": "system", "content": system}, {"role": "user", "content": text}],
+                     "answer": answer})
+    return rows[:n_train], rows[n_train:]
+
+
 def make_problems(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
     """Train and test rows with disjoint problem texts; about half carry a system message."""
     rng = np.random.default_rng(seed)

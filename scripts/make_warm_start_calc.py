@@ -30,16 +30,15 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from make_warm_start import sft_tensors, sft_until_band, write_record  # noqa: E402 (the sibling script, on sys.path when run)
 
 from trajflow.engines.models import REPO_ROOT, load_model, load_tokenizer, save_model
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.tokenizer import encode_prompt, encode_response
 from trajflow.engines.torch_engine import TorchEngine
 from trajflow.tasks import Prompt, get_task
 from trajflow.tasks.environments import CalculatorEnv
 from trajflow.tasks.rollout import heldout_success_rate, run_episodes
-
-from make_warm_start import sft_tensors, sft_until_band, write_record  # noqa: E402 (the sibling script, on sys.path when run)
 
 TURN_TOKENS = 8  # per-turn limit (sampling.max_new_tokens) used in evaluation and in jobs/configs/calc.yaml
 
@@ -74,7 +73,7 @@ def make_batch(env, tokenizer, prompts: list[Prompt]) -> dict[str, torch.Tensor]
 def sampled_report(model, tokenizer, env, prompts: list[Prompt], k: int, seed: int) -> dict:
     """Temperature-1 episodes: mean success of single samples, pass@k, finish reasons, turns."""
     engine = TorchEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                         sampling=SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS), seed=seed)
+                         sampling=SamplingConfig(temperature=1.0, max_new_tokens=TURN_TOKENS), seed=seed)
     with torch.no_grad():
         episodes = run_episodes(engine, env, tokenizer, prompts, n=k)
     hits = [e.reward == 1.0 for e in episodes]

@@ -30,6 +30,10 @@ endless sequence epoch 0, epoch 1, ...; epoch e visits the E rows in the permuta
 are a pure function of (dataset, seed, step), so `--resume` from checkpoint k rebuilds steps k..
 exactly: within an epoch no prompt repeats and none is skipped. `fingerprint()` (the files' bytes,
 the tokenizer and every setting the mapping depends on) lets a resume detect a changed dataset.
+
+One module on purpose: reading, checking, tokenizing and ordering a dataset are one streamed
+pass with one set of row rules and one fingerprint; split, a rule could be checked in one place
+and forgotten in another.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, Field
+
+from trajflow.settings import check_settings, fail, setting
 
 PARQUET_SUFFIXES = (".parquet",)
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -69,18 +74,27 @@ class DataError(ValueError):
     """The dataset cannot be used; the message is one line naming the file, column or key."""
 
 
-class DataConfig(BaseModel):
-    """The `data:` key of a job config (see the module docstring)."""
+@dataclass(frozen=True)
+class DataConfig:
+    """A dataset of prompts the run trains on instead of a built-in task: read, checked and
+    tokenized once before Ray starts (docs/workload.md)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    train_files: tuple[str, ...] = setting(doc="Parquet / JSONL / JSON paths or globs of the training prompts")
+    test_files: tuple[str, ...] = setting((), "held-out prompts: the held-out evaluation (eval_every) and "
+                                          "`trajflow eval --config`")
+    prompt_key: str = setting("prompt", "the prompt column: a string, or chat messages [{role, content}, ...]")
+    apply_chat_template: bool = setting(False, "wrap string prompts as one user message of the chat template "
+                                        "(chat messages always go through it)")
+    max_prompt_tokens: int | None = setting(None, "drop (and count) prompts longer than this; never truncated", ge=1)
+    shuffle: bool = setting(True, "a new permutation of the rows per epoch, from the seed")
+    epochs: int | None = setting(None, "passes over the data (sets steps when steps is not given)", ge=1)
 
-    train_files: list[str] = Field(min_length=1, description="Parquet / JSONL / JSON paths or globs")
-    test_files: list[str] = Field(default_factory=list, description="held-out prompts (eval_every)")
-    prompt_key: str = Field("prompt", min_length=1)
-    apply_chat_template: bool = Field(False, description="wrap string prompts as one user message")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="drop (and count) longer prompts")
-    shuffle: bool = True
-    epochs: int | None = Field(None, ge=1, description="passes over the data (sets steps when steps is not given)")
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if not self.train_files:
+            fail(self, "train_files", "give at least one file")
+        if not self.prompt_key:
+            fail(self, "prompt_key", "name the prompt column")
 
 
 # -- files -----------------------------------------------------------------------------------------

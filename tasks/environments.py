@@ -11,7 +11,7 @@ The rollout loop (tasks/rollout.py) appends the observation's characters to the 
 as environment tokens (never trained), and ends the episode when the environment says `done`,
 after `max_turns` policy turns, or when the response reaches `max_response_tokens` tokens
 (policy and environment tokens together). The episode's reward is the sum of its step rewards.
-A policy turn ends at eos or at the engine's per-turn limit (`SamplingParams.max_new_tokens`).
+A policy turn ends at eos or at the engine's per-turn limit (`SamplingConfig.max_new_tokens`).
 
 Built in: `CalculatorEnv` ("calc"), arithmetic with a calculator tool.
 """

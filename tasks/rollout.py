@@ -18,7 +18,7 @@ Two hooks let the caller move weights (operators/generate.py): `before_turn(engi
 before every turn, `between_steps(engine, batch)` after every decode step; both see the episodes
 with the in-flight turn included (`EpisodeBatch.current`).
 
-`heldout_rewards` / `heldout_accuracy`: greedy decoding on the workload's held-out prompts,
+`heldout_rewards` / `heldout_mean_reward`: greedy decoding on the workload's held-out prompts,
 float32, no Ray (the trainer's evaluation hook and `trajflow eval`). The held-out prompts are a
 task's test split, or a dataset's `data.test_files`; responses are scored by the workload's reward
 (in the mean, an item whose reward fails counts as 0); an environment's held-out score is its
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from trajflow.deprecations import renamed_names
 from trajflow.engines.tokenizer import decode_response, decode_responses, encode_prompt, stop_token_ids
 from trajflow.engines.torch_engine import Generation, TorchEngine, greedy_engine
 from trajflow.tasks.base import Prompt, Task
@@ -202,7 +203,7 @@ def _episode_rewards(model, tokenizer, env: Environment, n: int, max_new_tokens:
     return rewards
 
 
-def heldout_accuracy(
+def heldout_mean_reward(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     task: Task | Workload,
@@ -250,3 +251,6 @@ def heldout_rewards(
         chunk = {c: rows[c].slice(start, len(gens)).to_pylist() for c in columns}
         rewards += runner(prompts[start:start + len(gens)], completions, chunk).scores
     return rewards
+
+
+__getattr__ = renamed_names(__name__, {"heldout_accuracy": heldout_mean_reward})  # an accuracy only for 0/1

@@ -17,6 +17,7 @@ Both kinds of prompt source give the pipeline the same rows, one table per train
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,7 +224,8 @@ class Workload:
         if self.data is None:
             return None
         files = self.train_files()
-        settings = {"data": self.data.model_dump(exclude={"test_files", "epochs"}), "seed": seed,
+        data = {k: v for k, v in dataclasses.asdict(self.data).items() if k not in ("test_files", "epochs")}
+        settings = {"data": data, "seed": seed,
                     "prompts_per_step": prompts_per_step}
         return fingerprint(files, file_labels(files), settings, Path(model_dir) if model_dir else None)
 

@@ -1,5 +1,7 @@
 """Properties of every loss, denominator and aggregation: shards add up, r_d-only settings are
-inert when old == inference, extreme log-probs never give a NaN."""
+inert when old == inference, extreme log-probs (-1e4, exactly 0, garbage in the padding) never give
+a NaN or a gradient off the active tokens. (The float64 reference of every loss is in
+test_algorithms_losses.py.)"""
 
 import math
 
@@ -41,12 +43,16 @@ def discrepancy_settings(draw):
 
 
 @st.composite
-def batches(draw, logprob):
+def batches(draw, logprob, per_token_advantages: bool = False):
     b, width = draw(st.integers(1, 6)), draw(st.integers(1, 5))
     grid = lambda elem: torch.tensor(draw(st.lists(elem, min_size=b * width, max_size=b * width)),
                                      dtype=torch.float32).reshape(b, width)
     cur, old, inf, ref = grid(logprob), grid(logprob), grid(logprob), grid(logprob)
-    adv = torch.tensor(draw(st.lists(st.floats(-5, 5, allow_subnormal=False), min_size=b, max_size=b)))
+    advantage = st.one_of(st.just(0.0), st.floats(-5, 5, allow_subnormal=False))
+    if per_token_advantages and draw(st.booleans()):  # [B, T] advantages (their padding gets garbage too)
+        adv = grid(advantage)
+    else:
+        adv = torch.tensor(draw(st.lists(advantage, min_size=b, max_size=b)))
     mask = torch.tensor(draw(st.lists(st.booleans(), min_size=b * width, max_size=b * width))).reshape(b, width)
     groups = torch.tensor(draw(st.lists(st.integers(0, 2), min_size=b, max_size=b)))
     return cur, old, inf, ref, adv, mask, groups
@@ -113,20 +119,27 @@ extreme = st.one_of(st.sampled_from([-1e4, -1e4 + 1.0, -50.0, 0.0, -1e-7]),
 
 
 @settings(max_examples=400, deadline=None)
-@given(batches(extreme), policy_settings(), discrepancy_settings(), st.sampled_from(AGGREGATIONS),
-       st.sampled_from([0.0, math.nan, -math.inf, math.inf]))
+@given(batches(extreme, per_token_advantages=True), policy_settings(), discrepancy_settings(),
+       st.sampled_from(AGGREGATIONS), st.sampled_from([0.0, math.nan, -math.inf, math.inf]))
 def test_extreme_logprobs_give_finite_values_and_exact_zero_gradient_off_active(batch, policy, discrepancy,
                                                                                  aggregation, garbage):
     cur, old, inf, ref, adv, mask, groups = batch
-    for x in (cur, old, inf, ref):
+    for x in (cur, old, inf, ref, *([adv] if adv.dim() == 2 else [])):
         x[~mask] = garbage  # what padding holds
     cfg = CorrectionConfig(**policy, **discrepancy, aggregation=aggregation)
     out, grad = loss_and_grad(cur, old, inf, adv, mask, cfg, groups=groups)
     assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
-    assert (grad[~out.active] == 0.0).all()  # padding, masked, clipped, outside a trust region
-    assert not (out.active & ~out.discrepancy_mask).any() and not (out.counted & ~mask).any()
+    # exactly zero, not merely small: padding, discrepancy-masked, clipped, outside a trust region
+    assert (grad[~mask] == 0.0).all() and (grad[~out.discrepancy_mask] == 0.0).all()
+    assert (grad[~out.active] == 0.0).all()
+    assert not (out.discrepancy_mask & ~mask).any() and not (out.active & ~out.discrepancy_mask).any()
+    assert not (out.counted & ~mask).any()
+    assert torch.isfinite(out.log_rd).all() and torch.isfinite(out.is_weights).all()
     diag = correction_diagnostics(out)
     assert all(math.isfinite(v) for v in diag.values())
+    for key in ("mask/token_kept_frac", "clip/frac", "active_frac", "is/ess"):
+        assert 0.0 <= diag[key] <= 1.0, key
+    assert diag["mismatch/k3"] >= 0.0
     # the KL and entropy terms at the same extremes
     with_terms = CorrectionConfig(**policy, **discrepancy, aggregation=aggregation, entropy_coef=0.1)
     out, grad = loss_and_grad(cur, old, inf, adv, mask, with_terms, groups=groups, reference_logprobs=ref,

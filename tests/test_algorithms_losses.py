@@ -1,6 +1,9 @@
 """The loss family, the r_d variants, the denominators and the extra terms: hand-computed values,
 peers' own test cases fed to trajflow's function, and a float64 numpy reference of the whole
-objective checked on random batches."""
+objective checked on random batches.
+
+One module on purpose: every loss of the family checked on the same small hand-computed tensors
+and against the same float64 reference."""
 
 import math
 
@@ -469,7 +472,11 @@ def ordinary_batches(draw):
     cells = b * width
     grid = lambda: np.array(draw(st.lists(ordinary, min_size=cells, max_size=cells)), np.float32).reshape(b, width)
     cur, old, inf, ref = grid(), grid(), grid(), grid()
-    adv = np.array(draw(st.lists(st.floats(-3, 3, allow_subnormal=False), min_size=b, max_size=b)), np.float32)
+    advantage = st.floats(-3, 3, allow_subnormal=False)
+    if draw(st.booleans()):  # per token [B, T]
+        adv = np.array(draw(st.lists(advantage, min_size=cells, max_size=cells)), np.float32).reshape(b, width)
+    else:
+        adv = np.array(draw(st.lists(advantage, min_size=b, max_size=b)), np.float32)
     mask = np.array(draw(st.lists(st.booleans(), min_size=b * width, max_size=b * width))).reshape(b, width)
     groups = np.array(draw(st.lists(st.integers(0, 2), min_size=b, max_size=b)))
     selected = np.array(draw(st.lists(st.booleans(), min_size=b * width, max_size=b * width))).reshape(b, width)

@@ -55,7 +55,8 @@ def test_pool_sizes_custom_resources_and_gpus_never_share():
 
 def test_group_resources_take_the_largest_request():
     class A:
-        pass
+        def __init__(self, store) -> None:
+            self.store = store
 
     group = [Stage("a", A, resources=ResourceConfig(num_cpus=0.25, resources={"x": 0.1})),
              Stage("f", len), Stage("b", A, resources=ResourceConfig(num_cpus=0.5, resources={"x": 0.2}))]

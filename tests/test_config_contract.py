@@ -1,10 +1,13 @@
 """One config contract from YAML to the loss: every setting declared once (trajflow/settings.py),
-the YAML sections built from those declarations, operators built from typed settings only."""
+the YAML sections built from those declarations, every key documented where it is declared (and
+docs/configuration.md generated from those descriptions), operators built from typed settings
+only, booleans refused where numbers are meant, in settings and in functions."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -12,27 +15,92 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, OptimizerConfig
+from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig
 from trajflow.algorithms.objective import decoupled_loss
-from trajflow.engines.factory import VllmOptions
-from trajflow.engines.sampling import SamplingParams
-from trajflow.jobs.config import JobConfigError, build_job_config
-from trajflow.pipelines.config import PipelineConfig
-from trajflow.settings import SettingError
+from trajflow.engines.factory import VllmConfig
+from trajflow.engines.lora import LoraConfig
+from trajflow.engines.sampling import SamplingConfig
+from trajflow.jobs.config import JobConfig, JobConfigError, build_job_config
+from trajflow.jobs.config_reference import REFERENCE, keys, render, undocumented
+from trajflow.operators.contracts.stage import ResourceConfig
+from trajflow.operators.trainer.plan import TrainerConfig
+from trajflow.operators.trainer.recovery import RecoveryConfig
+from trajflow.operators.trainer.weight_sync import WeightSyncConfig
+from trajflow.pipelines.config import SECTIONS, PipelineConfig
+from trajflow.settings import SettingError, check_settings, setting
+from trajflow.tasks.dataset import DataConfig
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = {"correction": CorrectionConfig, "advantage": AdvantageConfig, "optimizer": OptimizerConfig,
-            "sampling": SamplingParams, "vllm": VllmOptions}
+# every section of a config and the settings dataclass it is declared by, with its default
+DEFAULTS = {"sampling": SamplingConfig(), "correction": CorrectionConfig(), "advantage": AdvantageConfig(),
+            "kl": KLConfig(), "distill": DistillConfig(), "optimizer": OptimizerConfig(), "lora": LoraConfig(), "vllm": VllmConfig(),
+            "generator": ResourceConfig(), "scorer": ResourceConfig(num_cpus=0.25), "trainer": TrainerConfig(),
+            "recovery": RecoveryConfig(), "weight_sync": WeightSyncConfig(), "data": None}
 
 
-@pytest.mark.parametrize("key, settings_class", SECTIONS.items())
-def test_yaml_defaults_are_the_library_defaults(key, settings_class):
-    section = getattr(PipelineConfig(), key)
-    assert section.spec() == settings_class()
-    yaml_fields = type(section).model_fields
-    assert list(yaml_fields) == [f.name for f in dataclasses.fields(settings_class)]
-    for f in dataclasses.fields(settings_class):  # documented where declared, the same text in YAML
-        assert f.metadata["doc"] and yaml_fields[f.name].description == f.metadata["doc"], f.name
+def test_every_section_is_a_settings_dataclass_and_yaml_defaults_are_the_library_defaults():
+    config = PipelineConfig()
+    assert set(DEFAULTS) == set(SECTIONS) == {k.name for k in keys(PipelineConfig) if k.section is not None}
+    for key, default in DEFAULTS.items():
+        section = getattr(config, key)
+        assert (section.spec() if section is not None else None) == default, key
+        declared = type(default) if default is not None else DataConfig
+        model = PipelineConfig.model_fields[key].annotation
+        model = typing.get_args(model)[0] if typing.get_args(model) else model
+        assert model.settings is declared
+        yaml_fields = model.model_fields
+        assert list(yaml_fields) == [f.name for f in dataclasses.fields(declared)]
+        for f in dataclasses.fields(declared):  # documented where declared, the same text in YAML
+            assert f.metadata["doc"] and yaml_fields[f.name].description == f.metadata["doc"], f"{key}.{f.name}"
+
+
+def test_every_key_of_every_section_and_of_the_top_level_is_documented():
+    """The walk covers every field (the top level, run options, every section's), and none is
+    declared without a description."""
+    names = {k.name for k in keys(JobConfig)}
+    assert set(JobConfig.model_fields) <= names
+    for key in SECTIONS:
+        model = _section_model(key)
+        assert {f"{key}.{info.alias or name}" for name, info in model.model_fields.items()} <= names, key
+    assert len(names) > 120
+    assert undocumented(JobConfig) == []
+
+
+def test_the_contract_check_fails_on_an_undocumented_key():
+    """A key declared without a description, in a section or at the top level, is named."""
+    from pydantic import Field
+
+    from trajflow.pipelines.config.sections import settings_section
+
+    @dataclasses.dataclass(frozen=True)
+    class Knobs:
+        documented: int = setting(1, "what it does")
+        bare: int = setting(2)
+
+        def __post_init__(self) -> None:
+            check_settings(self)
+
+    class Extended(PipelineConfig):
+        knobs: settings_section(Knobs, "KnobsSection") = Field(default_factory=settings_section(Knobs, "KnobsSection"),
+                                                              description="a section")
+        quiet: int = 3
+
+    assert undocumented(Extended) == ["knobs.bare", "quiet"]
+
+
+def test_the_configuration_reference_is_generated_from_the_declarations():
+    """docs/configuration.md is `python -m trajflow.jobs.config_reference`'s output: it lists every
+    key with its declared description, and is current (regenerate it when a setting changes)."""
+    text = render()
+    for key in keys(JobConfig):
+        name = f"## `{key.name}:`" if key.section is not None else f"`{key.name.rsplit('.', 1)[-1]}`"
+        assert name in text and key.description.replace("|", "\\|") in text, key.name
+    assert REFERENCE.read_text() == text, "docs/configuration.md is stale: python -m trajflow.jobs.config_reference"
+
+
+def _section_model(key: str):
+    model = PipelineConfig.model_fields[key].annotation
+    return typing.get_args(model)[0] if typing.get_args(model) else model
 
 
 def test_a_notebook_user_and_a_yaml_user_get_the_same_objective():
@@ -42,7 +110,7 @@ def test_a_notebook_user_and_a_yaml_user_get_the_same_objective():
     mask = torch.rand(4, 6, generator=g) > 0.2
     library = decoupled_loss(current, old, inference, advantages, mask, CorrectionConfig())
     default = decoupled_loss(current, old, inference, advantages, mask)  # the function's own default
-    job = build_job_config({"steps": 1}).correction_config()
+    job = build_job_config({"steps": 1}).settings.correction
     from_yaml = decoupled_loss(current, old, inference, advantages, mask, job)
     for out in (default, from_yaml):
         assert torch.equal(out.loss, library.loss)
@@ -90,8 +158,8 @@ def _ok_as_number(field: str, value: float) -> bool:
     lambda: CorrectionConfig(eps_low=True),
     lambda: OptimizerConfig(lr=True),
     lambda: OptimizerConfig(minibatches_per_step=True),
-    lambda: SamplingParams(top_k=False),
-    lambda: VllmOptions(tensor_parallel_size=True),
+    lambda: SamplingConfig(top_k=False),
+    lambda: VllmConfig(tensor_parallel_size=True),
     lambda: PipelineConfig(strategy="ewma", strategy_options={"window": True}).build_strategy(),
     lambda: PipelineConfig(strategy="loglinear", strategy_options={"alpha": True}).build_strategy(),
     lambda: PipelineConfig(strategy="m2po", strategy_options={"m2_threshold": True}).build_strategy(),
@@ -99,6 +167,31 @@ def _ok_as_number(field: str, value: float) -> bool:
 def test_a_boolean_is_never_a_number_in_the_library(build):
     with pytest.raises(ValueError, match="boolean|true|True|must be"):
         build()
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: decoupled_loss(t, t, t, t[:, 0], t > -1, denominator=True),
+    lambda t: __import__("trajflow.algorithms", fromlist=["grpo"]).grpo([1.0, 0.0], [0, 0], eps=True),
+    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).overlong_penalty([3], max_tokens=True, buffer=1),
+    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).loglinear_alpha(t.long(), theta_version=True),
+    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).loglinear_logprobs(t, t, alpha=False),
+    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).ewma_beta(True),
+    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).kl_penalized_rewards(t[:, 0], t, t > -1, beta=True),
+    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).m2_cutoff(t.flatten(), tau=True),
+    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).masked_mean(t, t > -1, dim=True),
+    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).lr_multiplier(True, 10, OptimizerConfig()),
+    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).staleness_stats(t.long(), True, t > -1),
+    lambda t: CorrectionConfig.paper(c_ti=True),
+    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).EwmaProximal({}, 0.5, reset_threshold=True),
+], ids=["decoupled_loss", "grpo", "overlong_penalty", "loglinear_alpha", "loglinear_logprobs", "ewma_beta",
+        "kl_penalized_rewards", "m2_cutoff", "masked_mean", "lr_multiplier", "staleness_stats", "paper", "EwmaProximal"])
+def test_functions_refuse_booleans_where_numbers_are_meant(call):
+    """As settings do: `decoupled_loss(denominator=True)` would otherwise train on a plain sum
+    (True == 1). One shared check (trajflow.settings.check_number), naming the argument."""
+    from trajflow.settings import NotANumber
+
+    with pytest.raises(NotANumber, match=r"\(\w+=\.\.\.\): expected a number, got the boolean"):
+        call(torch.full((2, 3), -1.0))
 
 
 def test_renamed_keys_work_for_one_release_with_one_line_notice():
@@ -111,6 +204,48 @@ def test_renamed_keys_work_for_one_release_with_one_line_notice():
         assert build_job_config({"strategy": "loglinear", "loglinear_alpha": 0.25}).build_strategy().alpha == 0.25
     with pytest.warns(FutureWarning, match="loglinear_alpha: ignored"):  # an option the strategy does not take
         assert build_job_config({"strategy": "snapshot", "loglinear_alpha": 0.25}).strategy_options == {}
+
+
+def test_renamed_imports_work_for_one_release_with_one_line_notice():
+    """Modules that moved (the layout of docs/design.md §4) and classes renamed to one suffix."""
+    import importlib
+    import sys
+
+    from trajflow.deprecations import RENAMED_MODULES
+    from trajflow.engines.lora import LoraConfig
+    from trajflow.operators.old_logprobs import OldLogprobsAtBehaviorVersion
+
+    for old, new in RENAMED_MODULES.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(FutureWarning, match=f"^{old}: use {new}; the old name goes in the next release$"):
+            assert importlib.import_module(old) is importlib.import_module(new)
+    for module, old, new in [("trajflow.engines.sampling", "SamplingParams", SamplingConfig),
+                             ("trajflow.engines.factory", "VllmOptions", VllmConfig),
+                             ("trajflow.engines.lora", "LoraSettings", LoraConfig),
+                             ("trajflow.operators.old_logprobs", "OldLogprobsAtBehaviourVersion",
+                              OldLogprobsAtBehaviorVersion)]:
+        with pytest.warns(FutureWarning, match=f"{module}.{old}: use "):
+            assert getattr(importlib.import_module(module), old) is new
+    with pytest.warns(FutureWarning, match=r"correction_config\(\): use PipelineConfig.settings.correction"):
+        assert PipelineConfig().correction_config() == PipelineConfig().settings.correction
+
+
+def test_an_actor_stage_is_checked_when_it_is_built():
+    """Typed arguments, checked against the operator's constructor when the stage is built (in
+    RLPipeline, before Ray starts), not when Ray Data constructs the actor."""
+    from trajflow.operators.contracts.stage import Stage
+    from trajflow.operators.generate import Generate
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    kwargs = dict(RLPipeline(PipelineConfig()).stage("generate").kwargs)
+    with pytest.raises(TypeError, match=r"stage 'generate': Generate\(rollout=\.\.\.\): expected RolloutConfig, got dict"):
+        Stage("generate", Generate, {**kwargs, "rollout": {"group_size": 2}})
+    with pytest.raises(TypeError, match="stage 'generate': Generate: got an unexpected keyword argument 'group_size'"):
+        Stage("generate", Generate, {**kwargs, "group_size": 2})
+    with pytest.raises(TypeError, match="stage 'generate': Generate: missing a required argument: 'engine'"):
+        Stage("generate", Generate, {k: v for k, v in kwargs.items() if k != "engine"})
+    with pytest.raises(TypeError, match=r"Generate\(torch_threads=\.\.\.\): expected int, got bool"):
+        Stage("generate", Generate, {**kwargs, "torch_threads": True})
 
 
 def _constructors_with_var_keyword(path: Path) -> list[str]:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from trajflow.engines import Generation, SamplingParams, score
+from trajflow.engines import Generation, SamplingConfig, score
 from trajflow.engines.factory import ENGINES, make_engine
 from trajflow.engines.models import build_tiny_model, save_model
 from trajflow.engines.tokenizer import EOS_ID, PAD_ID, encode_prompt
@@ -59,7 +59,7 @@ def shared_vllm(tiny, tmp_path_factory):
     require_vllm()
     path = tmp_path_factory.mktemp("tiny_model")
     save_model(tiny[0], tiny[1], path)
-    engine = make_engine("vllm", path, eos_id=EOS_ID, pad_id=PAD_ID, sampling=SamplingParams(),
+    engine = make_engine("vllm", path, eos_id=EOS_ID, pad_id=PAD_ID, sampling=SamplingConfig(),
                          inference_dtype="float32", seed=0, version=0, kv_cache_memory_bytes=128 << 20)
     yield engine
     engine.close()
@@ -100,7 +100,7 @@ def _max_abs_diff(gens: list[Generation], scored: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(np.asarray(g.logprobs) - s))) for g, s in zip(gens, scored))
 
 
-def _check_shape(gens: list[Generation], n_prompts: int, n: int, sampling: SamplingParams) -> None:
+def _check_shape(gens: list[Generation], n_prompts: int, n: int, sampling: SamplingConfig) -> None:
     assert len(gens) == n_prompts * n
     assert [g.prompt_index for g in gens] == [i for i in range(n_prompts) for _ in range(n)]
     for g in gens:
@@ -113,11 +113,11 @@ def _check_shape(gens: list[Generation], n_prompts: int, n: int, sampling: Sampl
 
 
 SAMPLINGS = {
-    "t1": SamplingParams(temperature=1.0, max_new_tokens=10),
-    "t0.7": SamplingParams(temperature=0.7, max_new_tokens=10),
-    "t0.7_topk_topp": SamplingParams(temperature=0.7, top_k=8, top_p=0.8, max_new_tokens=10),
-    "greedy": SamplingParams(temperature=0.0, max_new_tokens=10),
-    "greedy_topk_topp": SamplingParams(temperature=0.0, top_k=6, top_p=0.5, max_new_tokens=10),
+    "t1": SamplingConfig(temperature=1.0, max_new_tokens=10),
+    "t0.7": SamplingConfig(temperature=0.7, max_new_tokens=10),
+    "t0.7_topk_topp": SamplingConfig(temperature=0.7, top_k=8, top_p=0.8, max_new_tokens=10),
+    "greedy": SamplingConfig(temperature=0.0, max_new_tokens=10),
+    "greedy_topk_topp": SamplingConfig(temperature=0.0, top_k=6, top_p=0.5, max_new_tokens=10),
 }
 
 
@@ -186,7 +186,7 @@ def test_sampling_at_temperature_matches_tempered_softmax(make, prompts):
     with torch.no_grad():
         peaked.model.norm.weight.mul_(8.0)  # logits x8: far from uniform, so temperature matters
     temperature, draws = 0.7, 4000
-    sampling = SamplingParams(temperature=temperature, max_new_tokens=1)
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=1)
     gens = make(peaked, sampling, seed=0).generate([prompts[0]], n=draws)
     counts = np.bincount([g.response_tokens[0] for g in gens], minlength=64).astype(float)
     with torch.no_grad():
@@ -204,7 +204,7 @@ def test_sampling_at_temperature_matches_tempered_softmax(make, prompts):
 
 
 def test_weight_update_switches_to_new_version(make, model, other_model, prompts):
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
     engine = make(model, greedy, version=1)
     before = engine.generate(prompts)
     assert engine.version == 1 and all(set(g.versions) == {1} for g in before)
@@ -222,7 +222,7 @@ def test_weight_update_switches_to_new_version(make, model, other_model, prompts
 
 
 def test_interrupted_request_resumes_under_new_version(make, model, other_model, prompts):
-    sampling = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=9)
+    sampling = SamplingConfig(temperature=0.8, top_k=20, max_new_tokens=9)
     new_state = {k: v.detach().clone() for k, v in other_model.state_dict().items()}
     swap_after = 4
     lengths: list[int] = []
@@ -269,7 +269,7 @@ def test_abort_from_between_steps(make, model, prompts):
 @pytest.mark.parametrize("declared_as", ["eos_id", "stop_token_ids"])
 def test_stop_token_ends_the_response(make, model, prompts, declared_as):
     """eos, and any extra stop id (a chat model's generation-config eos), ends a response (kept)."""
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
     reference = make(model, greedy).generate(prompts)
     assert all(g.finish_reason == "length" and EOS_ID not in g.response_tokens for g in reference)
     stop = reference[0].response_tokens[2]  # declare the 3rd greedy token of prompt 0 a stop token
@@ -287,10 +287,10 @@ def test_stop_token_ends_the_response(make, model, prompts, declared_as):
 def test_stop_strings_end_the_response(make, model, tiny, prompts):
     """A `sampling.stop` string ends the response at the token that completes it (kept, "stop")."""
     tokenizer = tiny[1]
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
     reference = make(model, greedy).generate(prompts, n=2)
     stop = tokenizer.decode(reference[0].response_tokens[2:4])  # two characters greedy prompt 0 produces
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=8, stop=(stop, "never-sampled"))
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=8, stop=(stop, "never-sampled"))
     stopped = make(model, sampling, tokenizer=tokenizer).generate(prompts, n=2)
     for g, ref in zip(stopped, reference):
         text = [tokenizer.decode(ref.response_tokens[: k + 1]) for k in range(len(ref.response_tokens))]

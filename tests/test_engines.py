@@ -13,7 +13,7 @@ import torch
 
 from trajflow.engines import (
     Generation,
-    SamplingParams,
+    SamplingConfig,
     TorchEngine,
     load_inference_weights,
     make_inference_model,
@@ -63,7 +63,7 @@ def _mean_abs_diff(gens: list[Generation], scored: list[np.ndarray]) -> float:
 def test_process_logits_filters_and_normalises():
     torch.manual_seed(0)
     logits = torch.randn(5, 64) * 3
-    lp = process_logits(logits, SamplingParams(temperature=0.5, top_k=10))
+    lp = process_logits(logits, SamplingConfig(temperature=0.5, top_k=10))
     assert torch.all(torch.isfinite(lp).sum(-1) == 10)
     assert torch.allclose(lp.exp().sum(-1), torch.ones(5), atol=1e-6)
     # tempered softmax restricted to the top 10 and renormalised
@@ -72,35 +72,35 @@ def test_process_logits_filters_and_normalises():
     assert torch.allclose(lp.gather(-1, top), ref, atol=1e-6)
 
     # top-p keeps the smallest top set whose mass reaches p
-    lp_p = process_logits(logits, SamplingParams(top_p=0.6))
+    lp_p = process_logits(logits, SamplingConfig(top_p=0.6))
     for row_logits, row_lp in zip(logits, lp_p):
         probs = torch.softmax(row_logits, -1).sort(descending=True).values
         k = int((probs.cumsum(0) < 0.6).sum()) + 1
         assert int(torch.isfinite(row_lp).sum()) == k
 
     # greedy reports untempered log-probs
-    assert torch.allclose(process_logits(logits, SamplingParams(temperature=0)), torch.log_softmax(logits, -1))
+    assert torch.allclose(process_logits(logits, SamplingConfig(temperature=0)), torch.log_softmax(logits, -1))
     # token_logprobs (scoring form) == gather of process_logits
-    sp = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
+    sp = SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)
     tokens = torch.argmax(logits, -1)
     assert torch.allclose(token_logprobs(logits, tokens, sp), process_logits(logits, sp).gather(-1, tokens[:, None])[:, 0], atol=1e-6)
 
 
 def test_sampling_params_validation():
     with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0.0)
+        SamplingConfig(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1.0)
+        SamplingConfig(temperature=-1.0)
 
 
 # ---------------------------------------------------------------------------------------------
 # generation log-probs == teacher-forced scoring (float32)
 
 SAMPLINGS = {
-    "t1": SamplingParams(temperature=1.0, max_new_tokens=10),
-    "t0.7": SamplingParams(temperature=0.7, max_new_tokens=10),
-    "t0.7_topk_topp": SamplingParams(temperature=0.7, top_k=8, top_p=0.8, max_new_tokens=10),
-    "greedy": SamplingParams(temperature=0.0, max_new_tokens=10),
+    "t1": SamplingConfig(temperature=1.0, max_new_tokens=10),
+    "t0.7": SamplingConfig(temperature=0.7, max_new_tokens=10),
+    "t0.7_topk_topp": SamplingConfig(temperature=0.7, top_k=8, top_p=0.8, max_new_tokens=10),
+    "greedy": SamplingConfig(temperature=0.0, max_new_tokens=10),
 }
 
 
@@ -127,7 +127,7 @@ def test_generation_logprobs_match_scoring_float32(model, prompts, name):
 
 
 def test_sampling_respects_top_k_top_p(model, prompts):
-    sampling = SamplingParams(temperature=1.0, top_k=5, top_p=0.5, max_new_tokens=1)
+    sampling = SamplingConfig(temperature=1.0, top_k=5, top_p=0.5, max_new_tokens=1)
     gens = _engine(model, sampling, seed=0).generate([prompts[0]], n=500)
     with torch.no_grad():
         logits = model(torch.tensor([prompts[0]])).logits[0, -1]
@@ -144,7 +144,7 @@ def test_weight_swap_between_steps(model, prompts):
     new_model, _ = build_tiny_model(seed=1)
     new_state = {k: v.clone() for k, v in new_model.state_dict().items()}
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    sampling = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=9)
+    sampling = SamplingConfig(temperature=0.8, top_k=20, max_new_tokens=9)
     swap_after = 4
     calls: list[int] = []
 
@@ -179,7 +179,7 @@ def test_weight_swap_between_steps(model, prompts):
 
 
 def test_finish_reasons(model, prompts):
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
     gens = _engine(model, greedy).generate(prompts)
     assert all(g.finish_reason == "length" and len(g.response_tokens) == 8 for g in gens)
     assert all(EOS_ID not in g.response_tokens for g in gens)
@@ -205,7 +205,7 @@ def test_finish_reasons(model, prompts):
 
 
 def test_scoring_padding_invariance(model, prompts):
-    sampling = SamplingParams(temperature=0.7, top_k=30)
+    sampling = SamplingConfig(temperature=0.7, top_k=30)
     responses = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
     batch = score(model, prompts, responses, sampling)
     # arbitrary tokens: some fall outside the top 30 and score -inf (the same ones in every layout)
@@ -231,14 +231,14 @@ def test_scoring_grad(prompts):
     train_model, _ = build_tiny_model(seed=0)
     train_model.train()
     responses = [[5, 6, 7], [8, 9], [10]]
-    lp, valid = response_logprobs(train_model, prompts, responses, SamplingParams(temperature=0.9), grad=True)
+    lp, valid = response_logprobs(train_model, prompts, responses, SamplingConfig(temperature=0.9), grad=True)
     assert lp.requires_grad
     (-lp[valid].sum()).backward()
     grads = [p.grad for p in train_model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert sum(float(g.abs().sum()) for g in grads) > 0
     # grad=False builds no graph
-    lp_ng, _ = response_logprobs(train_model, prompts, responses, SamplingParams(temperature=0.9))
+    lp_ng, _ = response_logprobs(train_model, prompts, responses, SamplingConfig(temperature=0.9))
     assert not lp_ng.requires_grad
     assert torch.allclose(lp_ng, lp.detach(), atol=TOL)
 
@@ -248,7 +248,7 @@ def test_scoring_grad(prompts):
 
 
 def test_float32_engine_is_exact(model, prompts):
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
     gens = _engine(model, sampling, inference_dtype="float32", seed=2).generate(prompts, n=4)
     mean = _mean_abs_diff(gens, _score_generations(model, prompts, gens, sampling))
     print(f"\n[engines] inference_dtype=float32: mean |inference - float32 scoring| = {mean:.3e}")
@@ -257,7 +257,7 @@ def test_float32_engine_is_exact(model, prompts):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
 def test_low_precision_inference_differs_measurably(model, prompts, dtype):
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
     engine = _engine(model, sampling, inference_dtype=dtype, seed=2)
     gens = engine.generate(prompts, n=4)
     scored_fp32 = _score_generations(model, prompts, gens, sampling)

@@ -20,6 +20,7 @@ from trajflow.jobs.config import (
     load_job_config,
     parse_config_text,
 )
+from trajflow.pipelines.config import PipelineConfig
 
 WARM = Path(__file__).resolve().parent.parent / "artifacts" / "warm_start" / "addition"
 
@@ -165,7 +166,13 @@ def test_bundled_configs_validate_and_cover_every_strategy():
     # the resolved config round-trips through YAML
     again = build_job_config(__import__("yaml").safe_load(quick.to_yaml()))
     assert again == quick
-    assert isinstance(quick.pipeline_config(), type(quick).__mro__[1])
+    # the pipeline's part of a job config: the same settings, without the run options
+    pipeline = quick.pipeline_config()
+    assert type(pipeline) is PipelineConfig and isinstance(quick, JobConfig)
+    assert pipeline.model_dump() == {k: v for k, v in quick.model_dump().items() if k in PipelineConfig.model_fields}
+    assert set(JobConfig.model_fields) - set(PipelineConfig.model_fields) == {
+        "name", "runs_root", "run_dir", "checkpoint_every", "keep_checkpoints", "save_all_versions",
+        "trajectory_log", "tensorboard", "ray_address", "dashboard", "status_every"}
 
 
 def test_advantage_accepts_the_estimator_name_and_defaults_to_the_sample_std():

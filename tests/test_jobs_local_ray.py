@@ -54,13 +54,15 @@ def _alive(procs) -> list:
 
 @pytest.fixture(scope="module")
 def running_run(tmp_path_factory):
-    """A quickstart run long enough to still be training while the tests look at it."""
+    """A quickstart run long enough to still be training while the tests look at it. Its decode
+    steps sleep (simulate_decode_seconds): it stays alive for the module without taking the CPU
+    the other test worker needs."""
     tmp = tmp_path_factory.mktemp("local_ray")
     log = open(tmp / "run.log", "w")
     args = ["run", "quickstart", "--run-dir", tmp / "run", "--no-progress", "--set", "steps=500",
             "--set", "checkpoint_every=0", "--set", "save_all_versions=false", "--set", "tensorboard=false",
             "--set", "trajectory_log=false", "--set", "prompts_per_step=8", "--set", "group_size=4",
-            "--set", "eval_every=0"]
+            "--set", "eval_every=0", "--set", "simulate_decode_seconds=0.2"]
     env = dict(_env(), TRAJFLOW_WATCHDOG_LOG=str(tmp / "watchdog.log"))
     proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)

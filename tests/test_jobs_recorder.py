@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trajflow.engines import checkpoint as ckpt
-from trajflow.engines.lora import LoraSettings
+from trajflow.engines.lora import LoraConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.jobs.recorder import RunPaths, RunRecorder, logged_steps, read_metrics, truncate_after
 from trajflow.operators.strategies.ewma import Ewma
@@ -36,8 +36,8 @@ class SmallTrainer(TrainStep):
         self.optimizer_steps = 0
         self.version = version
         self.sharded, self.group = False, None
-        self.data_parallel = PipelineConfig().trainer.data_parallel("")
-        self.spec = SimpleNamespace(model_path=model_path, lora=LoraSettings())  # r 0: no adapter
+        self.trainer = PipelineConfig().settings.trainer
+        self.spec = SimpleNamespace(model_path=model_path, lora=LoraConfig())  # r 0: no adapter
         self.strategy = Ewma(window=2)
         self.strategy.bind(self)
 
@@ -71,7 +71,7 @@ def _recorder(run_dir, **kw) -> RunRecorder:
 def _step(recorder: RunRecorder, trainer: SmallTrainer) -> dict:
     step = trainer.version
     trainer.train()
-    metrics = {"step": step, "version": trainer.version, "reward_mean": 0.5, "rows_trained": 4,
+    metrics = {"step": step, "version": trainer.version, "reward/mean": 0.5, "rows_trained": 4,
                "optimizer_steps": trainer.optimizer_steps}
     recorder.on_rows(trainer, _batch(step), step)
     recorder.on_step(trainer, _batch(step), metrics)

@@ -26,16 +26,21 @@ from trajflow.jobs.summary import SUMMARY_COLUMNS, status_line
 
 
 def write_run(root: Path, rewards: list[float], step_ends: list[float] | None = None, *, strategy: str = "snapshot",
-              sessions: list[dict] | None = None, heldout: dict[int, float] | None = None) -> Path:
+              sessions: list[dict] | None = None, heldout: dict[int, float] | None = None,
+              old_keys: bool = False) -> Path:
+    """A run dir as the recorder writes it; `old_keys`: with the metric keys of runs written
+    before they took one style (reward_mean, heldout_accuracy, train_seconds)."""
     paths = RunPaths(root)
+    reward_key, heldout_key, seconds_key = (("reward_mean", "heldout_accuracy", "seconds/train_seconds") if old_keys
+                                            else ("reward/mean", "heldout/accuracy", "seconds/train_seconds"))
     for step, reward in enumerate(rewards):
-        row = {"step": step, "version": step + 1, "strategy": strategy, "reward_mean": reward, "rows": 32,
+        row = {"step": step, "version": step + 1, "strategy": strategy, reward_key: reward, "rows": 32,
                "rows_trained": 16, "mask/token_kept_frac": 0.99, "clip/frac": 0.01, "staleness/mean": 1.0,
-               "staleness/max": 1, "train_seconds": 0.1}
+               "staleness/max": 1, seconds_key: 0.1}
         if step_ends is not None:
             row["time/step_end"] = step_ends[step]
         if heldout and step in heldout:
-            row["heldout_accuracy"] = heldout[step]
+            row[heldout_key] = heldout[step]
         write_table_atomic(pa.Table.from_pylist([row]), paths.metrics_file(step))
     paths.config.write_text(yaml.safe_dump({"name": "quickstart", "strategy": strategy}))
     if sessions is not None:
@@ -65,6 +70,32 @@ def test_compare_keeps_both_runs_with_the_same_directory_name(tmp_path, capsys):
     assert main(["compare", str(a), str(b), "--out", str(out), "--overwrite"]) == 0  # ... unless asked
     assert main(["compare", str(a), str(tmp_path / "a" / "." / "run")]) == 2  # the same run twice
     assert "given twice" in capsys.readouterr().err
+
+
+def test_report_and_compare_read_a_run_written_with_the_old_metric_keys(tmp_path, capsys):
+    """A run written before the metric keys took one style reads under today's names: its
+    summary, report and plot give the numbers a run written today gives. Its held-out metric was
+    the mean reward whatever the reward, so that is what it reads as."""
+    import polars as pl
+
+    rewards, heldout = [0.1, 0.2, 0.3, 0.4, 0.5], {4: 0.36}
+    old = write_run(tmp_path / "old" / "run", rewards, [0.0, 1.0, 2.0, 3.0, 4.0], heldout=heldout, old_keys=True)
+    new = write_run(tmp_path / "new" / "run", rewards, [0.0, 1.0, 2.0, 3.0, 4.0], heldout=heldout)
+    on_disk = pl.read_parquet(RunPaths(old).metrics_file(0)).columns
+    assert "reward_mean" in on_disk and "reward/mean" not in on_disk
+    runs = load_runs([old, new])
+    assert "reward/mean" in runs["old/run"].metrics.columns and "heldout/mean_reward" in runs["old/run"].metrics.columns
+    was, now = summarize("old/run", runs["old/run"]), summarize("new/run", runs["new/run"])
+    for key in ("final_reward", "final_reward_steps", "final_heldout", "best_heldout", "seconds_per_step", "mask_kept"):
+        assert was[key] == now[key], key
+    assert was["final_reward"] == 0.5 and was["final_heldout"] == 0.36 and was["seconds_per_step"] == 1.0
+    assert was["heldout"] == "mean reward" and now["heldout"] == "accuracy"
+    capsys.readouterr()
+    assert main(["report", str(old), "--out", str(tmp_path / "old.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "0.500" in printed and "0.360" in printed and "mean reward" in printed
+    assert main(["compare", str(old), str(new), "--out", str(tmp_path / "both.png")]) == 0
+    assert (tmp_path / "both.png").stat().st_size > 10_000
 
 
 def test_default_compare_output_is_a_new_file_in_the_current_directory(tmp_path, monkeypatch, capsys):
@@ -134,8 +165,8 @@ def test_plot_draws_raw_values_and_says_when_evaluation_is_off(tmp_path):
 def test_notebook_dataframes_still_compare(tmp_path):
     import polars as pl
 
-    runs = {"snapshot": pl.DataFrame({"step": [0, 1], "reward_mean": [0.1, 0.3], "strategy": ["snapshot"] * 2}),
-            "behavior": pl.DataFrame({"step": [0, 1], "reward_mean": [0.2, 0.2], "strategy": ["behavior"] * 2})}
+    runs = {"snapshot": pl.DataFrame({"step": [0, 1], "reward/mean": [0.1, 0.3], "strategy": ["snapshot"] * 2}),
+            "behavior": pl.DataFrame({"step": [0, 1], "reward/mean": [0.2, 0.2], "strategy": ["behavior"] * 2})}
     table = comparison_table(runs)
     assert table["run"].to_list() == ["snapshot", "behavior"] and table["seconds_per_step"].null_count() == 2
     assert plot_runs(runs, tmp_path / "nb.png").stat().st_size > 10_000
@@ -143,20 +174,20 @@ def test_notebook_dataframes_still_compare(tmp_path):
 
 @pytest.mark.parametrize("steps", [1, 20, 1_000_000])
 def test_status_lines_fit_100_columns_and_number_steps_from_0(steps):
-    row = {"step": steps - 1, "reward_mean": -12345.678, "rows": 65536, "rows_trained": 65536,
+    row = {"step": steps - 1, "reward/mean": -12345.678, "rows": 65536, "rows_trained": 65536,
            "mask/token_kept_frac": 0.99999, "clip/frac": 0.5, "mismatch/k3": 1.23e-7, "staleness/mean": 123.45,
            "loss": -1234.5678, "checkpoint": 10}
     line = status_line(row, steps, 12345.6)
     assert len(line) <= WIDTH, line
     assert line.startswith(f"step {steps - 1} (100%) | reward -12345.678 | rows 65536/65536 | 12345.6s")
-    small = status_line({"step": 4, "reward_mean": 0.219, "rows": 32, "rows_trained": 16}, 20, 1.25)
+    small = status_line({"step": 4, "reward/mean": 0.219, "rows": 32, "rows_trained": 16}, 20, 1.25)
     assert small == "step  4 ( 25%) | reward 0.219 | rows 16/32 | 1.2s"
 
 
 def test_summary_table_fits_100_columns():
-    rows = [{"step": s, "reward_mean": 0.5, "rows_trained": 4096, "mask/token_kept_frac": 0.5, "clip/frac": 0.5,
+    rows = [{"step": s, "reward/mean": 0.5, "rows_trained": 4096, "mask/token_kept_frac": 0.5, "clip/frac": 0.5,
              "mismatch/k3": 1e-3, "staleness/mean": 12.5, "staleness/max": 100, "loss": -123.4567,
-             "train_seconds": 1234.5} for s in (0, 999_999)]
+             "seconds/train_seconds": 1234.5} for s in (0, 999_999)]
     table = format_table(rows, list(SUMMARY_COLUMNS))
     assert all(len(line) <= WIDTH for line in table.splitlines()), table
     assert table.splitlines()[-1].split()[0] == "999999"

@@ -21,6 +21,9 @@ The other runs are the quickstart at its old, small size (8 prompts x 4 samples 
 
 Each `trajflow run` subprocess starts its own embedded Ray; `main` in this process uses the
 session's (conftest's `ray_session`: already initialised, so the command does not start another).
+
+One module on purpose: the end-to-end CLI runs share its module fixtures (one quick run, one
+logged run, read by many tests), which is what keeps them affordable.
 """
 
 from __future__ import annotations
@@ -119,12 +122,12 @@ def test_quickstart_run_writes_a_complete_run_dir(quick_run):
 
     # held-out accuracy: version 0 (the warm start) in step 0's row, then versions 4 and 8; the summary
     # shows both ends with the standard error over the 64 prompts
-    assert metrics["heldout_accuracy_start"].drop_nulls().len() == 1
-    start = metrics["heldout_accuracy_start"][0]
+    assert metrics["heldout/accuracy_start"].drop_nulls().len() == 1
+    start = metrics["heldout/accuracy_start"][0]
     assert start == pytest.approx(_warm_start_accuracy(EVAL_PROMPTS), abs=1e-9)
-    evaluated = metrics.filter(pl.col("heldout_accuracy").is_not_null())
+    evaluated = metrics.filter(pl.col("heldout/accuracy").is_not_null())
     assert evaluated["version"].to_list() == [4, 8]
-    end = evaluated["heldout_accuracy"][-1]
+    end = evaluated["heldout/accuracy"][-1]
     error = np.hypot(np.sqrt(start * (1 - start) / EVAL_PROMPTS), np.sqrt(end * (1 - end) / EVAL_PROMPTS))
     assert (f"held-out accuracy on {EVAL_PROMPTS} prompts: {start:.3f} at version 0 -> {end:.3f} at version 8, "
             f"{end - start:+.3f} ± {error:.3f} (s.e.)") in proc.stdout
@@ -169,8 +172,8 @@ def test_quickstart_run_writes_a_complete_run_dir(quick_run):
     (events,) = (run_dir / "tensorboard").glob("events.out.tfevents.*")
     accumulator = EventAccumulator(str(events))
     accumulator.Reload()
-    assert [e.step for e in accumulator.Scalars("reward_mean")] == list(range(QUICK_STEPS))
-    assert [e.value for e in accumulator.Scalars("reward_mean")] == pytest.approx(metrics["reward_mean"].to_list())
+    assert [e.step for e in accumulator.Scalars("reward/mean")] == list(range(QUICK_STEPS))
+    assert [e.value for e in accumulator.Scalars("reward/mean")] == pytest.approx(metrics["reward/mean"].to_list())
 
 
 def _warm_start_accuracy(prompts: int) -> float:
@@ -178,13 +181,13 @@ def _warm_start_accuracy(prompts: int) -> float:
     import torch
 
     from trajflow.engines.models import WARM_START_DIR, load_model, load_tokenizer
-    from trajflow.tasks.rollout import heldout_accuracy
+    from trajflow.tasks.rollout import heldout_mean_reward
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         workload = load_job_config("quickstart").workload()
-        return heldout_accuracy(load_model(WARM_START_DIR), load_tokenizer(WARM_START_DIR), workload, prompts, 6)
+        return heldout_mean_reward(load_model(WARM_START_DIR), load_tokenizer(WARM_START_DIR), workload, prompts, 6)
     finally:
         torch.set_num_threads(threads)
 
@@ -431,7 +434,7 @@ def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path
     metrics = pl.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].to_list() == list(range(steps))  # each step exactly once, in order
     # version 0 is evaluated once, by the first session; the resumed trainer started later
-    assert metrics.filter(pl.col("heldout_accuracy_start").is_not_null())["step"].to_list() == [0]
+    assert metrics.filter(pl.col("heldout/accuracy_start").is_not_null())["step"].to_list() == [0]
     assert metrics["version"].to_list() == list(range(1, steps + 1))
     # the optimizer state was restored: its step count runs on across the resume
     trained_steps = (metrics["rows_trained"] > 0).cast(pl.Int64).cum_sum()

@@ -25,14 +25,14 @@ def write_metrics(root: Path, heldout: dict[int, float], start: float | None,
                   reward_errors: dict[int, int] | None = None) -> RunPaths:
     paths = RunPaths(root)
     for step in range(4):
-        row = {"step": step, "version": step + 1, "reward_mean": 0.5, "rows": 8, "rows_trained": 8,
+        row = {"step": step, "version": step + 1, "reward/mean": 0.5, "rows": 8, "rows_trained": 8,
                "reward/errors": (reward_errors or {}).get(step, 0)}
         if row["reward/errors"]:
             row["reward/first_error"] = f"ValueError: step {step}"
         if step == 0 and start is not None:
-            row["heldout_accuracy_start"] = start
+            row["heldout/accuracy_start"] = start
         if step in heldout:
-            row["heldout_accuracy"] = heldout[step]
+            row["heldout/accuracy"] = heldout[step]
         write_table_atomic(pa.Table.from_pylist([row]), paths.metrics_file(step))
     return paths
 
@@ -46,14 +46,16 @@ def test_heldout_line_gives_both_ends_and_the_standard_error_of_the_change(tmp_p
     line = heldout_line(metrics, 100)
     assert line == "held-out accuracy on 100 prompts: 0.250 at version 0 -> 0.360 at version 4, +0.110 ± 0.065 (s.e.)"
     # one end only: that accuracy with its own standard error
-    assert heldout_line(metrics.drop("heldout_accuracy"), 100) == \
+    assert heldout_line(metrics.drop("heldout/accuracy"), 100) == \
         "held-out accuracy on 100 prompts: 0.250 ± 0.043 (s.e.) at version 0"
-    assert heldout_line(metrics.drop("heldout_accuracy_start"), 100) == \
+    assert heldout_line(metrics.drop("heldout/accuracy_start"), 100) == \
         "held-out accuracy on 100 prompts: 0.360 ± 0.048 (s.e.) at version 4"
-    assert heldout_line(metrics.drop("heldout_accuracy_start", "heldout_accuracy"), 100) is None
-    # a reward outside [0, 1] is no accuracy: no binomial standard error
-    assert heldout_line(metrics.with_columns(pl.col("heldout_accuracy") * 10), 100).endswith(
-        "0.250 at version 0 -> 3.600 at version 4, +3.350")
+    assert heldout_line(metrics.drop("heldout/accuracy_start", "heldout/accuracy"), 100) is None
+    # a reward that is not 0/1 is no accuracy: the metric is the mean reward, and outside [0, 1]
+    # it gets no binomial standard error
+    rewards = metrics.rename({"heldout/accuracy": "heldout/mean_reward", "heldout/accuracy_start": "heldout/mean_reward_start"})
+    assert heldout_line(rewards.with_columns(pl.col("heldout/mean_reward") * 10), 100) == \
+        "held-out mean reward on 100 prompts: 0.250 at version 0 -> 3.600 at version 4, +3.350"
 
     summary = summary_table(paths, 4, 0, 10.0, [5.0, 1.0, 1.0, 1.0], heldout_prompts=100)
     assert line in summary.splitlines() and len(line) <= WIDTH
@@ -62,8 +64,8 @@ def test_heldout_line_gives_both_ends_and_the_standard_error_of_the_change(tmp_p
 
 def test_reward_errors_in_the_status_line_the_summary_and_the_report(tmp_path):
     paths = write_metrics(tmp_path / "run", {}, start=None, reward_errors={1: 3, 2: 8})
-    assert "reward errors" not in status_line({"step": 0, "reward_mean": 0.5, "rows": 8, "reward/errors": 0}, 4)
-    assert status_line({"step": 1, "reward_mean": 0.5, "rows": 8, "rows_trained": 5, "reward/errors": 3}, 4) == \
+    assert "reward errors" not in status_line({"step": 0, "reward/mean": 0.5, "rows": 8, "reward/errors": 0}, 4)
+    assert status_line({"step": 1, "reward/mean": 0.5, "rows": 8, "rows_trained": 5, "reward/errors": 3}, 4) == \
         "step 1 ( 50%) | reward 0.500 | rows 5/8 | reward errors 3"
     summary = summary_table(paths, 4, 0, 10.0, [5.0, 1.0, 1.0, 1.0]).splitlines()
     assert "reward errors: 11 of 32 rows, in 2 of 4 steps; first: ValueError: step 1" in summary
@@ -91,9 +93,9 @@ def test_report_shows_version_0_accuracy(tmp_path):
     root = write_metrics(tmp_path / "run", {3: 0.36}, start=0.25).root
     (run,) = load_runs([root]).values()
     row = summarize("run", run)
-    assert row["start_heldout_accuracy"] == 0.25 and row["final_heldout_accuracy"] == 0.36
+    assert row["start_heldout"] == 0.25 and row["final_heldout"] == 0.36 and row["heldout"] == "accuracy"
     (run,) = load_runs([write_metrics(tmp_path / "no_start", {3: 0.36}, start=None).root]).values()
-    assert summarize("run", run)["start_heldout_accuracy"] is None
+    assert summarize("run", run)["start_heldout"] is None
 
 
 def test_placement_json_comes_from_the_rows_node_columns(tmp_path, ray_session):

@@ -10,7 +10,7 @@ import pytest
 
 from trajflow.algorithms.config import AdvantageConfig, KLConfig
 from trajflow.engines.models import load_model, load_tokenizer
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.torch_engine import TorchEngine
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.advantage import Advantage
@@ -41,7 +41,7 @@ def _rollout(model_path, rows: int = 8):
     source = Workload(task="addition").prompt_source(tokenizer, seed=1, prompts_per_step=rows)
     prompts = source.step_rows(0)["prompt_tokens"].to_pylist()
     engine = TorchEngine(load_model(model_path), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                         sampling=SamplingParams(), seed=0)
+                         sampling=SamplingConfig(), seed=0)
     gens = engine.generate(prompts, n=2)
     return pa.table({
         "group_id": [f"g{g.prompt_index}" for g in gens],
@@ -58,7 +58,7 @@ def test_reference_scores_in_training_numerics_and_penalises_the_reward_in_rewar
 
     batch = _rollout(WARM_START_DIR)
     kl = KLConfig(beta=0.5, estimator="k1", in_="reward")
-    op = ReferenceLogprobs(None, WARM_START_DIR, kl, SamplingParams(), TrainingNumerics(), skip_filtered=False,
+    op = ReferenceLogprobs(None, WARM_START_DIR, kl, SamplingConfig(), TrainingNumerics(), skip_filtered=False,
                            torch_threads=1)
     out = op(batch)
     ref = pc.list_flatten(out["reference_logprobs"]).to_numpy(zero_copy_only=False)
@@ -95,12 +95,12 @@ def _kl_to(weights: dict, reference_dir, prompts: int = 32) -> float:
     policy = load_model(reference_dir)
     policy.load_state_dict(weights)
     engine = TorchEngine(policy, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                         sampling=SamplingParams(), seed=5)
+                         sampling=SamplingConfig(), seed=5)
     gens = engine.generate(prompt_tokens, n=4)
     p, r = [prompt_tokens[g.prompt_index] for g in gens], [g.response_tokens for g in gens]
     numerics = TrainingNumerics()
-    own = np.concatenate(numerics.score(numerics.prepare(policy), p, r, SamplingParams()))
-    ref = np.concatenate(numerics.score(numerics.prepare(load_model(reference_dir)), p, r, SamplingParams()))
+    own = np.concatenate(numerics.score(numerics.prepare(policy), p, r, SamplingConfig()))
+    ref = np.concatenate(numerics.score(numerics.prepare(load_model(reference_dir)), p, r, SamplingConfig()))
     return float(np.mean(own - ref))
 
 

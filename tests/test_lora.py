@@ -1,6 +1,6 @@
 """LoRA (`lora:`, engines/lora.py, issue #22): the trainer trains and publishes a PEFT adapter.
 
-- the section: declared once (engines.lora.LoraSettings), bounded, and the combinations it does
+- the section: declared once (engines.lora.LoraConfig), bounded, and the combinations it does
   not support refused by name before anything starts;
 - a version's payload is the adapter: under 15 % of the full model's bytes at r 8 on the
   quickstart model (measured, printed);
@@ -28,7 +28,7 @@ from support import max_abs_difference, run_with_final_weights
 
 from trajflow.engines import lora
 from trajflow.engines.paths import WARM_START_DIR
-from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.config import PipelineConfig, preflight
 
 LORA = dict(steps=3, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1, max_staleness=2,
             inference_dtype="float32", strategy="snapshot", lora={"r": 8, "alpha": 16.0},
@@ -36,8 +36,8 @@ LORA = dict(steps=3, prompts_per_step=4, group_size=4, drop_zero_variance_groups
 
 
 def test_the_section_is_checked_before_anything_starts():
-    assert PipelineConfig(lora={"r": 8}).lora.spec() == lora.LoraSettings(r=8)
-    assert not PipelineConfig().lora.spec().enabled
+    assert PipelineConfig(lora={"r": 8}).settings.lora == lora.LoraConfig(r=8)
+    assert not PipelineConfig().settings.lora.enabled
     for bad, words in [({"r": -1}, "r"), ({"r": 8, "dropout": 0.1}, "dropout"), ({"r": 8, "alpha": 0}, "alpha"),
                        ({"r": 8, "target_modules": []}, "target_modules")]:
         with pytest.raises(ValueError, match=words):
@@ -52,7 +52,7 @@ def test_a_version_is_the_adapter_under_15_percent_of_the_full_bytes():
 
     model = load_model(WARM_START_DIR)
     full = SharedStateDict.of(model.state_dict()).nbytes
-    payload = lora.adapter_payload(lora.wrap(model, lora.LoraSettings(r=8)), 2.0)
+    payload = lora.adapter_payload(lora.wrap(model, lora.LoraConfig(r=8)), 2.0)
     adapter = SharedStateDict.of(payload, None).nbytes
     print(f"\nr 8 adapter {adapter} B of {full} B full: {adapter / full:.1%}")
     assert lora.is_adapter(payload) and not lora.is_adapter(model.state_dict())
@@ -89,7 +89,7 @@ def test_lora_run_trains_the_adapter_only_keeps_exactness_and_exports_a_merged_m
 
     from trajflow.engines import checkpoint as ckpt
     from trajflow.engines.models import WARM_START_DIR, load_model
-    from trajflow.engines.sampling import SamplingParams
+    from trajflow.engines.sampling import SamplingConfig
     from trajflow.engines.training_numerics import TrainingNumerics
     from trajflow.jobs.recorder import RunRecorder
 
@@ -125,11 +125,11 @@ def test_lora_run_trains_the_adapter_only_keeps_exactness_and_exports_a_merged_m
     assert lora.is_adapter(adapter) and max_abs_difference(adapter, final) == 0.0
     assert checkpoint.optimizer_state() is not None
     merged_model = AutoModelForCausalLM.from_pretrained(checkpoint.path).eval()
-    peft_model = lora.wrap(load_model(WARM_START_DIR), config.lora.spec()).eval()
+    peft_model = lora.wrap(load_model(WARM_START_DIR), config.settings.lora).eval()
     lora.load_adapter(peft_model, adapter)
     batch = batches[-1]
     prompts, responses = batch["prompt_tokens"].to_pylist(), batch["response_tokens"].to_pylist()
-    numerics, sampling = TrainingNumerics(), SamplingParams()
+    numerics, sampling = TrainingNumerics(), SamplingConfig()
     width = max(len(r) for r in responses)
     a = numerics.logprobs(merged_model, prompts, responses, sampling, width=width)
     b = numerics.logprobs(peft_model, prompts, responses, sampling, width=width)
@@ -185,9 +185,12 @@ def test_engine_vllm_keeps_the_window_of_adapters_and_refuses_what_it_cannot_app
     with pytest.raises(ValueError, match="lora.r: 513 is above vLLM's largest adapter rank 512"):
         PipelineConfig(engine="vllm", lora={"r": 513})
     head = {"r": 8, "target_modules": ["q_proj", "lm_head"]}
-    for engine in ("torch", "vllm"):  # the warm start's output layer is its input embedding
-        with pytest.raises(ValueError, match="lora.target_modules: lm_head on a model whose output layer is its input"):
-            PipelineConfig(engine=engine, lora=head)
+    # the warm start's output layer is its input embedding (read from disk: the preflight); under
+    # engine: vllm an lm_head adapter is refused whatever the model (validation, below)
+    with pytest.raises(ValueError, match="lora.target_modules: lm_head on a model whose output layer is its input"):
+        preflight(PipelineConfig(engine="torch", lora=head))
+    with pytest.raises(ValueError, match="lora.target_modules: lm_head with engine: vllm"):
+        preflight(PipelineConfig(engine="vllm", lora=head))
     untied = tmp_path / "untied"
     shutil.copytree(WARM_START_DIR, untied)
     (untied / "config.json").write_text(json.dumps({**json.loads((untied / "config.json").read_text()),
@@ -199,7 +202,7 @@ def test_engine_vllm_keeps_the_window_of_adapters_and_refuses_what_it_cannot_app
     with pytest.raises(ValueError, match="up to rank 512"):
         vllm_lora_rank(513)
 
-    settings = lora.LoraSettings(r=4, alpha=6.0, target_modules=("q_proj", "down_proj"))
+    settings = lora.LoraConfig(r=4, alpha=6.0, target_modules=("q_proj", "down_proj"))
     peft = lora.wrap(build_tiny_model(seed=0)[0], settings)
     with torch.no_grad():
         for name, p in peft.named_parameters():

@@ -21,13 +21,13 @@ import torch
 
 from trajflow.algorithms import CorrectionConfig, decoupled_loss
 from trajflow.engines.models import REPO_ROOT, load_model, load_tokenizer
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.scoring import response_logprobs, score
 from trajflow.engines.tokenizer import CHARACTERS, decode_response
 from trajflow.engines.torch_engine import TorchEngine
 from trajflow.tasks import Environment, Task, get_task, is_environment
 from trajflow.tasks.environments import CalculatorEnv, calculator
-from trajflow.tasks.rollout import heldout_accuracy, heldout_success_rate, run_episodes
+from trajflow.tasks.rollout import heldout_mean_reward, heldout_success_rate, run_episodes
 
 CALC_WARM_START = REPO_ROOT / "artifacts" / "warm_start" / "calc"
 TURN_TOKENS = 8
@@ -45,7 +45,7 @@ def warm():
 
 def sampled_episodes(model, tok, env, n_prompts=8, n=4, seed=0):
     engine = TorchEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                         sampling=SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS), seed=seed)
+                         sampling=SamplingConfig(temperature=1.0, max_new_tokens=TURN_TOKENS), seed=seed)
     prompts = list(itertools.islice(env.prompts("train", seed), n_prompts))
     return prompts, run_episodes(engine, env, tok, prompts, n=n)
 
@@ -142,7 +142,7 @@ def test_environment_tokens_get_exactly_zero_gradient(warm, env):
     assert env_mask.any()
     inference = pad([e.logprobs for e in episodes], 0.0, torch.float32)
     advantages = torch.linspace(-1.0, 1.0, len(episodes))
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=TURN_TOKENS)
     config = CorrectionConfig(mask_level="sequence", mask_c_seq=1.05)
 
     def loss_and_grads(inference, old_shift):
@@ -172,16 +172,16 @@ def test_float32_inference_logprobs_match_full_context_scoring(warm, env):
     model, tok = warm
     _, episodes = sampled_episodes(model, tok, env, n_prompts=6, n=2, seed=2)
     scored = score(model, [e.prompt_tokens for e in episodes], [e.response_tokens for e in episodes],
-                   SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS))
+                   SamplingConfig(temperature=1.0, max_new_tokens=TURN_TOKENS))
     for e, lp in zip(episodes, scored):
         m = np.asarray(e.loss_mask)
         assert np.abs(lp[m] - np.asarray(e.logprobs)[m]).max() < 1e-5
 
 
-def test_heldout_accuracy_dispatches_to_episode_success(warm, env):
+def test_heldout_mean_reward_dispatches_to_episode_success(warm, env):
     model, tok = warm
     rate = heldout_success_rate(model, tok, env, 60, TURN_TOKENS)
-    assert rate == heldout_accuracy(model, tok, env, 60, TURN_TOKENS)
+    assert rate == heldout_mean_reward(model, tok, env, 60, TURN_TOKENS)
     assert 0.0 < rate < 1.0  # the warm start solves some, not all
 
 
@@ -217,14 +217,14 @@ def test_exact_strategies_on_episodes_spanning_versions(ray_session, publish_ins
     m = pipe.run(progress=False)
     print(f"\ncalc {strategy} S={max_staleness}: max|log r_d|={m['mismatch/max_abs_log_rd'].max():.2e} "
           f"max lag={m['staleness/max'].max()} spanning rows={m['rows_spanning_versions'].sum()} "
-          f"reward={m['reward_mean'].mean():.3f}")
+          f"reward={m['reward/mean'].mean():.3f}")
     assert m.height == config.steps
     assert m["mismatch/max_abs_log_rd"].max() < 1e-5
     assert m["mask/token_kept_frac"].min() == 1.0
     assert m["rows_spanning_versions"].sum() > 0, "no episode spanned two versions"
     assert m["staleness/max"].max() <= max_staleness
     assert m["staleness/max"].max() >= 1
-    assert m["over_stale_tokens_dropped"].sum() == 0
+    assert m["staleness/over_stale_tokens"].sum() == 0
 
     files = sorted(Path(tmp_path).glob("step*.parquet"))
     batches = pa.concat_tables([pq.read_table(p) for p in files], promote_options="permissive")

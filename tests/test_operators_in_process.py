@@ -107,7 +107,7 @@ def test_snapshot_pipeline_runs_step_by_step_in_one_process(without_ray, one_tor
         assert m["mask/token_kept_frac"] == 1.0  # r_d == 1 exactly kept by the sequence mask
         assert abs(m["mismatch/k3"]) < 1e-9
         assert np.isfinite(m["loss"])
-        assert m["snapshot_versions_held"] >= 1  # a history-keeping strategy reports its snapshots
+        assert m["snapshot/versions_held"] >= 1  # a history-keeping strategy reports its snapshots
     # the weights moved: version 3 differs from version 0
     _, w3 = store.weights(3)
     assert store.stats().keeps_history
@@ -176,8 +176,8 @@ def test_diagnose_reproduces_the_train_step_in_one_process(without_ray, one_torc
 
     c = pipe.config
     strategies = [pipe.strategy, PipelineConfig(strategy="behavior").build_strategy()]
-    diagnose = Diagnose(logged_store, pipe.model_path, strategies, c.correction_config(), c.kl.spec(), pipe.sampling,
-                        c.max_staleness, c.training_numerics(), 1)
+    diagnose = Diagnose(logged_store, pipe.model_path, strategies, c.settings.correction, c.settings.kl, pipe.sampling,
+                        c.max_staleness, c.settings.numerics, 1)
     rows = {r["strategy"]: r for r in diagnose(logged).to_pylist()}
     for key in ("mask/token_kept_frac", "clip/frac", "mismatch/k3", "rows_trained"):
         assert rows["recompute"][key] == pytest.approx(trained[key], rel=1e-6, abs=1e-9), key
@@ -204,8 +204,8 @@ def test_diagnose_gradients_against_the_exact_strategy(without_ray, one_torch_th
     logged_store.publish(store.weights(0)[1], 0)
     c = pipe.config
     strategies = [PipelineConfig(strategy=s).build_strategy() for s in ("snapshot", "recompute", "behavior")]
-    diagnose = Diagnose(logged_store, pipe.model_path, strategies, c.correction_config(), c.kl.spec(), pipe.sampling,
-                        c.max_staleness, c.training_numerics(), 1, gradients=True)
+    diagnose = Diagnose(logged_store, pipe.model_path, strategies, c.settings.correction, c.settings.kl, pipe.sampling,
+                        c.max_staleness, c.settings.numerics, 1, gradients=True)
     rows = {r["strategy"]: r for r in diagnose(logged).to_pylist()}
     assert rows["snapshot"]["grad/cos_vs_exact"] == pytest.approx(1.0, abs=1e-12)
     assert rows["snapshot"]["grad/rel_err_vs_exact"] == 0.0 and rows["snapshot"]["grad/norm"] > 0
@@ -217,5 +217,5 @@ def test_diagnose_gradients_against_the_exact_strategy(without_ray, one_torch_th
     assert rows["snapshot"]["split/var_log_total"] == pytest.approx(rows["snapshot"]["split/var_log_rd"])
     # without an exact strategy there is nothing to compare with
     with pytest.raises(ValueError, match="exact strategy"):
-        Diagnose(logged_store, pipe.model_path, strategies[1:], c.correction_config(), c.kl.spec(), pipe.sampling,
-                 c.max_staleness, c.training_numerics(), 1, gradients=True)
+        Diagnose(logged_store, pipe.model_path, strategies[1:], c.settings.correction, c.settings.kl, pipe.sampling,
+                 c.max_staleness, c.settings.numerics, 1, gradients=True)

@@ -58,21 +58,21 @@ def test_lr_per_update_follows_the_schedule_and_survives_a_resume(ray_session, t
 def _replica(entropy_coef: float, **optimizer):
     from trajflow.algorithms.config import CorrectionConfig
     from trajflow.engines.models import WARM_START_DIR, load_model
-    from trajflow.engines.sampling import SamplingParams
+    from trajflow.engines.sampling import SamplingConfig
     from trajflow.engines.training_numerics import TrainingNumerics
     from trajflow.operators.strategies.registry import resolve_strategy
     from trajflow.operators.trainer.replica import TrainerReplica
-    from trajflow.operators.trainer.spec import TrainerSpec
+    from trajflow.operators.trainer.spec import TrainStepConfig
     from trajflow.pipelines.policy_store import InProcessStore
 
     store = InProcessStore(max_staleness=0, keep_history=False)
     store.publish(load_model(WARM_START_DIR).state_dict(), 0)
     config = PipelineConfig(optimizer={"minibatches_per_step": 1, **optimizer})
-    spec = TrainerSpec(
+    spec = TrainStepConfig(
         model_path=str(WARM_START_DIR), strategy=resolve_strategy("behavior")(),
         correction=CorrectionConfig(aggregation="token-mean", mask_level="none", entropy_coef=entropy_coef),
-        kl=config.kl.spec(), optimizer=config.optimizer.spec(), sampling=SamplingParams(), numerics=TrainingNumerics(),
-        data_parallel=config.trainer.data_parallel(""), torch_threads=1)
+        kl=config.settings.kl, optimizer=config.settings.optimizer, sampling=SamplingConfig(), numerics=TrainingNumerics(),
+        trainer=config.settings.trainer)
     return TrainerReplica(store, spec, version=0)
 
 

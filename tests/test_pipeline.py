@@ -50,7 +50,7 @@ def test_exact_strategies_recover_inference_logprobs(ray_session, publish_inside
     m = pipe.run(progress=False)
     print(f"\n{strategy} S={max_staleness}: max|log r_d|={m['mismatch/max_abs_log_rd'].max():.2e} "
           f"max lag={m['staleness/max'].max()} spanning rows={m['rows_spanning_versions'].sum()} "
-          f"max snapshots held={m['snapshot_max_versions_held'].max() if pipe.strategy.keep_history else '-'}")
+          f"max snapshots held={m['snapshot/max_versions_held'].max() if pipe.strategy.keep_history else '-'}")
     # Exactness: old == inference on every trained token (float32 numerics on both sides). The
     # residue is float32 rounding of differently shaped batches (3.3e-6 here), far below any
     # mask threshold.
@@ -58,7 +58,7 @@ def test_exact_strategies_recover_inference_logprobs(ray_session, publish_inside
     assert m["mask/token_kept_frac"].min() == 1.0
     # The staleness bound holds where tokens are trained (lag = trainer version - token version).
     assert m["staleness/max"].max() <= max_staleness
-    assert m["over_stale_tokens_dropped"].sum() == 0
+    assert m["staleness/over_stale_tokens"].sum() == 0
     # Staleness actually occurred when allowed.
     if max_staleness >= 1:
         assert m["staleness/max"].max() >= 1
@@ -73,9 +73,9 @@ def test_exact_strategies_recover_inference_logprobs(ray_session, publish_inside
     # Snapshots held never exceed max_staleness + 1 versions; a strategy that keeps none
     # (interrupt scores at the switch) reports none.
     if pipe.strategy.keep_history:
-        assert m["snapshot_max_versions_held"].max() <= max_staleness + 1
+        assert m["snapshot/max_versions_held"].max() <= max_staleness + 1
     else:
-        assert not any(c.startswith("snapshot_") for c in m.columns)
+        assert not any(c.startswith("snapshot/") for c in m.columns)
     check_accounting(m, 16)
 
 

@@ -151,7 +151,7 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     assert healed_metrics["recovery/restarts"].to_list() == restarts
     assert (base["recovery/restarts"] == 0).all()
     compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward_mean", "optimizer_steps", "version"} <= set(compared)
+    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"} <= set(compared)
     for c in compared:
         np.testing.assert_allclose(healed_metrics[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
                                    atol=1e-6, rtol=0, err_msg=c)
@@ -283,9 +283,9 @@ class _Disk:
 def test_a_dead_store_needs_the_window_and_names_the_setting_without_it():
     """The newest published version is the newest on disk or the one after the newest logged
     step; with history kept the window is it and the max_staleness before it."""
-    from trajflow.pipelines.store_recovery import StoreSpec, needed_versions, refusal
+    from trajflow.pipelines.store_recovery import StoreConfig, needed_versions, refusal
 
-    snapshot, newest_only = StoreSpec(2, True, max_restarts=3), StoreSpec(2, False, max_restarts=3)
+    snapshot, newest_only = StoreConfig(2, True, max_restarts=3), StoreConfig(2, False, max_restarts=3)
     every = _Disk(kept=[0, 1, 2, 3, 4, 5], logged=4)  # version 5 written before it was published
     assert needed_versions(every, snapshot) == ([3, 4, 5], [])
     assert needed_versions(every, newest_only) == ([5], [])

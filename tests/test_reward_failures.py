@@ -140,12 +140,12 @@ def test_step_metrics_count_reward_errors_and_failed_steps_reset():
                       "reward_error": [None, None, "ValueError: a", "ValueError: b"]})
     metrics = step_metrics(batch, 0, 0, np.array([1]), 0)
     assert metrics["reward/errors"] == 2 and metrics["reward/first_error"] == "ValueError: a"
-    assert metrics["reward_mean"] == 1.0
+    assert metrics["reward/mean"] == 1.0
     earlier = batch.set_column(1, "filter_reason", pa.array(["over_stale"] * 4))  # filtered before the reward
     none_scored = earlier.set_column(0, "reward", pa.nulls(4, pa.float32())).set_column(
         2, "reward_error", pa.array(["E: x"] * 4))
     metrics = step_metrics(none_scored, 0, 0, np.array([], int), 0)
-    assert metrics["reward/errors"] == 4 and np.isnan(metrics["reward_mean"])
+    assert metrics["reward/errors"] == 4 and np.isnan(metrics["reward/mean"])
 
     failed = FailedRewardSteps("reward f.py:r", 2)
     all_failed = {"rows": 4, "reward/errors": 4}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from trajflow.algorithms import CorrectionConfig, LossOutput, decoupled_loss
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics, checkpoint_dropout, choose_device
 from trajflow.operators.strategies import (
     BUILTIN,
@@ -37,7 +37,7 @@ PACKAGE_DIRS = ("trajflow", "schemas", "operators", "algorithms", "engines", "ta
 class TinyTrainer(PolicyHolder):
     """The Trainer a strategy sees, on the built-in tiny model (random weights)."""
 
-    def __init__(self, model, sampling: SamplingParams, minibatches_per_step: int = 1, version: int = 5) -> None:
+    def __init__(self, model, sampling: SamplingConfig, minibatches_per_step: int = 1, version: int = 5) -> None:
         self.numerics = TrainingNumerics()
         self.model = self.numerics.prepare(model)
         self.sampling, self.version, self.minibatches_per_step = sampling, version, minibatches_per_step
@@ -111,7 +111,7 @@ def test_pipeline_stages_come_from_the_strategy_object():
     for strategy in ("interrupt", "ewma", "recompute", "behavior", "loglinear", "m2po"):
         assert names(strategy) == ["generate", "reward", "advantage", "filter", "train"], strategy
     pipe = RLPipeline(PipelineConfig(strategy="interrupt"))
-    assert pipe.stage("generate").kwargs["scores_at_switch"]  # and so takes weights mid-generation
+    assert pipe.stage("generate").kwargs["rollout"].scores_at_switch  # and so takes weights mid-generation
     assert pipe.stage("train").kwargs["spec"].strategy.name == "interrupt"
     assert "strategy interrupt (exact)" in pipe.describe() and "dropout off" in pipe.describe()
     assert Stage is __import__("trajflow.operators.contracts.stage", fromlist=["Stage"]).Stage  # still importable there
@@ -120,7 +120,7 @@ def test_pipeline_stages_come_from_the_strategy_object():
 # -- each strategy's proximal ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trainer(tiny, one_torch_thread):
-    return TinyTrainer(tiny[0], SamplingParams())
+    return TinyTrainer(tiny[0], SamplingConfig())
 
 
 def test_each_proximal(trainer):
@@ -148,7 +148,7 @@ def test_each_proximal(trainer):
 
 
 def test_recompute_scores_once_before_the_first_of_several_updates(tiny, one_torch_thread):
-    trainer = TinyTrainer(tiny[0], SamplingParams(), minibatches_per_step=2)
+    trainer = TinyTrainer(tiny[0], SamplingConfig(), minibatches_per_step=2)
     batch = make_batch()
     before = trainer.current(batch, grad=False)
     strategy = resolve_strategy("recompute")()
@@ -166,7 +166,7 @@ def test_recompute_scores_once_before_the_first_of_several_updates(tiny, one_tor
 # -- tokens outside the sampling support ----------------------------------------------------------------
 @pytest.mark.parametrize("name", list(BUILTIN))
 def test_tokens_outside_top_k_leave_the_loss_for_every_strategy_and_level(tiny, one_torch_thread, name):
-    trainer = TinyTrainer(tiny[0], SamplingParams(top_k=20))
+    trainer = TinyTrainer(tiny[0], SamplingConfig(top_k=20))
     batch = make_batch(n=8, seed=1, old=True, trainer=trainer)  # random tokens: about half outside the top 20
     outside_expected = int((batch.loss_mask & ~torch.isfinite(batch.old)).sum())
     assert 0 < outside_expected < int(batch.loss_mask.sum())
@@ -246,7 +246,7 @@ def test_bf16_autocast_is_one_definition_and_dropout_is_off(tmp_path, tiny, one_
     dropped.load_state_dict(model.state_dict())
     dropped.save_pretrained(tmp_path)
     assert checkpoint_dropout(tmp_path) == {"attention_dropout": 0.1}
-    sampling = SamplingParams()
+    sampling = SamplingConfig()
     batch = make_batch()
     f32, bf16 = TrainingNumerics(), TrainingNumerics(mixed_precision="bf16")
     dropped.train()  # as loaded for training: dropout would be on

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from support import SYNC, max_abs_difference, run_with_final_weights, step_rows
 
 from trajflow.algorithms.objective import CorrectionConfig, decoupled_loss, loss_denominator
 from trajflow.engines.training_numerics import TrainingNumerics, choose_device
@@ -31,7 +32,6 @@ from trajflow.operators.trainer.plan import padded_tokens, plan_shards
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.rl_loop import RLPipeline
 
-from support import SYNC, max_abs_difference, run_with_final_weights, step_rows
 
 # -- loss normalisation, by hand -------------------------------------------------------------------
 def _batch():
@@ -114,12 +114,12 @@ def test_device_and_backend_follow_the_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 def test_trainer_trains_on_cuda_with_bf16_needs_cuda(tiny):
-    from trajflow.engines.sampling import SamplingParams
+    from trajflow.engines.sampling import SamplingConfig
 
     numerics = TrainingNumerics(mixed_precision="bf16")
     model = numerics.prepare(tiny[0])
     assert next(model.parameters()).device.type == "cuda"
-    logprobs = numerics.logprobs(model, [[1, 5, 6]], [[7, 8]], SamplingParams(), width=2, grad=True)
+    logprobs = numerics.logprobs(model, [[1, 5, 6]], [[7, 8]], SamplingConfig(), width=2, grad=True)
     logprobs.sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
@@ -131,19 +131,19 @@ def _replicas_update(store, table, world_size: int, strategy_name: str, aggregat
     import threading
 
     from trajflow.engines.models import WARM_START_DIR
-    from trajflow.engines.sampling import SamplingParams
+    from trajflow.engines.sampling import SamplingConfig
     from trajflow.operators.strategies.registry import resolve_strategy
     from trajflow.operators.trainer.collective import Collective, listening_socket
     from trajflow.operators.trainer.replica import ShardWork, TrainerReplica
-    from trajflow.operators.trainer.spec import TrainerSpec
+    from trajflow.operators.trainer.spec import TrainStepConfig
 
     options = {"m2_threshold": 0.5} if strategy_name == "m2po" else {}
     config = PipelineConfig(optimizer={"minibatches_per_step": 2}, prompts_per_step=2, group_size=2)
-    spec = TrainerSpec(
+    spec = TrainStepConfig(
         model_path=str(WARM_START_DIR), strategy=resolve_strategy(strategy_name)(**options),
         correction=CorrectionConfig(aggregation=aggregation, loss_norm_tokens=6, mask_level="none"),
-        kl=config.kl.spec(), optimizer=config.optimizer.spec(), sampling=SamplingParams(), numerics=TrainingNumerics(),
-        data_parallel=config.trainer.data_parallel(""), torch_threads=1)
+        kl=config.settings.kl, optimizer=config.settings.optimizer, sampling=SamplingConfig(), numerics=TrainingNumerics(),
+        trainer=config.settings.trainer)
     replicas = [TrainerReplica(store, spec, version=0) for _ in range(world_size)]
     lengths = np.array([len(p) + len(r) for p, r in zip(table["prompt_tokens"].to_pylist(),
                                                          table["response_tokens"].to_pylist())])
@@ -215,7 +215,7 @@ def test_one_update_on_two_workers_equals_one_worker(one_torch_thread, strategy,
 
 def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradient():
     from trajflow.engines.models import WARM_START_DIR, load_model
-    from trajflow.engines.sampling import SamplingParams
+    from trajflow.engines.sampling import SamplingConfig
     from trajflow.operators.trainer.replica import enable_gradient_checkpointing
 
     numerics, grads = TrainingNumerics(), []
@@ -225,7 +225,7 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradient():
             enable_gradient_checkpointing(model)
         mlp_runs = []
         model.model.layers[0].mlp.register_forward_pre_hook(lambda *args: mlp_runs.append(1))
-        numerics.logprobs(model, [[1, 5, 6, 7]] * 3, [[8, 9, 10]] * 3, SamplingParams(), width=3, grad=True).sum().backward()
+        numerics.logprobs(model, [[1, 5, 6, 7]] * 3, [[8, 9, 10]] * 3, SamplingConfig(), width=3, grad=True).sum().backward()
         assert len(mlp_runs) == (2 if checkpointing else 1)  # recomputed in the backward pass
         assert not any(m.training for m in model.modules() if not hasattr(m, "_gradient_checkpointing_func"))
         grads.append([p.grad.clone() for p in model.parameters()])

@@ -54,10 +54,10 @@ def test_float32_parameters_under_autocast_keep_r_s_one_where_bf16_parameters_do
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     from trajflow.engines.models import WARM_START_DIR, load_model
-    from trajflow.engines.sampling import SamplingParams
+    from trajflow.engines.sampling import SamplingConfig
     from trajflow.operators.trainer.fsdp import decoder_layers, shard_model
 
-    numerics, sampling = TrainingNumerics(mixed_precision="bf16"), SamplingParams()
+    numerics, sampling = TrainingNumerics(mixed_precision="bf16"), SamplingConfig()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, 40, 6).tolist() for _ in range(4)]
     responses = [rng.integers(4, 40, 5).tolist() for _ in range(4)]
@@ -87,7 +87,7 @@ def test_gradient_checkpointing_recomputes_sharded_layers(one_torch_thread):
     """Checkpointing inside FSDP units: each layer runs its forward again in the backward pass
     (gathered again), and the gradient is the one without checkpointing."""
     from trajflow.engines.models import WARM_START_DIR, load_model
-    from trajflow.engines.sampling import SamplingParams
+    from trajflow.engines.sampling import SamplingConfig
     from trajflow.operators.trainer.fsdp import full, shard_model
     from trajflow.operators.trainer.replica import enable_gradient_checkpointing
 
@@ -101,7 +101,7 @@ def test_gradient_checkpointing_recomputes_sharded_layers(one_torch_thread):
             shard_model(model, collective.mesh)
             mlp_runs = []
             model.model.layers[0].mlp.register_forward_pre_hook(lambda *args: mlp_runs.append(1))
-            numerics.logprobs(model, [[1, 5, 6, 7]] * 3, [[8, 9, 10]] * 3, SamplingParams(), width=3,
+            numerics.logprobs(model, [[1, 5, 6, 7]] * 3, [[8, 9, 10]] * 3, SamplingConfig(), width=3,
                               grad=True).sum().backward()
             assert len(mlp_runs) == (2 if checkpointing else 1)
             grads.append([full(p.grad) for p in model.parameters()])
@@ -123,14 +123,14 @@ def test_offload_and_backend_follow_the_device():
     assert choose_backend("cuda") == "nccl" and choose_backend("cpu") == "gloo"
     with pytest.raises(ValueError, match="cpu_offload: needs sharding: fsdp"):
         PipelineConfig(trainer={"cpu_offload": True})
-    dp = PipelineConfig(trainer={"sharding": "fsdp", "cpu_offload": True, "num_workers": 2}).trainer.data_parallel("g")
+    dp = PipelineConfig(trainer={"sharding": "fsdp", "cpu_offload": True, "num_workers": 2}).settings.trainer
     assert (dp.sharding, dp.cpu_offload, dp.num_workers) == ("fsdp", True, 2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 def test_sharded_trainer_on_cuda_with_nccl_and_cpu_offload_needs_cuda(one_torch_thread):
     from trajflow.engines.models import WARM_START_DIR, load_model
-    from trajflow.engines.sampling import SamplingParams
+    from trajflow.engines.sampling import SamplingConfig
     from trajflow.operators.trainer.fsdp import shard_model
 
     numerics = TrainingNumerics(mixed_precision="bf16")
@@ -140,7 +140,7 @@ def test_sharded_trainer_on_cuda_with_nccl_and_cpu_offload_needs_cuda(one_torch_
         model = load_model(WARM_START_DIR)
         shard_model(model, collective.mesh, cpu_offload=True)
         assert next(model.parameters()).device.type == "cpu"  # offloaded shards
-        logprobs = numerics.logprobs(model, [[1, 5, 6]], [[7, 8]], SamplingParams(), width=2, grad=True)
+        logprobs = numerics.logprobs(model, [[1, 5, 6]], [[7, 8]], SamplingConfig(), width=2, grad=True)
         logprobs.sum().backward()
         assert all(p.grad is not None for p in model.parameters())
     finally:

@@ -5,6 +5,7 @@ name checked in PipelineConfig validation with one line naming the problem.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -18,7 +19,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from trajflow.engines.tokenizer import (
-    BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, decode_response, decode_responses, encode_prompts,
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    build_char_tokenizer,
+    decode_response,
+    decode_responses,
+    encode_prompts,
     stop_token_ids,
 )
 from trajflow.pipelines.config import PipelineConfig
@@ -124,7 +131,7 @@ def test_parquet_and_jsonl_give_the_same_rows_and_long_prompts_are_dropped_and_c
     assert a.drop_columns(["prompt_id"]).equals(b.drop_columns(["prompt_id"]))
     lengths = sorted(len(t) for t in a["prompt_tokens"].to_pylist())
     limit = lengths[6]
-    short = PromptDataset.load(config.model_copy(update={"max_prompt_tokens": limit}), [jsonl], tokenizer)
+    short = PromptDataset.load(dataclasses.replace(config, max_prompt_tokens=limit), [jsonl], tokenizer)
     assert short.dropped == sum(n > limit for n in lengths) > 0
     assert short.epoch_size + short.dropped == 12
     assert max(len(t) for t in short.table["prompt_tokens"].to_pylist()) <= limit  # dropped, never cut
@@ -360,22 +367,25 @@ def dataset_config(bpe, bpe_model_dir, tmp_path):
                                                                            "an Environment"),
     ({"data": {"train_files": ["{tmp}/train.jsonl"], "epochs": 1}, "steps": 5}, "need more than data.epochs=1"),
 ])
-def test_bad_workload_inputs_fail_validation_with_one_line(dataset_config, tmp_path, change, message):
-    from pydantic import ValidationError
-
-    from trajflow.jobs.config import format_validation_error
+def test_bad_workload_inputs_fail_before_ray_with_one_line(dataset_config, tmp_path, change, message):
+    """In validation (names, combinations) or in the preflight that reads the disk (files,
+    columns, the reward's module and signature, the chat template): one line either way."""
+    from trajflow.jobs.config import JobConfigError, build_job_config
 
     config = {**dataset_config, **json.loads(json.dumps(change).replace("{tmp}", str(tmp_path)))}
-    with pytest.raises(ValidationError) as info:
-        PipelineConfig(**config)
-    line = format_validation_error(info.value)
+    with pytest.raises(JobConfigError) as info:
+        build_job_config(config)
+    line = str(info.value)
     assert message in line and "\n" not in line, line
 
 
 def test_epochs_set_the_number_of_steps(dataset_config, tmp_path):
+    from trajflow.pipelines.config import preflight
+
     config = {**dataset_config, "data": {"train_files": [str(tmp_path / "train.jsonl")], "epochs": 3}}
-    assert PipelineConfig(**config).steps == 3 * 8 // 4
-    assert PipelineConfig(**config, steps=4).steps == 4
+    assert PipelineConfig(**config).steps == 100  # validation reads no file: the default until the preflight
+    assert preflight(PipelineConfig(**config)).steps == 3 * 8 // 4
+    assert preflight(PipelineConfig(**config, steps=4)).steps == 4
 
 
 def test_bad_inputs_exit_2_with_one_line_from_the_cli(dataset_config, tmp_path, capsys):

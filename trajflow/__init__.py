@@ -17,10 +17,13 @@ and `trajflow --help` import neither torch nor Ray):
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from trajflow.deprecations import serve_moved_modules
+from trajflow.lazy import lazy_exports
+
 __version__ = "0.1.0"
+serve_moved_modules()  # modules moved in this release still import, with a one-line notice
 
 _EXPORTS = {
     "RLPipeline": "trajflow.pipelines.rl_loop",
@@ -60,14 +63,4 @@ if TYPE_CHECKING:
     from trajflow.pipelines.rl_loop import RLPipeline
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

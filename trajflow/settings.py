@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import types
 import typing
 from dataclasses import MISSING
@@ -65,6 +66,10 @@ def _kind(annotation: Any) -> str:
         return " or ".join(_kind(a) for a in args)
     if origin is tuple:
         return f"a list of {len(args)} numbers"
+    if origin is list:
+        return f"a list of {_kind(args[0])}s" if args else "a list"
+    if origin is dict:
+        return "a mapping"
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
@@ -104,6 +109,16 @@ def _converted(annotation: Any, value: Any) -> tuple[bool, Any]:
         else:
             return False, value
         return all(ok for ok, _ in items), tuple(v for _, v in items)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        items = [_converted(args[0], v) for v in value] if args else [(True, v) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        if not isinstance(value, dict):
+            return False, value
+        items = [(_converted(args[0], k), _converted(args[1], v)) for k, v in value.items()]
+        return all(k[0] and v[0] for k, v in items), {k[1]: v[1] for k, v in items}
     if isinstance(annotation, type):
         return isinstance(value, annotation), value
     return True, value
@@ -119,7 +134,8 @@ def check_setting(cls: type, name: str, value: Any) -> Any:
     if not ok:
         got = f"the boolean {str(value).lower()}" if isinstance(value, bool) else repr(value)
         raise SettingError(name, f"expected {_kind(annotation)}, got {got}")
-    originals = value if isinstance(value, (tuple, list)) else (value,)
+    originals = list(value.values()) if isinstance(value, dict) else value if isinstance(value, (tuple, list)) \
+        else (value,)
     for key, (symbol, holds) in BOUNDS.items():
         if key in field.metadata:
             for number in originals:
@@ -143,3 +159,21 @@ def check_settings(obj: Any) -> None:
 def fail(obj: Any, field: str, why: str) -> None:
     """Raise the SettingError of a cross-field check (after check_settings)."""
     raise SettingError(field, f"{type(obj).__name__}.{field}: {why}, got {getattr(obj, field)!r}")
+
+
+class NotANumber(TypeError, ValueError):
+    """A public function's argument that should be a number is not (a boolean, a string): a
+    TypeError, and a ValueError as a setting's wrong value is."""
+
+
+def check_number(function: str, **values: Any) -> None:
+    """The one check that a public function's numeric arguments are numbers: a boolean is refused
+    (`decoupled_loss(denominator=True)` is a typo, not 1) as settings refuse it. None passes (an
+    optional argument left out), and so do tensors and arrays (they carry their own dtype).
+    NotANumber (a TypeError and a ValueError) naming `function(name=...)`."""
+    for name, value in values.items():
+        if value is None or hasattr(value, "dtype"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            got = f"the boolean {value}" if isinstance(value, bool) else repr(value)
+            raise NotANumber(f"{function}({name}=...): expected a number, got {got}")

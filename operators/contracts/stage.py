@@ -7,17 +7,31 @@ relative to named ones (e.g. after "generate", before "train").
 
 from __future__ import annotations
 
+import inspect
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
+
+from trajflow.settings import check_settings, setting
 
 
-class Resources(Protocol):
-    """Ray resources of an actor stage (pipelines.config.ResourceConfig)."""
+@dataclass(frozen=True)
+class ResourceConfig:
+    """The Ray resources of an actor stage (the `generator:` and `scorer:` sections; `trainer:`
+    adds its data-parallel group). Fractional CPUs on purpose: two actors that each reserve a
+    whole CPU take both cores of a 2-core machine, and every stage after them waits forever
+    (docs/design.md §5)."""
 
-    num_cpus: float
-    num_gpus: float
-    resources: dict[str, float]
-    torch_threads: int
+    num_cpus: float = setting(0.5, "CPUs Ray reserves for each actor of the stage (fractions allowed)", ge=0.0)
+    num_gpus: float = setting(0.0, "GPUs of each actor; above 0 the stage computes on CUDA", ge=0.0)
+    resources: dict[str, float] = setting(
+        doc="custom Ray resources of each actor, e.g. {gen_node: 0.1} to place it on the nodes that offer "
+        "gen_node", default_factory=dict, ge=0.0)
+    torch_threads: int = setting(1, "torch intra-op threads in each actor (torch.set_num_threads)", ge=1)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 @dataclass
@@ -34,13 +48,64 @@ class Stage:
     name: str
     fn: Callable | type
     kwargs: dict[str, Any] = field(default_factory=dict)
-    resources: Resources | None = None
+    resources: ResourceConfig | None = None
     pool_size: int = 1
     own_process: bool = False
+
+    def __post_init__(self) -> None:
+        if self.is_actor:
+            check_arguments(self.name, self.fn, self.kwargs)
 
     @property
     def is_actor(self) -> bool:
         return isinstance(self.fn, type)
+
+
+def check_arguments(name: str, cls: type, kwargs: dict[str, Any]) -> None:
+    """A class stage's arguments against its constructor, when the stage is built (so before Ray
+    starts, not when an actor is): every required one given, none unknown, each an instance of
+    its annotated type where the annotation names one. TypeError naming the stage and argument."""
+    try:
+        inspect.signature(cls).bind(**{"store": None, **kwargs})  # the pipeline adds the policy store
+    except TypeError as e:
+        raise TypeError(f"stage {name!r}: {cls.__name__}: {e}") from None
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - an annotation only a type checker resolves: nothing to check against
+        return
+    for key, value in kwargs.items():
+        expected = hints.get(key)
+        if expected is not None and not _instance_of(value, expected):
+            raise TypeError(f"stage {name!r}: {cls.__name__}({key}=...): expected {_name(expected)}, "
+                            f"got {type(value).__name__}")
+
+
+def _instance_of(value: Any, annotation: Any) -> bool:
+    """Whether `value` fits `annotation`, as far as a runtime check can tell (generics by their
+    origin; protocols, literals' values and anything else it cannot judge pass)."""
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_instance_of(value, a) for a in typing.get_args(annotation))
+    if origin is type:
+        (kind,) = typing.get_args(annotation) or (object,)
+        return isinstance(value, type) and (not isinstance(kind, type) or issubclass(value, kind))
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    target = origin if isinstance(origin, type) else annotation
+    if not isinstance(target, type) or getattr(target, "_is_protocol", False):
+        return True
+    try:
+        return isinstance(value, target)
+    except TypeError:
+        return True
+
+
+def _name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
 @dataclass(frozen=True)

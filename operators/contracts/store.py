@@ -1,6 +1,6 @@
 """What an operator may ask of the policy store: `PolicyStoreClient`, a typed Protocol.
 
-The policy store is the single owner of weight versions (DESIGN.md §3). Operators never call it
+The policy store is the single owner of weight versions (docs/design.md §3). Operators never call it
 by name over Ray: they are handed a client, so each runs in one process on an in-process store in
 its tests (`pipelines.policy_store.InProcessStore`) and on the store's Ray actor in a pipeline
 (`pipelines.policy_store.RayStore`). Version v means "the weights after v optimizer updates"

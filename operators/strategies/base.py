@@ -52,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
-from trajflow.operators.contracts.stage import Placement, Resources, Stage
+from trajflow.operators.contracts.stage import Placement, ResourceConfig, Stage
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 
 if TYPE_CHECKING:  # torch-free at import: `trajflow run` resolves the strategy before Ray starts,
@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # torch-free at import: `trajflow run` resolves the strategy 
     from torch import Tensor
 
     from trajflow.algorithms.objective import CorrectionConfig, LossOutput
-    from trajflow.engines.sampling import SamplingParams
+    from trajflow.engines.sampling import SamplingConfig
     from trajflow.engines.training_numerics import TrainingNumerics
     from trajflow.operators.trainer.correction import StepBatch
 
@@ -74,9 +74,9 @@ class StageContext:
     """What a strategy's operator stages are built from (the pipeline's settings)."""
 
     model_path: str
-    sampling: SamplingParams
+    sampling: SamplingConfig
     numerics: TrainingNumerics
-    scorer: Resources  # resources of old log-prob scoring actors
+    scorer: ResourceConfig  # resources of old log-prob scoring actors
     weight_sync: WeightSyncConfig = WeightSyncConfig()  # how scorers receive versions
 
 
@@ -86,7 +86,7 @@ class Trainer(Protocol):
     version: int              # the trainer's version k: it trains step k and then holds k + 1
     minibatches_per_step: int  # optimizer updates per version (1 in diagnose: one set of weights per version)
     numerics: TrainingNumerics
-    sampling: SamplingParams
+    sampling: SamplingConfig
 
     def policy(self) -> torch.nn.Module: ...  # the policy with the current weights
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from trajflow.operators.strategies.base import Strategy, Trainer
+from trajflow.settings import check_number
 
 if TYPE_CHECKING:  # torch-free at import (see base.py)
     from torch import Tensor
@@ -31,10 +32,10 @@ class Ewma(Strategy):
     follows_updates = True
 
     def __init__(self, window: int, reset_threshold: float = 0.9) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        check_number("ewma", window=window, reset_threshold=reset_threshold)
+        if not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an integer >= 1 (versions), got {window!r}")
-        if isinstance(reset_threshold, bool) or not isinstance(reset_threshold, (int, float)) \
-                or not 0.0 <= reset_threshold <= 1.0:
+        if not 0.0 <= reset_threshold <= 1.0:
             raise ValueError(f"reset_threshold must be a number in [0, 1], got {reset_threshold!r}")
         self.window = window
         self.reset_threshold = float(reset_threshold)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trajflow.operators.strategies.base import Strategy, Trainer
+from trajflow.settings import check_number
 
 if TYPE_CHECKING:  # torch-free at import (see base.py)
     from torch import Tensor
@@ -22,8 +23,8 @@ class Loglinear(Strategy):
                "Prop. 1: only rescales a bound on pi_theta/mu")
 
     def __init__(self, alpha: float | None = None) -> None:
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
-                                  or not 0.0 <= alpha <= 1.0):
+        check_number("loglinear", alpha=alpha)
+        if alpha is not None and not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be null (from versions) or a number in [0, 1], got {alpha!r}")
         self.alpha = None if alpha is None else float(alpha)
 

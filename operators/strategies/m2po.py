@@ -21,6 +21,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from trajflow.operators.strategies.base import Strategy, Trainer
+from trajflow.settings import check_number
 
 if TYPE_CHECKING:  # torch-free at import (see base.py)
     from collections.abc import Callable
@@ -37,7 +38,8 @@ class M2po(Strategy):
     meaning = "old := inference log-probs; mask the largest (log pi_theta/mu)^2 until their mean M2 <= tau, no PPO clip"
 
     def __init__(self, m2_threshold: float = 0.04) -> None:  # config: strategy_options.m2_threshold
-        if isinstance(m2_threshold, bool) or not (isinstance(m2_threshold, (int, float)) and m2_threshold >= 0):
+        check_number("m2po", m2_threshold=m2_threshold)
+        if not m2_threshold >= 0:
             raise ValueError(f"m2_threshold must be a number >= 0, got {m2_threshold!r}")
         self.m2_threshold = float(m2_threshold)
         self._sums = dict.fromkeys(("before", "after", "tokens", "kept"), 0.0)

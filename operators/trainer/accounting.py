@@ -39,11 +39,11 @@ def step_metrics(batch: pa.Table, step: int, rollout_step: int, trained: np.ndar
         "rollout_step": rollout_step,
         "rows": batch.num_rows,
         "rows_trained": len(trained),
-        "over_stale_tokens_dropped": stale_tokens,
-        "reward_mean": pc.mean(batch["reward"]).as_py(),  # over the rows that scored
+        "staleness/over_stale_tokens": stale_tokens,
+        "reward/mean": pc.mean(batch["reward"]).as_py(),  # over the rows that scored
     }
-    if metrics["reward_mean"] is None:  # none did (numpy's nanmean would warn in the worker)
-        metrics["reward_mean"] = float("nan")
+    if metrics["reward/mean"] is None:  # none did (numpy's nanmean would warn in the worker)
+        metrics["reward/mean"] = float("nan")
     reasons = filter_reasons(batch)
     for reason in sorted({r for r in reasons if r is not None}):
         metrics[f"filtered/{reason}"] = int((reasons == reason).sum())

@@ -37,7 +37,7 @@ from trajflow.algorithms.distillation import distillation_advantages, distillati
 from trajflow.algorithms.distributions import distribution_diagnostics, distribution_keep, mismatch
 from trajflow.algorithms.kl import kl_estimate
 from trajflow.algorithms.objective import CorrectionConfig, LossOutput, LossSum, decoupled_loss
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.strategies.base import Strategy, Trainer
 from trajflow.schemas.columns import REFERENCE_COLUMN, group_codes, padded, padded_nested
@@ -140,7 +140,7 @@ class PolicyHolder:
 
     model: torch.nn.Module
     numerics: TrainingNumerics
-    sampling: SamplingParams
+    sampling: SamplingConfig
     version: int
     minibatches_per_step: int
 

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from trajflow.operators.trainer.collective import Collective, listening_socket, this_node
-from trajflow.operators.trainer.plan import DataParallel
+from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.replica import ShardWork, TrainerRank
 
 if TYPE_CHECKING:
@@ -44,14 +44,17 @@ Pending = list  # the started calls of one method, one per worker 1..N-1 (opaque
 
 class WorkerGroup(ABC):
     """Workers 1..N-1, started by worker 0 from `rank_kwargs` (TrainerRank's store, spec and
-    version) and joined with it in one process group (`collective`: worker 0's membership)."""
+    version) with the `trainer:` section's resources, and joined with it in one process group
+    (`collective`: worker 0's membership). `name`: what the group's resources are known by (a Ray
+    placement group's name)."""
 
     world_size: int
     nodes: list[str]  # the node of each worker, by rank (worker 0 first)
     collective: Collective
 
     @abstractmethod
-    def __init__(self, rank_kwargs: dict[str, Any], spec: DataParallel, device: torch.device) -> None: ...
+    def __init__(self, rank_kwargs: dict[str, Any], config: TrainerConfig, device: torch.device,
+                 name: str = "") -> None: ...
 
     # -- the typed calls: TrainerRank's method of the same name on workers 1..N-1 -----------------
     def update(self, work: Sequence[ShardWork]) -> Pending:
@@ -115,12 +118,13 @@ class InProcessGroup(WorkerGroup):
     Replicated workers only: a sharded worker (FSDP) holds torch.distributed's default group,
     of which a process has one; `trainer.sharding: fsdp` with several workers needs Ray."""
 
-    def __init__(self, rank_kwargs: dict[str, Any], spec: DataParallel, device: torch.device) -> None:
-        if spec.sharding == "fsdp":
+    def __init__(self, rank_kwargs: dict[str, Any], config: TrainerConfig, device: torch.device,
+                 name: str = "") -> None:
+        if config.sharding == "fsdp":
             raise ValueError("trainer.sharding: fsdp with several workers needs a process per worker (the Ray "
                              "pipeline); in one process use trainer.sharding: none")
-        self.world_size = spec.num_workers
-        self.timeout = spec.collective_timeout_seconds
+        self.world_size = config.num_workers
+        self.timeout = config.collective_timeout_seconds
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"trajflow-trainer-{rank}")
                          for rank in range(1, self.world_size)]
         built = [t.submit(TrainerRank, rank=rank, world_size=self.world_size, **rank_kwargs)

@@ -44,28 +44,43 @@ strategy state is gone, and the run continues only by `--resume` from its last c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
+from trajflow.operators.contracts.stage import ResourceConfig
+from trajflow.settings import fail, setting
+
 
 @dataclass(frozen=True)
-class DataParallel:
-    """How the train step trains: its workers, their resources and micro-batches (the
-    `trainer:` section of the config, which holds the defaults and documents each key:
-    pipelines/config.py `TrainerConfig`)."""
+class TrainerConfig(ResourceConfig):
+    """The train step (the `trainer:` section): the resources of each worker, as for any stage,
+    and its data-parallel group. Each worker trains on CUDA when its resources include a GPU (Ray
+    then makes one visible to it), else on the CPU; bf16 autocast comes from
+    `optimizer.mixed_precision`."""
 
-    num_workers: int
-    max_tokens_per_microbatch: int | None
-    gradient_checkpointing: bool
-    sharding: str  # "none" (a full replica per worker) | "fsdp" (operators/trainer/fsdp.py)
-    cpu_offload: bool  # fsdp on CUDA: shards and optimizer state in host memory
-    placement: str  # "pack" | "spread"
-    collective_timeout_seconds: float
-    num_cpus: float
-    num_gpus: float
-    resources: dict[str, float]
-    group_name: str  # the placement group's name: the pipeline removes it when the run ends
+    num_workers: int = setting(
+        1, "data-parallel workers (one torch.distributed group: gloo on CPU, NCCL on CUDA); losses are "
+        "normalised over all of them, so N workers give the one-worker update", ge=1)
+    max_tokens_per_microbatch: int | None = setting(
+        None, "padded tokens (rows x longest prompt+response) per forward/backward; gradients accumulate over "
+        "the micro-batches of an update (null: one micro-batch per minibatch and worker)", ge=1)
+    gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass (less memory)")
+    sharding: Literal["none", "fsdp"] = setting(
+        "none", "none: a full replica per worker; fsdp: parameters, gradients and optimizer state sharded over "
+        "the workers (torch FSDP2, operators/trainer/fsdp.py)")
+    cpu_offload: bool = setting(
+        False, "fsdp on CUDA: shards, gradients and optimizer state in host memory, each layer copied to the "
+        "GPU to compute (no effect on CPU workers)")
+    placement: Literal["pack", "spread"] = setting(
+        "pack", "workers 1..N-1: pack (fewest nodes) or spread (each on a node other than worker 0's)")
+    collective_timeout_seconds: float = setting(
+        300.0, "a worker that does not join a gradient all-reduce within this fails the step", gt=0.0)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cpu_offload and self.sharding != "fsdp":
+            fail(self, "cpu_offload", "needs sharding: fsdp (a replicated worker keeps its state on its device)")
 
 
 # -- the plan ----------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ Each is a callable `hook(trainstep, batch, metrics)` that the train step runs, i
 its update (`TrainStep(after_step=[...])`): no extra actor and no extra Ray Data hop per step.
 
     PublishWeights      the new weights become version k + 1 in the policy store (generators wait on it)
-    HeldoutEvaluation   greedy accuracy on the task's held-out prompts every `every` versions (and of
-                        version 0, in a fresh run's first step)
+    HeldoutEvaluation   greedy mean reward (an accuracy for 0/1 rewards) on the held-out prompts every
+                        `every` versions (and of version 0, in a fresh run's first step)
     StoreStatistics     snapshot memory and the actors' timing counters, read from the store
 
 The job's own hook (the run recorder: trajectory log, metrics file, checkpoints) runs after these.
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import pyarrow as pa
 
 from trajflow.tasks.workload import Workload
@@ -35,11 +36,13 @@ class PublishWeights:
 
 
 class HeldoutEvaluation:
-    """Greedy accuracy on the workload's first `prompts` held-out prompts (a task's test split or
-    `data.test_files`), every `every` versions (metric `heldout_accuracy`), and once of the
-    starting weights of a fresh run (`heldout_accuracy_start`, in step 0's row: version 0 is the
-    model at `model_path`, loaded for this alone; the trainer's copy is already updated when
-    the hooks run). The tokenizer loads on first use, in the trainer."""
+    """The greedy responses' mean reward on the workload's first `prompts` held-out prompts (a
+    task's test split or `data.test_files`), every `every` versions, and once of the starting
+    weights of a fresh run (in step 0's row: version 0 is the model at `model_path`, loaded for
+    this alone; the trainer's copy is already updated when the hooks run). Named for what it is:
+    `heldout/accuracy` (`heldout/accuracy_start`) when every reward is 0 or 1, else
+    `heldout/mean_reward` (`heldout/mean_reward_start`); a failed reward counts 0. The tokenizer
+    loads on first use, in the trainer."""
 
     def __init__(self, model_path: str | Path, workload: Workload, every: int, prompts: int, max_new_tokens: int,
                  stop: Sequence[str] = ()) -> None:
@@ -56,15 +59,20 @@ class HeldoutEvaluation:
             self._tokenizer = load_tokenizer(self.model_path)
             if trainstep.version == 1:  # it started from version 0 (a resumed run starts later)
                 device = next(trainstep.policy().parameters()).device
-                metrics["heldout_accuracy_start"] = self._accuracy(load_model(self.model_path).to(device))
+                key, value = self._score(load_model(self.model_path).to(device))
+                metrics[f"{key}_start"] = value
         if trainstep.version % self.every == 0:
-            metrics["heldout_accuracy"] = self._accuracy(trainstep.unsharded_policy())
+            key, value = self._score(trainstep.unsharded_policy())
+            metrics[key] = value
 
-    def _accuracy(self, model) -> float:
-        from trajflow.tasks.rollout import heldout_accuracy
+    def _score(self, model) -> tuple[str, float]:
+        """(the metric's key, the mean reward of the greedy responses)."""
+        from trajflow.tasks.rollout import heldout_rewards
 
-        return heldout_accuracy(model, self._tokenizer, self.workload, self.prompts, self.max_new_tokens,
-                                stop=self.stop)
+        rewards = [0.0 if r is None else r for r in heldout_rewards(
+            model, self._tokenizer, self.workload, self.prompts, self.max_new_tokens, stop=self.stop)]
+        binary = all(r in (0.0, 1.0) for r in rewards)
+        return ("heldout/accuracy" if binary else "heldout/mean_reward"), float(np.mean(rewards)) if rewards else 0.0
 
 
 class StoreStatistics:
@@ -78,8 +86,8 @@ class StoreStatistics:
         stats = trainstep.store.stats(reset_counters=True)
         if stats.keeps_history:
             metrics.update({
-                "snapshot_versions_held": len(stats.versions_held),
-                "snapshot_bytes": stats.snapshot_bytes,
-                "snapshot_max_versions_held": stats.max_versions_held,
+                "snapshot/versions_held": len(stats.versions_held),
+                "snapshot/bytes": stats.snapshot_bytes,
+                "snapshot/max_versions_held": stats.max_versions_held,
             })
         metrics.update({f"seconds/{k}" if k.endswith("seconds") else k: v for k, v in stats.counters.items()})

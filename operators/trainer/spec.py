@@ -1,4 +1,4 @@
-"""What a train step is built from: `TrainerSpec` (every data-parallel worker's settings) and
+"""What a train step is built from: `TrainStepConfig` (every data-parallel worker's settings) and
 `StepHooks` (the job's hooks, run in worker 0's process)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pyarrow as pa
 
 from trajflow.algorithms.config import CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig
 from trajflow.engines import lora
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.strategies.base import Strategy
-from trajflow.operators.trainer.plan import DataParallel
+from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.recovery import TrainerSource
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class TrainerSpec:
+class TrainStepConfig:
     """What every data-parallel worker of a train step is built from: the run's typed settings
     (pipelines/config/ holds their defaults; each worker binds its own copy of the strategy)."""
 
@@ -31,12 +31,12 @@ class TrainerSpec:
     correction: CorrectionConfig
     kl: KLConfig
     optimizer: OptimizerConfig
-    sampling: SamplingParams
+    sampling: SamplingConfig
     numerics: TrainingNumerics
-    data_parallel: DataParallel
-    torch_threads: int
+    trainer: TrainerConfig
     total_updates: int | None = None  # optimizer updates in the run (steps x minibatches_per_step): the lr schedule's N
-    lora: lora.LoraSettings = lora.LoraSettings()  # r > 0: train and publish an adapter (engines/lora.py)
+    lora: lora.LoraConfig = lora.LoraConfig()  # r > 0: train and publish an adapter (engines/lora.py)
+    group_name: str = ""  # the placement group of workers 1..N-1 (Ray): the pipeline removes it at the end
     distill: DistillConfig | None = None  # on-policy distillation's terms (a teacher scores the rows); None: off
 
 

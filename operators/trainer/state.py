@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from trajflow.operators.strategies.base import Strategy
     from trajflow.operators.trainer.collective import Collective
-    from trajflow.operators.trainer.spec import TrainerSpec
+    from trajflow.operators.trainer.spec import TrainStepConfig
 
 
 class ReplicaState:
@@ -25,7 +25,7 @@ class ReplicaState:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     strategy: Strategy
-    spec: TrainerSpec
+    spec: TrainStepConfig
     collective: Collective
     sharded: bool
     optimizer_steps: int

@@ -1,9 +1,9 @@
 """The typed, validated configuration of one RL pipeline (the job config nests it).
 
 Every field has a default that runs the built-in task on a 2-core CPU machine. Validation happens
-here, before Ray starts: unknown keys, wrong types, names that do not resolve (the strategy: a
-built-in name or an import path) and impossible combinations fail with a message that names the
-key.
+here, without reading a file: unknown keys, wrong types, names that do not resolve (the strategy:
+a built-in name or an import path) and impossible combinations fail with a message that names the
+key. What needs the disk is the preflight (preflight.py), run before Ray starts.
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig
+from trajflow.deprecations import notice
 from trajflow.engines.factory import VLLM_LORA_RANKS, VLLM_LORA_REFUSED_MODULES
 from trajflow.pipelines.config.deprecations import migrate_deprecated_keys
-from trajflow.pipelines.config.model_dir import check_model_dir, checked_tokenizer, model_vocab_size, ties_embeddings
 from trajflow.pipelines.config.sections import (
     AdvantageSection,
     CorrectionSection,
+    DataSection,
     DistillSection,
     KLSection,
     LoraSection,
     OptimizerSection,
     RecoverySection,
-    ResourceConfig,
+    ResourceSection,
     SamplingSection,
-    TrainerConfig,
+    TrainerSection,
     VllmSection,
     WeightSyncSection,
     _Strict,
@@ -55,12 +56,23 @@ def check_task(name: str) -> str:
 
 
 class PipelineConfig(_Strict):
+    """One RL pipeline: what it trains (model, workload), how (strategy, sampling, the loss, the
+    optimizer) and where its stages run. Every key is documented here or in its section's
+    settings dataclass (sections.py); docs/configuration.md lists them all, generated from these
+    declarations (`python -m trajflow.jobs.config_reference`).
+
+    Validation checks what can be checked without reading a file (types, bounds, names that
+    resolve, combinations); what needs the disk — the model directory, the tokenizer, every row of
+    a dataset — is `preflight()` (preflight.py), which the job and RLPipeline run before Ray starts."""
+
     model: Path | None = Field(None, description="local HF model dir (a relative path that is not under the "
                                "working directory is tried under the repository root, where the built-in warm "
-                               "starts live); default: the built-in warm start")
+                               "starts live), or a model trajflow prepares once into its cache "
+                               "(engines/prepared.py: smollm2-135m-instruct-q4_1); default: the built-in warm start")
     task: str | None = Field(None, description="a registered task (addition, reverse, calc); default addition "
                              "unless data or env is given")
-    data: DataConfig | None = Field(None, description="train on a dataset (Parquet/JSONL/JSON); see tasks/dataset.py")
+    data: DataSection | None = Field(None, description="train on a dataset (Parquet/JSONL/JSON); see "
+                                     "docs/workload.md")
     reward: str | None = Field(None, description="exact, math, package.module:function or path/to/file.py:function "
                                "(default: the task's own verifier)")
     reward_timeout_seconds: float = Field(30.0, gt=0.0, description="per item; over it the row is a reward_error")
@@ -68,50 +80,67 @@ class PipelineConfig(_Strict):
         3, ge=0, description="stop the run after this many consecutive steps whose reward failed on every row "
         "(or returned the wrong number of values); 0: never")
     env: str | None = Field(None, description="package.module:Class (or file.py:Class) of a multi-turn Environment")
-    strategy: str = Field("snapshot", description="a built-in name (operators/strategies/registry.py) or an "
-                          "import path module:Class / file.py:Class")
+    strategy: str = Field("snapshot", description="where pi_old comes from: a built-in name "
+                          "(operators/strategies/registry.py; `trajflow configs` lists them) or an import path "
+                          "module:Class / file.py:Class")
     strategy_options: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments of the strategy's constructor, e.g. "
         "{m2_threshold: 0.04} for m2po, or a user strategy's own settings")
-    steps: int = Field(100, ge=1, le=MAX_STEPS)
-    prompts_per_step: int = Field(64, ge=1)
-    group_size: int = Field(8, ge=1)
-    max_staleness: int = Field(0, ge=0)
-    inference_dtype: Literal["float32", "bfloat16", "fp8"] = "float32"
+    steps: int = Field(100, ge=1, le=MAX_STEPS, description="train steps, each one weight version (with "
+                       "data.epochs and no steps: as many as the epochs hold)")
+    prompts_per_step: int = Field(64, ge=1, description="prompts sampled per train step")
+    group_size: int = Field(8, ge=1, description="responses sampled per prompt: the group its advantage is "
+                            "relative to")
+    max_staleness: int = Field(0, ge=0, description="how many versions a token may lag the trainer: generation "
+                               "of step b waits for version b - max_staleness, and older tokens are dropped from the "
+                               "loss; 0: synchronous, on-policy")
+    inference_dtype: Literal["float32", "bfloat16", "fp8"] = Field(
+        "float32", description="the numerics generation samples in (fp8: simulated); the training-inference "
+        "discrepancy r_d comes from the difference to training numerics")
     engine: Literal["torch", "vllm"] = Field("torch", description="generation engine (vllm: optional extra)")
-    vllm: VllmSection = Field(default_factory=VllmSection)
+    vllm: VllmSection = Field(default_factory=VllmSection, description="the vLLM engine's options "
+                              "(engine: vllm only)")
     partial_rollout: bool = Field(
-        False, description="take new weights between decode steps (always on for `interrupt`)"
-    )
+        False, description="take new weights between decode steps (always on for `interrupt`)")
     simulate_decode_seconds: float = Field(
-        0.0, ge=0.0, description="sleep per decode step: emulate a slower inference engine (staleness studies)"
-    )
-    sampling: SamplingSection = Field(default_factory=SamplingSection)
-    correction: CorrectionSection = Field(default_factory=CorrectionSection)
-    advantage: AdvantageSection = Field(default_factory=AdvantageSection)
-    kl: KLSection = Field(default_factory=KLSection)
+        0.0, ge=0.0, description="sleep per decode step: emulate a slower inference engine (staleness studies)")
+    sampling: SamplingSection = Field(default_factory=SamplingSection, description="how responses are sampled")
+    correction: CorrectionSection = Field(default_factory=CorrectionSection, description="the decoupled loss: the "
+                                          "r_d mask, the policy term on r_s, the aggregation")
+    advantage: AdvantageSection = Field(default_factory=AdvantageSection, description="the advantage estimator "
+                                        "(a name alone is accepted: `advantage: rloo`)")
+    kl: KLSection = Field(default_factory=KLSection, description="a KL penalty to a frozen reference model")
     top_k_logprobs: int = Field(
         0, ge=0, description="record per response token the K most likely ids of the distribution it was sampled "
         "from and their log-probs (mu), and on them pi_old at the token's version (exact strategies) and the "
         "teacher's; the distribution-level mismatch, Score Centering and the forward KL read them "
-        "(schemas/trajectory.py); 0 = off: the record without them")
+        "(docs/distributions.md); 0 = off: the record without them")
     teacher: Path | None = Field(
         None, description="on-policy distillation: a local HF model dir (the model's tokenizer) that scores the "
         "student's tokens before the train step (operators/teacher.py); null = no distillation")
-    distill: DistillSection = Field(default_factory=DistillSection)
-    drop_zero_variance_groups: bool = True
-    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
-    lora: LoraSection = Field(default_factory=LoraSection)
+    distill: DistillSection = Field(default_factory=DistillSection, description="on-policy distillation's loss "
+                                    "terms (read only with a teacher)")
+    drop_zero_variance_groups: bool = Field(True, description="leave groups whose rewards are all equal out of "
+                                            "training (their advantage is 0 everywhere)")
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description="AdamW, its schedule and "
+                                        "the updates per step")
+    lora: LoraSection = Field(default_factory=LoraSection, description="train a LoRA adapter instead of the full "
+                              "model (lora.r > 0)")
     eval_every: int = Field(0, ge=0, description="held-out greedy mean reward (accuracy for a 0/1 reward) every "
                             "k steps (0: off)")
-    eval_prompts: int = Field(200, ge=1)
+    eval_prompts: int = Field(200, ge=1, description="held-out prompts each evaluation scores")
     seed: int = Field(0, ge=0, description="seeds sampling, shuffling and initialisation (numpy needs >= 0)")
-    num_generators: int = Field(1, ge=1)
-    generator: ResourceConfig = Field(default_factory=ResourceConfig)
-    scorer: ResourceConfig = Field(default_factory=lambda: ResourceConfig(num_cpus=0.25))
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    recovery: RecoverySection = Field(default_factory=RecoverySection)
-    weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
+    num_generators: int = Field(1, ge=1, description="generator actors sampling in parallel")
+    generator: ResourceSection = Field(default_factory=ResourceSection, description="Ray resources of each "
+                                       "generator actor")
+    scorer: ResourceSection = Field(default_factory=lambda: ResourceSection(num_cpus=0.25),
+                                    description="Ray resources of each old log-prob / reference scorer actor")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="the train step: resources of "
+                                    "each worker and its data-parallel group")
+    recovery: RecoverySection = Field(default_factory=RecoverySection, description="how a run heals a lost "
+                                      "trainer or policy store")
+    weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection, description="how each new version "
+                                           "reaches the generators and scorers")
     light_stage_cpus: float = Field(0.1, gt=0.0, description="CPUs of reward/advantage/filter tasks")
     colocate: Literal["auto", "off"] = Field(
         "auto", description="auto: consecutive stages share an actor process where that does not serialise "
@@ -121,8 +150,14 @@ class PipelineConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _renamed_keys(cls, data: Any) -> Any:
-        """Keys renamed in 0.2 still work for one release, with a one-line notice (TRL's path)."""
-        return migrate_deprecated_keys(data, cls.model_fields["strategy"].default) if isinstance(data, dict) else data
+        """Keys renamed in 0.2 still work for one release, with a one-line notice (TRL's path);
+        with none of task, data and env, the workload is the built-in addition task."""
+        if not isinstance(data, dict):
+            return data
+        data = migrate_deprecated_keys(data, cls.model_fields["strategy"].default)
+        if all(data.get(key) is None for key in ("task", "data", "env")):
+            data["task"] = "addition"
+        return data
 
     @field_validator("strategy")
     @classmethod
@@ -156,19 +191,12 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "PipelineConfig":
-        if self.model is not None:
-            try:
-                check_model_dir(self.model)
-            except ValueError as e:
-                raise ValueError(f"model: {e}") from None
+        if self.task is not None and (self.data is not None or self.env is not None):
+            raise ValueError("task: give either task, or data / env (a config with data and no task runs on the data)")
         if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("engine: vllm is not installed (pip install 'trajflow[vllm]'), or use engine: torch")
         if self.lora.r > 0 and self.trainer.sharding == "fsdp":
             raise ValueError("lora: an adapter is trained by a replicated trainer; use trainer.sharding: none")
-        if self.lora.r > 0 and "lm_head" in self.lora.target_modules and ties_embeddings(self.model_path):
-            raise ValueError("lora.target_modules: lm_head on a model whose output layer is its input embedding "
-                             "(tie_word_embeddings): the readers' merged weights would not be the trained model; "
-                             "leave lm_head out")
         if self.lora.r > 0 and self.engine == "vllm":
             self._check_vllm_lora()
         if self.weight_sync.method == "collective":
@@ -180,9 +208,8 @@ class PipelineConfig(_Strict):
                 f"advantage {self.advantage.estimator!r} (a group is its own baseline), so nothing would be trained; "
                 f"use group_size >= {min_group}"
             )
-        self._check_workload()
         try:
-            self.advantage_config()  # the overlong shaping's buffer within the job's max_new_tokens
+            self.settings.advantage  # the overlong shaping's buffer within the job's max_new_tokens
         except ValueError as e:
             raise ValueError(f"advantage: {e}") from None
         if self.engine != "vllm" and self.vllm != VllmSection():
@@ -202,14 +229,11 @@ class PipelineConfig(_Strict):
         return self
 
     def _check_distributions(self) -> None:
-        """What the top-k record, the distribution-level mask and distillation need, refused by key."""
+        """What the top-k record, the distribution-level mask and distillation need, refused by key
+        (what needs the model directories, the vocabulary sizes, is the preflight's)."""
         k = self.top_k_logprobs
         if k and self.env is not None:
             raise ValueError("top_k_logprobs: the top-k of multi-turn episodes (env) is not recorded yet; use 0")
-        if k:
-            vocab = model_vocab_size(self.model_path)
-            if vocab is not None and k > vocab:
-                raise ValueError(f"top_k_logprobs: {k} is more than the model's vocabulary of {vocab} ids")
         if self.correction.dist_mask is not None:
             if not k:
                 raise ValueError("correction.dist_mask: the distribution-level mask needs top_k_logprobs > 0")
@@ -220,64 +244,21 @@ class PipelineConfig(_Strict):
             if self.distill != DistillSection():
                 raise ValueError("distill: settings given but no teacher (teacher: a model directory)")
             return
-        try:
-            check_model_dir(self.teacher)
-        except ValueError as e:
-            raise ValueError(f"teacher: {e}") from None
-        if model_vocab_size(self.teacher) != model_vocab_size(self.model_path):
-            raise ValueError(f"teacher: {self.teacher} has {model_vocab_size(self.teacher)} ids, the model "
-                             f"{model_vocab_size(self.model_path)}: the teacher scores the student's token ids")
         if self.distill.forward_kl_coef > 0 and not k:
             raise ValueError("distill.forward_kl_coef: the forward KL is taken on the top-k support; set "
                              "top_k_logprobs > 0")
 
-    def distill_config(self) -> DistillConfig | None:
-        """The distillation's settings, or None without a teacher."""
-        return None if self.teacher is None else self.distill.spec()
-
-    def _check_workload(self) -> None:
-        """Every name of the workload resolved before Ray starts: task, env, reward (importable,
-        callable, TRL signature), dataset files and columns, the chat template; `data.epochs`
-        sets `steps` when steps is not given."""
-        if self.task is not None and (self.data is not None or self.env is not None):
-            raise ValueError("task: give either task, or data / env (a config with data and no task runs on the data)")
-        if self.task is None and self.data is None and self.env is None:
-            self.__dict__["task"] = "addition"  # the default workload (no re-validation)
-        workload = self.workload()
-        workload.check()
-        if self.model is not None or self.data is not None:
-            try:  # a tokenizer that does not load ends here, not in a Ray worker
-                tokenizer = checked_tokenizer(self.model_path)
-            except ValueError as e:
-                raise ValueError(f"model: {e}") from None
-        if self.data is None:
-            return
-        if self.eval_every and not self.data.test_files:
-            raise ValueError("eval_every: held-out evaluation of a dataset needs data.test_files (or eval_every: 0)")
-        from trajflow.tasks.dataset import checked_dataset
-
-        # every row of every file, read and tokenized once (kept for the run's prompt source)
-        train = checked_dataset(self.data, workload.train_files(), tokenizer)
-        if self.data.test_files:
-            checked_dataset(self.data, workload.test_files(), tokenizer, key="data.test_files")
-        if self.data.epochs is not None:
-            epoch = train.epoch_size
-            available = self.data.epochs * epoch // self.prompts_per_step
-            if available < 1:
-                raise ValueError(f"data.epochs: {self.data.epochs} epoch(s) of {epoch} prompts are fewer than one "
-                                 f"step of {self.prompts_per_step}")
-            if "steps" not in self.model_fields_set:
-                self.__dict__["steps"] = available  # derived (no re-validation): the run's length
-                self.model_fields_set.add("steps")
-            elif self.steps > available:
-                raise ValueError(f"steps: {self.steps} steps of {self.prompts_per_step} prompts need more than "
-                                 f"data.epochs={self.data.epochs} epochs of {epoch} prompts ({available} steps)")
+    @property
+    def settings(self) -> RunSettings:
+        """The typed settings the pipeline builds its operators from: every section as its settings
+        dataclass, the derived defaults filled in (a view of this config, never a copy of it)."""
+        return RunSettings(self)
 
     def workload(self) -> Workload:
         """What the run trains on (tasks.workload.Workload), from task / data / env / reward."""
         from trajflow.engines.paths import REPO_ROOT
 
-        return Workload(task=self.task, data=self.data,
+        return Workload(task=self.task, data=self.settings.data,
                         env=self.env, reward=self.reward, reward_timeout_seconds=self.reward_timeout_seconds,
                         repo_root=REPO_ROOT)
 
@@ -332,24 +313,66 @@ class PipelineConfig(_Strict):
             dtypes.add("float32")
         return tuple(sorted(dtypes))
 
+    # -- one release: the read-back methods `settings` replaced ------------------------------------
+    def correction_config(self) -> CorrectionConfig:
+        notice("PipelineConfig.correction_config()", "PipelineConfig.settings.correction")
+        return self.settings.correction
+
+    def advantage_config(self) -> AdvantageConfig:
+        notice("PipelineConfig.advantage_config()", "PipelineConfig.settings.advantage")
+        return self.settings.advantage
+
     def training_numerics(self):
+        notice("PipelineConfig.training_numerics()", "PipelineConfig.settings.numerics")
+        return self.settings.numerics
+
+
+class RunSettings:
+    """`PipelineConfig.settings`: each section as the settings dataclass the operators take, read
+    from the config when asked (so it can never drift from it). Derived defaults: the loss's
+    token-sum-norm budget and DAPO's overlong budget are `sampling.max_new_tokens` unless given."""
+
+    def __init__(self, config: PipelineConfig) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:  # a section without a derived default: as declared
+        section = getattr(self._config, name)
+        if name not in SECTIONS or section is None:
+            raise AttributeError(f"PipelineConfig.settings has no section {name!r}")
+        return section.spec()
+
+    @property
+    def correction(self) -> CorrectionConfig:
+        return self._budget_default("correction", "loss_norm_tokens")  # token-sum-norm's tokens per sequence
+
+    @property
+    def advantage(self) -> AdvantageConfig:
+        return self._budget_default("advantage", "overlong_max_tokens")  # DAPO's overlong shaping budget
+
+    def _budget_default(self, section: str, key: str) -> Any:
+        """The section's dataclass, its token budget `key` sampling.max_new_tokens unless given."""
+        spec = getattr(self._config, section).spec()
+        if getattr(spec, key) is None:
+            spec = dataclasses.replace(spec, **{key: self._config.sampling.max_new_tokens})
+        return spec
+
+    @property
+    def data(self) -> DataConfig | None:
+        return self._config.data.spec() if self._config.data is not None else None
+
+    @property
+    def distill(self) -> DistillConfig | None:
+        """On-policy distillation's terms, or None without a teacher."""
+        return self._config.distill.spec() if self._config.teacher is not None else None
+
+    @property
+    def numerics(self):
         """The numerics pi_theta and every pi_old are computed in (engines/training_numerics.py)."""
         from trajflow.engines.training_numerics import TrainingNumerics
 
-        return TrainingNumerics(mixed_precision=self.optimizer.mixed_precision)
+        return TrainingNumerics(mixed_precision=self._config.optimizer.mixed_precision)
 
-    def advantage_config(self) -> AdvantageConfig:
-        """The estimator's settings; DAPO's overlong shaping budgets max_new_tokens unless
-        `advantage.overlong_max_tokens` is given."""
-        spec = self.advantage.spec()
-        if spec.overlong_max_tokens is None:
-            spec = dataclasses.replace(spec, overlong_max_tokens=self.sampling.max_new_tokens)
-        return spec
 
-    def correction_config(self) -> CorrectionConfig:
-        """The objective's settings; token-sum-norm normalises by max_new_tokens unless
-        `correction.loss_norm_tokens` is given."""
-        spec = self.correction.spec()
-        if spec.loss_norm_tokens is None:
-            spec = dataclasses.replace(spec, loss_norm_tokens=self.sampling.max_new_tokens)
-        return spec
+# the sections `settings` reads back (the YAML keys whose value is a section)
+SECTIONS = ("sampling", "correction", "advantage", "kl", "distill", "optimizer", "lora", "vllm", "data", "generator",
+            "scorer", "trainer", "recovery", "weight_sync")

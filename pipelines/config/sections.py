@@ -1,5 +1,23 @@
-"""How a YAML section is declared: strict pydantic models, and the sections built from settings
-dataclasses (trajflow/settings.py) so the YAML and the library share one declaration per key.
+"""How a YAML section is declared: once, as a frozen settings dataclass beside the code that uses
+it (trajflow/settings.py: each key with its default, its documentation and its bounds); the YAML
+section is the pydantic model built from that dataclass (`settings_section`), so a YAML key and a
+library argument share one declaration. Every section of the config is built this way:
+
+    sampling     SamplingConfig      engines/sampling.py
+    correction   CorrectionConfig    algorithms/config.py
+    advantage    AdvantageConfig     algorithms/config.py
+    kl           KLConfig            algorithms/config.py
+    optimizer    OptimizerConfig     algorithms/config.py
+    lora         LoraConfig          engines/lora.py
+    vllm         VllmConfig          engines/factory.py
+    data         DataConfig          tasks/dataset.py
+    generator, scorer  ResourceConfig  operators/contracts/stage.py
+    trainer      TrainerConfig       operators/trainer/plan.py
+    recovery     RecoveryConfig      operators/trainer/recovery.py
+    weight_sync  WeightSyncConfig    operators/trainer/weight_sync.py
+
+A section reads back as its dataclass (`section.spec()`); the pipeline reads them all through
+`PipelineConfig.settings` (derived defaults filled in).
 """
 
 from __future__ import annotations
@@ -13,12 +31,15 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
 from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig
-from trajflow.engines.factory import VllmOptions
-from trajflow.engines.lora import LoraSettings
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.factory import VllmConfig
+from trajflow.engines.lora import LoraConfig
+from trajflow.engines.sampling import SamplingConfig
+from trajflow.operators.contracts.stage import ResourceConfig
+from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.recovery import RecoveryConfig
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 from trajflow.settings import check_setting, field_types
+from trajflow.tasks.dataset import DataConfig
 
 
 def _accepts_bool(annotation: Any) -> bool:
@@ -65,6 +86,14 @@ class _Section(_Strict):
 
     settings: ClassVar[type]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_settings(cls, data: Any) -> Any:
+        """A section given as its settings dataclass (`correction=CorrectionConfig(...)`)."""
+        if isinstance(data, cls.settings):
+            return {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
+        return data
+
     @field_validator("*", mode="before")
     @classmethod
     def _checked(cls, value: Any, info: ValidationInfo) -> Any:
@@ -94,70 +123,18 @@ def settings_section(settings: type, name: str) -> type[_Section]:
     fields = {}
     for f in dataclasses.fields(settings):
         key = f.metadata.get("key")  # a field named like a Python keyword (`in_`) is `in` in YAML
-        fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata.get("doc") or None,
+        default = ({"default_factory": f.default_factory} if f.default_factory is not dataclasses.MISSING
+                   else {"default": ...} if f.default is dataclasses.MISSING else {"default": f.default})
+        fields[f.name] = (hints[f.name], Field(**default, description=f.metadata.get("doc") or None,
                                               **({"alias": key} if key else {})))
     model = create_model(name, __base__=_Section, __doc__=settings.__doc__, **fields)
     model.settings = settings
     return model
 
 
-SamplingSection = settings_section(SamplingParams, "SamplingSection")
-CorrectionSection = settings_section(CorrectionConfig, "CorrectionSection")
-AdvantageSection = settings_section(AdvantageConfig, "AdvantageSection")
-KLSection = settings_section(KLConfig, "KLSection")
-DistillSection = settings_section(DistillConfig, "DistillSection")
-OptimizerSection = settings_section(OptimizerConfig, "OptimizerSection")
-VllmSection = settings_section(VllmOptions, "VllmSection")
-RecoverySection = settings_section(RecoveryConfig, "RecoverySection")
-LoraSection = settings_section(LoraSettings, "LoraSection")
-WeightSyncSection = settings_section(WeightSyncConfig, "WeightSyncSection")
-
-
-class ResourceConfig(_Strict):
-    """Ray resources of one actor stage (fractional CPUs so that 2 cores do not deadlock)."""
-
-    num_cpus: float = Field(0.5, ge=0.0)
-    num_gpus: float = Field(0.0, ge=0.0)
-    resources: dict[str, float] = Field(default_factory=dict)
-    torch_threads: int = Field(1, ge=1)
-
-
-class TrainerConfig(ResourceConfig):
-    """The train step: resources of each worker (num_cpus, num_gpus, resources, torch_threads,
-    as for any stage) and its data-parallel group (operators/trainer/plan.py).
-
-    Each worker trains on CUDA when its resources include a GPU (Ray then makes one visible to
-    it), else on the CPU; bf16 autocast comes from `optimizer.mixed_precision`."""
-
-    num_workers: int = Field(1, ge=1, description="data-parallel workers (one torch.distributed group: gloo on "
-                             "CPU, NCCL on CUDA); losses are normalised over all of them")
-    max_tokens_per_microbatch: int | None = Field(
-        None, ge=1, description="padded tokens (rows x longest prompt+response) per forward/backward; gradients "
-        "accumulate over the micro-batches of an update (None: one micro-batch per minibatch and worker)")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
-    sharding: Literal["none", "fsdp"] = Field(
-        "none", description="none: a full replica per worker; fsdp: parameters, gradients and optimizer state "
-        "sharded over the workers (torch FSDP2, operators/trainer/fsdp.py)")
-    cpu_offload: bool = Field(False, description="fsdp on CUDA: shards, gradients and optimizer state in host "
-                              "memory, each layer copied to the GPU to compute (no effect on CPU workers)")
-    placement: Literal["pack", "spread"] = Field(
-        "pack", description="workers 1..N-1: pack (fewest nodes) or spread (each on a node other than worker 0's)")
-    collective_timeout_seconds: float = Field(
-        300.0, gt=0.0, description="a worker that does not join a gradient all-reduce within this fails the step")
-
-    @model_validator(mode="after")
-    def _offload_needs_sharding(self) -> "TrainerConfig":
-        if self.cpu_offload and self.sharding != "fsdp":
-            raise ValueError("cpu_offload: needs sharding: fsdp (a replicated worker keeps its state on its device)")
-        return self
-
-    def data_parallel(self, group_name: str):
-        """The train step's view of this section (operators/trainer/plan.py); `group_name`: the
-        placement group of workers 1..N-1, which the pipeline removes when the run ends."""
-        from trajflow.operators.trainer.plan import DataParallel
-
-        return DataParallel(num_workers=self.num_workers, max_tokens_per_microbatch=self.max_tokens_per_microbatch,
-                            gradient_checkpointing=self.gradient_checkpointing, sharding=self.sharding,
-                            cpu_offload=self.cpu_offload, placement=self.placement,
-                            collective_timeout_seconds=self.collective_timeout_seconds, num_cpus=self.num_cpus,
-                            num_gpus=self.num_gpus, resources=dict(self.resources), group_name=group_name)
+# the YAML model of each section, named after its dataclass (CorrectionConfig -> CorrectionSection)
+(SamplingSection, CorrectionSection, AdvantageSection, KLSection, DistillSection, OptimizerSection, VllmSection,
+ RecoverySection, LoraSection, WeightSyncSection, DataSection, ResourceSection, TrainerSection) = (
+    settings_section(settings, settings.__name__.removesuffix("Config") + "Section")
+    for settings in (SamplingConfig, CorrectionConfig, AdvantageConfig, KLConfig, DistillConfig, OptimizerConfig,
+                     VllmConfig, RecoveryConfig, LoraConfig, WeightSyncConfig, DataConfig, ResourceConfig, TrainerConfig))

@@ -101,6 +101,9 @@ filling the underscored fields of torch's process-group options (an object it bu
 torch.distributed does), and engines/vllm_engine.py putting back `torch.set_num_threads` after
 vLLM's CPU worker replaced it (an undo of vLLM's own patch, scoped to engine construction;
 engines/ cannot import pipelines/).
+
+One module on purpose (docs/design.md §4): every patch of a third-party library's internals,
+behind one version check, so moving Ray's pin means reading this one file.
 """
 
 from __future__ import annotations

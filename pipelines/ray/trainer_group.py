@@ -13,7 +13,7 @@ import torch
 
 from trajflow.operators.trainer.collective import Collective, listening_socket, this_node
 from trajflow.operators.trainer.group import RESUME_HINT, TrainerStateLost, WorkerGroup
-from trajflow.operators.trainer.plan import DataParallel
+from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.replica import TrainerRank
 
 
@@ -55,12 +55,13 @@ class RayWorkerGroup(WorkerGroup):
     pipeline removes the placement group by name (`remove_leftover`).
     """
 
-    def __init__(self, rank_kwargs: dict[str, Any], spec: DataParallel, device: torch.device) -> None:
+    def __init__(self, rank_kwargs: dict[str, Any], config: TrainerConfig, device: torch.device,
+                 name: str = "") -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        world_size, placement, timeout_seconds = spec.num_workers, spec.placement, spec.collective_timeout_seconds
-        num_cpus, num_gpus, resources = spec.num_cpus, spec.num_gpus, dict(spec.resources)
+        world_size, placement, timeout_seconds = config.num_workers, config.placement, config.collective_timeout_seconds
+        num_cpus, num_gpus, resources = config.num_cpus, config.num_gpus, dict(config.resources)
         self.world_size = world_size
         self.node_id, node_ip = node_address()
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **resources}
@@ -68,11 +69,11 @@ class RayWorkerGroup(WorkerGroup):
         n = world_size - 1
         if placement == "spread":
             self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_SPREAD",
-                                                   name=spec.group_name,
+                                                   name=name,
                                                    bundle_label_selector=[{"ray.io/node-id": f"!{self.node_id}"}] * n)
         else:
             self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK",
-                                                   name=spec.group_name)
+                                                   name=name)
         ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout_seconds)
         if not ready:
             self.close()
@@ -92,7 +93,7 @@ class RayWorkerGroup(WorkerGroup):
         port = listen.getsockname()[1]
         joined = [r.join.remote(host, port, timeout_seconds) for r in self.ranks]
         self.collective = Collective(0, world_size, host=host, listen=listen, device=device,
-                                     timeout_seconds=timeout_seconds, default_group=spec.sharding == "fsdp")
+                                     timeout_seconds=timeout_seconds, default_group=config.sharding == "fsdp")
         self._get(joined, timeout_seconds)
 
     def _start(self, method: Callable, args: list[tuple]) -> list[ray.ObjectRef]:

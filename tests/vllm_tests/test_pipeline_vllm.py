@@ -33,7 +33,7 @@ def test_exact_strategies_recover_inference_logprobs_with_vllm(ray_session, publ
     assert m["mask/token_kept_frac"].min() == 1.0
     assert m["staleness/max"].max() <= max_staleness
     assert m["staleness/max"].max() >= 1
-    assert m["over_stale_tokens_dropped"].sum() == 0
+    assert m["staleness/over_stale_tokens"].sum() == 0
     if strategy == "interrupt":
         assert m["rows_spanning_versions"].sum() > 0, "no trajectory spanned two versions"
     assert m["step"].to_list() == list(range(SMALL["steps"]))

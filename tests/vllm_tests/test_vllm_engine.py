@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from trajflow.engines import SamplingParams, score
+from trajflow.engines import SamplingConfig, score
 from trajflow.engines.factory import make_engine
 from trajflow.engines.models import build_tiny_model
 from trajflow.engines.sampling import process_logits
@@ -33,7 +33,7 @@ def test_bfloat16_from_in_memory_model(tiny, prompts):
     """A PreTrainedModel is saved to a temporary directory; bf16 numerics differ measurably from
     float32 training-side scoring but stay finite; the caller's thread control keeps working."""
     model = tiny[0]
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
     engine = make_engine("vllm", model, eos_id=EOS_ID, pad_id=PAD_ID, sampling=sampling,
                          inference_dtype="bfloat16", seed=2, kv_cache_memory_bytes=64 << 20, max_model_len=64)
     tmp = Path(engine.model_path)
@@ -61,7 +61,7 @@ def test_weight_update_through_a_safetensors_dir(tiny, prompts):
     """The tensor-parallel route (workers in other processes read a safetensors file), exercised
     in-process on CPU: same outputs as an engine started from the new weights."""
     other, tok = build_tiny_model(seed=1)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
     engine = make_engine("vllm", tiny[0], eos_id=EOS_ID, pad_id=PAD_ID, sampling=greedy,
                          kv_cache_memory_bytes=64 << 20, max_model_len=64)
     try:
@@ -80,7 +80,7 @@ def test_weight_update_through_a_safetensors_dir(tiny, prompts):
 def test_fp8_and_tensor_parallel_need_cuda(tiny):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: fp8 and tensor parallelism are available")
-    kw = dict(eos_id=EOS_ID, pad_id=PAD_ID, sampling=SamplingParams())
+    kw = dict(eos_id=EOS_ID, pad_id=PAD_ID, sampling=SamplingConfig())
     with pytest.raises(NotImplementedError, match="fp8"):
         make_engine("vllm", tiny[0], inference_dtype="fp8", **kw)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs CUDA"):
@@ -89,7 +89,7 @@ def test_fp8_and_tensor_parallel_need_cuda(tiny):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor_parallel_size=2 needs two CUDA GPUs")
 def test_tensor_parallel_two_gpus(tiny, prompts):
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=8)
     engine = make_engine("vllm", tiny[0], eos_id=EOS_ID, pad_id=PAD_ID, sampling=sampling,
                          tensor_parallel_size=2, gpu_memory_utilization=0.3)
     try:
@@ -104,7 +104,7 @@ def test_tensor_parallel_two_gpus(tiny, prompts):
 
 
 def test_factory_rejects_unknown_engine_and_bad_model(tiny):
-    kw = dict(eos_id=EOS_ID, pad_id=PAD_ID, sampling=SamplingParams())
+    kw = dict(eos_id=EOS_ID, pad_id=PAD_ID, sampling=SamplingConfig())
     with pytest.raises(ValueError, match="unknown engine"):
         make_engine("tensorrt", tiny[0], **kw)
     with pytest.raises(FileNotFoundError, match="config.json"):
@@ -123,12 +123,12 @@ def test_greedy_filtered_logprob_matches_process_logits(top_k, top_p):
     torch.manual_seed(0)
     logits = torch.randn(64) * 2
     raw = torch.log_softmax(logits, -1)  # what vLLM reports for greedy requests
-    sampling = SamplingParams(temperature=0.0, top_k=top_k, top_p=top_p)
+    sampling = SamplingConfig(temperature=0.0, top_k=top_k, top_p=top_p)
     token = int(torch.argmax(logits))
     expected = float(process_logits(logits, sampling)[token])
     got = _greedy_filtered_logprob(_entry(raw, top_k or 64), token, sampling)
     assert math.isclose(got, expected, abs_tol=1e-5)
     if not top_k:  # the top-N log-probs must reach the top-p mass, else the kept set is unknown
-        wide = SamplingParams(temperature=0.0, top_p=0.99)
+        wide = SamplingConfig(temperature=0.0, top_p=0.99)
         with pytest.raises(RuntimeError, match="max_logprobs"):
             _greedy_filtered_logprob(_entry(raw, 2), token, wide)

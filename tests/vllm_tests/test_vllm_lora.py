@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-from trajflow.engines import SamplingParams, lora, score
+from trajflow.engines import SamplingConfig, lora, score
 from trajflow.engines.factory import make_engine
 from trajflow.engines.models import build_tiny_model
 from trajflow.engines.tokenizer import EOS_ID, PAD_ID, encode_prompt
 
 TOL = 1e-4  # the vLLM exactness tests' tolerance (module docstring)
-SETTINGS = lora.LoraSettings(r=8, alpha=16.0)
+SETTINGS = lora.LoraConfig(r=8, alpha=16.0)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def _merged_model(payload):
 def test_adapter_versions_are_vllm_lora_requests_resident_in_a_window(tiny):
     model, tok = tiny
     prompts = [encode_prompt(tok, t) for t in ["12+345=", "7+8=", "reverse: abcdef ="]]
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=10)
     engine = make_engine("vllm", model, eos_id=EOS_ID, pad_id=PAD_ID, sampling=sampling, seed=3,
                          kv_cache_memory_bytes=64 << 20, max_model_len=64, lora_slots=3, lora_rank=SETTINGS.r)
 
@@ -144,7 +144,7 @@ def test_a_lora_run_on_vllm_keeps_exactness_with_several_adapters_resident(ray_s
     assert m["step"].to_list() == list(range(steps))
     assert m["mismatch/max_abs_log_rd"].max() < TOL
     assert m["mask/token_kept_frac"].min() == 1.0
-    assert m["over_stale_tokens_dropped"].sum() == 0
+    assert m["staleness/over_stale_tokens"].sum() == 0
     if strategy == "interrupt":
         assert m["rows_spanning_versions"].sum() > 0, "no trajectory spanned two adapter versions"
     assert all(version == 0 or resident[-1] == version for version, resident in seen)

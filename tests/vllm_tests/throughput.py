@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from trajflow.engines.factory import make_engine  # noqa: E402
 from trajflow.engines.models import WARM_START_DIR, build_tiny_model, load_model, load_tokenizer, save_model  # noqa: E402
-from trajflow.engines.sampling import SamplingParams  # noqa: E402
+from trajflow.engines.sampling import SamplingConfig  # noqa: E402
 from trajflow.engines.tokenizer import encode_prompt  # noqa: E402
 from trajflow.tasks import get_task  # noqa: E402
 
@@ -48,7 +48,7 @@ def main() -> None:
     tok = load_tokenizer(model_dir)
     stream = get_task("addition").prompts("train", seed=0)
     prompts = [encode_prompt(tok, next(stream).text) for _ in range(args.prompts)]
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.tokens)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.tokens)
     common = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, sampling=sampling, inference_dtype="float32", seed=0)
     t0 = time.perf_counter()
     engines = {

@@ -1,0 +1,174 @@
+"""docs/configuration.md, generated from the settings' own declarations: every key of a job config
+with its type, its default and the description it was declared with (a section's keys from its
+settings dataclass, the top-level keys from PipelineConfig and JobConfig), so the reference cannot
+drift from the code (tests/test_config_contract.py fails when the file is stale).
+
+    python -m trajflow.jobs.config_reference            # rewrite docs/configuration.md
+    python -m trajflow.jobs.config_reference --check    # exit 1 if it is stale
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from trajflow.jobs.config import JobConfig
+from trajflow.pipelines.config import PipelineConfig
+
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of a job config, as declared."""
+
+    name: str         # dotted, as in YAML and `--set` (e.g. correction.mask_c_seq)
+    kind: str         # its type, as a reader writes it
+    default: str      # its default, as YAML (required: "required")
+    description: str  # what it was declared with ("" when undocumented: the contract test refuses it)
+    section: type[BaseModel] | None  # the section's model when the key is a section
+
+
+def keys(model: type[BaseModel] = JobConfig, prefix: str = "", defaults: BaseModel | None = None) -> Iterator[Key]:
+    """Every key of `model` in declaration order, each section's keys after its own (with the
+    defaults of the section's own default, `defaults`: the scorer's CPUs are not the generator's)."""
+    for name, info in model.model_fields.items():
+        section = _section(info.annotation)
+        if defaults is not None:
+            default = getattr(defaults, name)
+        elif info.default_factory is not None:
+            default = info.default_factory()
+        else:
+            default = info.default
+        yield Key(f"{prefix}{info.alias or name}", _kind(info.annotation) + _bounds(model, name, info), _yaml(default),
+                  " ".join((info.description or "").split()), section)
+        if section is not None:
+            yield from keys(section, f"{prefix}{info.alias or name}.", default if isinstance(default, BaseModel) else None)
+
+
+def undocumented(model: type[BaseModel] = JobConfig) -> list[str]:
+    """The keys declared without a description."""
+    return [key.name for key in keys(model) if not key.description]
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    for arg in (annotation, *typing.get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def _bounds(model: type[BaseModel], name: str, info: Any) -> str:
+    """`, >= 1`: the bounds a key was declared with (a settings dataclass's metadata, or the
+    pydantic field's constraints)."""
+    symbols = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    settings = getattr(model, "settings", None)  # a section built from a settings dataclass
+    if isinstance(settings, type) and dataclasses.is_dataclass(settings):
+        declared = {f.name: f.metadata for f in dataclasses.fields(settings)}[name]
+    else:
+        declared = {k: getattr(m, k) for m in info.metadata for k in symbols if getattr(m, k, None) is not None}
+    found = [f"{symbols[k]} {declared[k]:,}" if isinstance(declared[k], int) else f"{symbols[k]} {declared[k]:g}"
+             for k in symbols if k in declared]
+    return f", {' and '.join(found)}" if found else ""
+
+
+def _kind(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if _section(annotation) is not None:
+        return "section" + (" or null" if type(None) in args else "")
+    if origin is typing.Literal:
+        return " \\| ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_kind(a) for a in args)
+    if origin in (tuple, list):
+        return "list"
+    if origin is dict:
+        return "mapping"
+    names = {int: "integer", float: "number", bool: "true/false", str: "string", Path: "path", type(None): "null"}
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _yaml(value: Any) -> str:
+    if value is PydanticUndefined:
+        return "required"
+    if isinstance(value, BaseModel):
+        return ""  # a section: its keys follow
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def render() -> str:
+    """The text of docs/configuration.md."""
+    lines = [
+        "# Configuration: every key",
+        "",
+        "<!-- generated by `python -m trajflow.jobs.config_reference` from the settings' own",
+        "     declarations; edit the descriptions where they are declared, not here -->",
+        "",
+        "A job config is YAML (`trajflow run my.yaml`, `--set key=value` for any key below); the same",
+        "keys build a `trajflow.PipelineConfig` in Python, and each section is also a frozen settings",
+        "dataclass a library user passes directly (`decoupled_loss(..., CorrectionConfig(...))`), with the",
+        "same defaults. A wrong key, type or value is one line naming it, before Ray starts. Keys renamed",
+        "in this release still work with a one-line notice.",
+        "",
+    ]
+    sections: list[tuple[Key, list[Key]]] = []
+    top: list[Key] = []
+    run_options = set(JobConfig.model_fields) - set(PipelineConfig.model_fields)
+    for key in keys():
+        if "." in key.name:
+            sections[-1][1].append(key)
+        elif key.section is not None:
+            sections.append((key, []))
+        else:
+            top.append(key)
+    lines += ["## Top-level keys", "", *_table([k for k in top if k.name not in run_options]), "",
+              "## Run options (`trajflow run`)", "", *_table([k for k in top if k.name in run_options]), ""]
+    for section, fields in sections:
+        doc = " ".join((section.section.__doc__ or "").split())
+        lines += [f"## `{section.name}:`", "", section.description, "", *([doc, ""] if doc else []),
+                  *_table(fields, prefix=f"{section.name}."), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _table(keys: list[Key], prefix: str = "") -> list[str]:
+    rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
+    for key in keys:
+        description = key.description.replace("|", "\\|")
+        rows.append(f"| `{key.name.removeprefix(prefix)}` | {key.kind} | `{key.default}` | {description} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    text = render()
+    if "--check" in argv:
+        if not REFERENCE.is_file() or REFERENCE.read_text() != text:
+            print(f"{REFERENCE} is stale: run `python -m trajflow.jobs.config_reference`", file=sys.stderr)
+            return 1
+        return 0
+    REFERENCE.write_text(text)
+    print(f"wrote {REFERENCE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
