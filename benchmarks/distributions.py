@@ -107,7 +107,7 @@ def run_one(config, steps: int, pythonpath: Path | None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("bytes", "time", "all"), default="all")
-    p.add_argument("--base", default="557fa51", help="the commit whose code is 'today'")
+    p.add_argument("--base", default="0b427e5", help="the commit whose code is 'today'")
     p.add_argument("--steps", type=int, default=8, help="train steps per run")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the timed part")
     p.add_argument("--skip", type=int, default=2, help="first steps of each run left out of the times")
@@ -154,7 +154,11 @@ def write_results(runs: dict, a, steps: int) -> None:
         lines.append(row)
     if a.part != "bytes":
         lines += ["", f"Step times: {a.rounds} interleaved rounds x {steps} steps per configuration, the first "
-                  f"{a.skip} of each run left out ({len(times['today'])} steps per configuration)."]
+                  f"{a.skip} of each run left out ({len(times['today'])} steps per configuration). Median step "
+                  "seconds of each run, by round (the spread is the machine's load, which others share):", ""]
+        lines += [f"- {'today' if c == 'today' else f'K = {c}'}: "
+                  + ", ".join(f"{statistics.median(run['step_seconds'][a.skip:]):.3f}" for run in rs)
+                  for c, rs in runs.items()]
     RESULTS.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

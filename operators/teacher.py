@@ -21,41 +21,28 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import torch
 
-from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient
-from trajflow.schemas.columns import filter_reasons, nested_array, nested_rows, replace_column
+from trajflow.operators.reference import FrozenScorer
+from trajflow.schemas.columns import nested_array, nested_rows, replace_column
 
 
-class TeacherLogprobs:
+class TeacherLogprobs(FrozenScorer):
     """The teacher's log-probs of the scored rows' tokens (see the module docstring)."""
 
     def __init__(self, store: PolicyStoreClient | None, model_path: str | Path, sampling: SamplingConfig,
                  numerics: TrainingNumerics, skip_filtered: bool, torch_threads: int) -> None:
         # `store`: every class stage is handed the policy store; the teacher never asks it for weights
-        torch.set_num_threads(torch_threads)
-        self.sampling = sampling
-        self.numerics = numerics
-        self.skip_filtered = skip_filtered
-        self.model = numerics.prepare(load_model(model_path)).requires_grad_(False)
+        super().__init__(model_path, sampling, numerics, skip_filtered, torch_threads)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = list(range(batch.num_rows))
-        if self.skip_filtered:
-            reasons = filter_reasons(batch)
-            rows = [i for i in rows if reasons[i] is None]
-        prompts, responses = batch["prompt_tokens"].to_pylist(), batch["response_tokens"].to_pylist()
+        rows = self.rows_to_score(batch)
         supports = nested_rows(batch["top_k_ids"]) if "top_k_ids" in batch.column_names else None
         tops: list[np.ndarray] = []
-        scored = self.numerics.score(self.model, [prompts[i] for i in rows], [responses[i] for i in rows],
-                                     self.sampling, top_k_ids=None if supports is None else
-                                     [supports[i] for i in rows], top_k=tops) if rows else []
-        teacher: list[list[float] | None] = [None] * batch.num_rows
-        for i, lp in zip(rows, scored):
-            teacher[i] = lp.tolist()
+        teacher = self.score(batch, rows, top_k_ids=None if supports is None else [supports[i] for i in rows],
+                             top_k=tops)
         batch = replace_column(batch, "teacher_logprobs", pa.array(teacher, pa.list_(pa.float32())))
         if supports is not None:
             on_support: list[np.ndarray | None] = [None] * batch.num_rows

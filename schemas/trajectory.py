@@ -146,28 +146,26 @@ def trajectory_schema(sampling: SamplingSemantics | None = None) -> pa.Schema:
     return pa.schema(fields, metadata=_metadata(sampling))
 
 
-def sampling_semantics(obj: pa.Table | pa.Schema) -> SamplingSemantics | None:
-    """The sampling semantics recorded in a table's (or schema's) metadata, if any."""
+def _read_metadata(obj: pa.Table | pa.Schema, key: bytes, semantics: type):
+    """`semantics.from_json` of the metadata entry `key` of a table or schema (None: absent)."""
     schema = obj.schema if isinstance(obj, pa.Table) else obj
-    raw = (schema.metadata or {}).get(META_SAMPLING_KEY)
+    raw = (schema.metadata or {}).get(key)
     if raw is None:
         return None
     try:
-        return SamplingSemantics.from_json(raw)
+        return semantics.from_json(raw)
     except (ValueError, KeyError, TypeError) as e:
-        raise _error(None, None, f"bad {META_SAMPLING_KEY.decode()} metadata {raw!r}: {e}") from e
+        raise _error(None, None, f"bad {key.decode()} metadata {raw!r}: {e}") from e
+
+
+def sampling_semantics(obj: pa.Table | pa.Schema) -> SamplingSemantics | None:
+    """The sampling semantics recorded in a table's (or schema's) metadata, if any."""
+    return _read_metadata(obj, META_SAMPLING_KEY, SamplingSemantics)
 
 
 def top_k_semantics(obj: pa.Table | pa.Schema) -> TopKSemantics | None:
     """K and the vocabulary size of the top-k columns, from the metadata (None: not recorded)."""
-    schema = obj.schema if isinstance(obj, pa.Table) else obj
-    raw = (schema.metadata or {}).get(META_TOP_K_KEY)
-    if raw is None:
-        return None
-    try:
-        return TopKSemantics.from_json(raw)
-    except (ValueError, KeyError, TypeError) as e:
-        raise _error(None, None, f"bad {META_TOP_K_KEY.decode()} metadata {raw!r}: {e}") from e
+    return _read_metadata(obj, META_TOP_K_KEY, TopKSemantics)
 
 
 def _check_version(schema: pa.Schema) -> None:

@@ -54,6 +54,15 @@ def _prompts(pipe: RLPipeline, step: int) -> pa.Table:
     return source.step_rows(step)
 
 
+def _before_train(ops: dict, batch: pa.Table) -> pa.Table:
+    """`batch` through every stage before the train step."""
+    for name, op in ops.items():
+        if name == "train":
+            break
+        batch = op(batch)
+    return batch
+
+
 def _top_k_gap(table: pa.Table) -> float:
     """max |pi_old - mu| over the top-k entries of the scored rows (-inf must match -inf)."""
     worst = 0.0
@@ -73,11 +82,7 @@ def test_exact_old_top_k_equals_the_samplers_in_float32(without_ray, strategy):
     1e-5, with top-k/top-p filters on (-inf entries past the support, matched)."""
     pipe = RLPipeline(_config(strategy=strategy, sampling={"temperature": 0.8, "top_k": 6, "top_p": 0.95}))
     ops, _ = _ops(pipe)
-    batch = _prompts(pipe, 0)
-    for name, op in ops.items():
-        if name == "train":
-            break
-        batch = op(batch)
+    batch = _before_train(ops, _prompts(pipe, 0))
     validate(batch)
     assert top_k_semantics(batch) == TopKSemantics(K, 64)
     ids = nested_rows(batch["top_k_ids"])
@@ -160,11 +165,7 @@ def test_the_teacher_scores_the_students_tokens_and_distillation_trains(without_
     pipe = RLPipeline(same)
     assert [s.name for s in pipe.stages][-3:] == ["old_logprobs", "teacher", "train"]
     ops, _ = _ops(pipe)
-    batch = _prompts(pipe, 0)
-    for name, op in ops.items():
-        if name == "train":
-            break
-        batch = op(batch)
+    batch = _before_train(ops, _prompts(pipe, 0))
     validate(batch)
     teacher = pc.list_flatten(batch["teacher_logprobs"]).to_numpy()
     old = pc.list_flatten(batch["old_logprobs"]).to_numpy()
@@ -205,11 +206,7 @@ def test_a_nan_in_a_tokens_top_k_takes_that_token_out_and_nothing_else(without_r
     pipe = RLPipeline(_config(strategy="score_centering", teacher=str(_warm_start_copy(tmp_path)), max_staleness=0,
                               distill={"forward_kl_coef": 1.0, "reverse_kl_coef": 0.5}, steps=1))
     ops, store = _ops(pipe)
-    batch = _prompts(pipe, 0)
-    for name, op in ops.items():
-        if name == "train":
-            break
-        batch = op(batch)
+    batch = _before_train(ops, _prompts(pipe, 0))
     rows = nested_rows(batch["top_k_inference_logprobs"])
     rows[0] = rows[0].copy()
     rows[0][0, 3] = np.nan
