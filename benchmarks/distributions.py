@@ -139,7 +139,8 @@ def write_results(runs: dict, a, steps: int) -> None:
     lines = [f"# The distributions' cost: top_k_logprobs K = 0, 8, 64 against today ({a.base})", "",
              f"{machine()}; snapshot, {SETTINGS['prompts_per_step']} x {SETTINGS['group_size']} rows per step, "
              f"bf16 inference, max_new_tokens 6, synchronous in one process (pipelines/local.py); "
-             f"`python -m benchmarks.distributions --part {a.part}`.", "",
+             f"`python -m benchmarks.distributions --part {a.part}"
+             + (f" --rounds {a.rounds}`." if a.part != "bytes" else "`."), "",
              "| record | top-k columns | log bytes / response token | vs today |"
              + (" step seconds (median) | vs today |" if a.part != "bytes" else ""),
              "|---|---|---|---|" + ("---|---|" if a.part != "bytes" else "")]

@@ -20,9 +20,9 @@ Design
   until every sample has finished. Each step returns the token(s) each running sample produced in
   that step; they are appended to the `Generation`s, and `between_steps` runs after every step
   that produced tokens — the vLLM counterpart of the torch engine's "after every decode step".
-* Log-probs: `LLM(logprobs_mode="processed_logprobs")` and `SamplingConfig(logprobs=0)` return the
-  log-prob of the sampled token under the tempered, top-k/top-p-filtered distribution (vLLM applies
-  temperature, then top-k, then top-p, with the same tie and top-p boundary rules as
+* Log-probs: `LLM(logprobs_mode="processed_logprobs")` and vLLM's `SamplingParams(logprobs=0)`
+  return the log-prob of the sampled token under the tempered, top-k/top-p-filtered distribution
+  (vLLM applies temperature, then top-k, then top-p, with the same tie and top-p boundary rules as
   engines/sampling.py). vLLM's default (`raw_logprobs`) would be pre-temperature: wrong for μ.
   Greedy (temperature 0): vLLM drops top-k/top-p and reports log_softmax(logits); trajflow's
   semantics keep the filters, so with filters the engine asks for the top-N log-probs and
