@@ -128,7 +128,8 @@ def test_the_library_and_yaml_accept_and_refuse_the_same_values(field, value):
     except SettingError:
         library_ok = False
     try:
-        build_job_config({"steps": 1, "correction": {field: value}})
+        # top_k_logprobs: dist_mask needs the top-k (a cross-key rule, not the value's)
+        build_job_config({"steps": 1, "top_k_logprobs": 8, "correction": {field: value}})
         yaml_ok = True
     except JobConfigError:
         yaml_ok = False
