@@ -38,7 +38,7 @@ import torch
 torch.set_num_threads(spec["threads"])
 from trajflow.engines.factory import make_engine
 from trajflow.engines.models import load_tokenizer
-from trajflow.engines.sampling import SamplingParams
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.tokenizer import encode_prompts, stop_token_ids
 rows = [json.loads(line) for line in open(spec["data"])][: spec["prompts"]]
 tokenizer = load_tokenizer(spec["model"])
@@ -46,7 +46,7 @@ prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows])
 extra = {"kv_cache_memory_bytes": 1 << 30} if spec["engine"] == "vllm" else {}
 started = time.perf_counter()
 engine = make_engine(spec["engine"], spec["model"], eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                     sampling=SamplingParams(max_new_tokens=spec["max_new_tokens"]),
+                     sampling=SamplingConfig(max_new_tokens=spec["max_new_tokens"]),
                      inference_dtype=spec["dtype"], seed=0, stop_token_ids=stop_token_ids(tokenizer, spec["model"]),
                      tokenizer=tokenizer, **extra)
 load = time.perf_counter() - started
@@ -160,15 +160,17 @@ def learning_result(run_dir: Path, command: str, wall: float, output: str) -> di
     import yaml
 
     from trajflow.jobs.recorder import RunPaths, read_metrics
+    from trajflow.jobs.summary import heldout_metric
 
     m = read_metrics(RunPaths(run_dir))
-    curve = [{"version": 0, "accuracy": float(m["heldout_accuracy_start"].drop_nulls()[0])}]
-    curve += [{"version": int(r["version"]), "accuracy": float(r["heldout_accuracy"])}
-              for r in m.select("version", "heldout_accuracy").drop_nulls().iter_rows(named=True)]
+    heldout = heldout_metric(m)[0]  # heldout/accuracy: `reward: math` is 0 or 1
+    curve = [{"version": 0, "accuracy": float(m[f"{heldout}_start"].drop_nulls()[0])}]
+    curve += [{"version": int(r["version"]), "accuracy": float(r[heldout])}
+              for r in m.select("version", heldout).drop_nulls().iter_rows(named=True)]
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     return {"command": command, "wall_s": wall, "curve": curve, "run_dir": str(run_dir),
             "summary": [line for line in output.splitlines() if "held-out accuracy" in line],
-            "reward": m.sort("step")["reward_mean"].to_list(),
+            "reward": m.sort("step")["reward/mean"].to_list(),
             "seconds_per_step": float(m.sort("step")["time/step_end"].diff().drop_nulls().mean() or 0.0),
             "eval_prompts": int(config["eval_prompts"]), "settings": {
                 k: config[k] for k in ("steps", "prompts_per_step", "group_size", "max_staleness", "inference_dtype")}

@@ -144,7 +144,7 @@ def run_trajflow(spec: dict, overrides: dict, work: Path, name: str) -> dict:
     ends = metrics.sort("step")["time/step_end"].to_list()
     return {"wall": wall, "pss": tree.peak_pss_bytes, "processes": tree.peak_processes, "completions": completions,
             "trained_tokens": trained_tokens, "s_per_step": (ends[-1] - ends[0]) / max(1, len(ends) - 1),
-            "steps": metrics.height, "reward": metrics["reward_mean"].to_list(),
+            "steps": metrics.height, "reward": metrics["reward/mean"].to_list(),
             "rows_trained": int(metrics["rows_trained"].sum()), "clipped_ratio": cut / max(1, completions)}
 
 

@@ -35,7 +35,16 @@ renamed. A process killed mid-write leaves a `.tmp-*` dir that `list_checkpoints
 ever unpickled: JSON for structure, safetensors for tensors (`torch.load` is never used).
 
 `save_weights` / `load_weights` write single version files (`versions/v000012.safetensors`) for
-runs that keep every version for exact offline replay.
+runs that keep every version for exact offline replay. A LoRA run's version is its adapter
+(engines/lora.py), kept in PEFT's format with the base weights once beside it:
+
+    versions/
+        base/                    the base weights (float32) as a Hugging Face model directory
+        v000012/                 adapter_model.safetensors + adapter_config.json (PEFT's format,
+                                 base_model_name_or_path: ../base), loadable with
+                                 `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), v000012)`
+
+`load_version` reads either kind back as the version's payload (full weights, or the adapter).
 
 One module on purpose: the on-disk formats (replicated, sharded, exported, version files) and
 their atomic writing and checked reading are one contract; a writer and a reader kept apart
@@ -327,6 +336,57 @@ def version_file(directory: str | os.PathLike, version: int) -> Path:
     return Path(directory) / f"{VERSION_PREFIX}{version:06d}.safetensors"
 
 
+BASE_DIR = "base"  # a LoRA run's versions/: the base weights, once
+
+
+def version_dir(directory: str | os.PathLike, version: int) -> Path:
+    """A LoRA version's PEFT adapter directory (module docstring)."""
+    return Path(directory) / f"{VERSION_PREFIX}{version:06d}"
+
+
+def saved_version(directory: str | os.PathLike, version: int) -> Path | None:
+    """Version `version`'s file (full weights) or adapter directory (LoRA) under `directory`, or None."""
+    from trajflow.engines.lora import PEFT_CONFIG
+
+    if version_file(directory, version).is_file():
+        return version_file(directory, version)
+    if (version_dir(directory, version) / PEFT_CONFIG).is_file():
+        return version_dir(directory, version)
+    return None
+
+
+def save_adapter_version(directory: str | os.PathLike, version: int, payload: "Mapping[str, torch.Tensor]",
+                         base_weights: "Callable[[], Iterable[tuple[str, torch.Tensor]]]",
+                         model_path: str | os.PathLike) -> Path:
+    """A LoRA version under `directory`: the adapter in PEFT's format (`v000012/`), and the base
+    weights once (`base/`, from `base_weights()` and `model_path`'s config and tokenizer files,
+    the adapter's base_model_name_or_path), each written atomically."""
+    from trajflow.engines.lora import write_peft_adapter
+
+    directory = Path(directory)
+    base = directory / BASE_DIR
+    if not (base / "model.safetensors").is_file():
+        with writing_dir(base) as tmp:
+            export_model(tmp, base_weights(), model_path)
+    with writing_dir(version_dir(directory, version)) as tmp:
+        write_peft_adapter(payload, tmp, base_model=f"../{BASE_DIR}")
+    return version_dir(directory, version)
+
+
+def load_version(path: str | os.PathLike) -> StateDict:
+    """A version's payload from its file (full weights) or its PEFT adapter directory (a LoRA
+    run's adapter, engines/lora.py)."""
+    from trajflow.engines.lora import read_peft_adapter
+
+    path = Path(path)
+    if path.is_dir():
+        try:
+            return read_peft_adapter(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{path}: not a readable PEFT adapter directory: {e}") from e
+    return load_weights(path)
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 @dataclass
 class Checkpoint:
@@ -392,17 +452,27 @@ def writing_checkpoint(root: str | os.PathLike, version: int, meta: dict | None 
     """A hidden temp dir to write checkpoint `version`'s files into; on leaving the block,
     `meta.json` is written last, everything fsynced and the dir renamed into place (an error
     leaves nothing)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_dir(root, version)
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with writing_dir(checkpoint_dir(root, version)) as tmp:
         yield tmp
         meta = {"version": version, "complete": True, **(meta or {})}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         _fsync_file(tmp / "meta.json")
-        for directory in [*(d for d in tmp.rglob("*") if d.is_dir()), tmp]:  # a sharded one has subdirs
+
+
+@contextlib.contextmanager
+def writing_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """A hidden temp dir beside `final` to write its files into; on leaving the block everything
+    is fsynced and the dir renamed to `final` (replacing one that exists); an error leaves nothing."""
+    final = Path(final)
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for file in (f for f in tmp.rglob("*") if f.is_file()):
+            _fsync_file(file)
+        for directory in [*(d for d in tmp.rglob("*") if d.is_dir()), tmp]:  # a sharded checkpoint has subdirs
             _fsync_dir(directory)
         if final.exists():  # e.g. re-written after a resume: swap, then drop the old one
             old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"

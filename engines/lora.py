@@ -18,6 +18,7 @@ unmerged forward (base(x) + B(A(x)) x scaling): the same function, rounded diffe
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,16 +117,91 @@ def base_weights(model: "torch.nn.Module") -> Iterator[tuple[str, "Tensor"]]:
 def merged(base: Mapping[str, "Tensor"], payload: Mapping[str, "Tensor"]) -> dict[str, "Tensor"]:
     """Full weights: `base` with W + scaling x B @ A for each adapted layer of `payload` (the
     untouched tensors are `base`'s own, not copies)."""
-    scaling = float(payload[ADAPTER_SCALING])
     out = dict(base)
-    for key, a in payload.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        layer = key[len(ADAPTER_PREFIX):].removeprefix(_PEFT_PREFIX).removesuffix(".lora_A.weight")
-        b = payload[key.replace(".lora_A.", ".lora_B.")]
-        weight = f"{layer}.weight"
-        out[weight] = base[weight] + scaling * (b.to(base[weight].dtype) @ a.to(base[weight].dtype))
+    for weight, delta in deltas(payload).items():
+        out[weight] = delta.apply(base[weight])
     return out
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One adapted layer's update: W -> W + scaling x B @ A."""
+
+    a: "Tensor"
+    b: "Tensor"
+    scaling: float
+
+    def apply(self, weight: "Tensor") -> "Tensor":
+        return weight + self.scaling * (self.b.to(weight.dtype) @ self.a.to(weight.dtype))
+
+
+def deltas(payload: Mapping[str, "Tensor"]) -> dict[str, Delta]:
+    """The adapted layers of an adapter payload, by the plain model's name of their weight."""
+    scaling = float(payload[ADAPTER_SCALING])
+    out = {}
+    for key, a in payload.items():
+        if key.endswith(".lora_A.weight"):
+            layer = key[len(ADAPTER_PREFIX):].removeprefix(_PEFT_PREFIX).removesuffix(".lora_A.weight")
+            out[f"{layer}.weight"] = Delta(a, payload[key.replace(".lora_A.", ".lora_B.")], scaling)
+    return out
+
+
+# -- a version on disk: PEFT's adapter format --------------------------------------------------------
+PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def write_peft_adapter(payload: Mapping[str, "Tensor"], path: str | Path, base_model: str | None = None) -> None:
+    """An adapter payload as a PEFT adapter directory (`PeftModel.from_pretrained(base, path)`
+    and vLLM's LoRARequest load it): the tensors under PEFT's own keys, and a config whose r
+    (lora_A's rows) and alpha (scaling x r) give the payload's scaling; `base_model`: the
+    directory of the base weights it applies to."""
+    from safetensors.torch import save_file
+
+    tensors = {k[len(ADAPTER_PREFIX):]: v.detach().contiguous().cpu() for k, v in payload.items()
+               if k != ADAPTER_SCALING}
+    ranks = {t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight")}
+    if len(ranks) != 1:
+        raise ValueError(f"an adapter payload needs one rank over its lora_A tensors, got {sorted(ranks)}")
+    r = ranks.pop()
+    modules = sorted({k.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for k in tensors
+                      if k.endswith(".lora_A.weight")})
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": float(payload[ADAPTER_SCALING]) * r,
+              "target_modules": modules, "bias": "none", "lora_dropout": 0.0,
+              **({"base_model_name_or_path": str(base_model)} if base_model is not None else {})}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / PEFT_WEIGHTS))
+    (path / PEFT_CONFIG).write_text(json.dumps(config))
+
+
+def read_peft_adapter(path: str | Path) -> dict[str, "Tensor"]:
+    """A PEFT LoRA adapter directory as a version's payload (the inverse of `write_peft_adapter`)."""
+    import torch
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = json.loads((path / PEFT_CONFIG).read_text())
+    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("use_dora"):
+        raise ValueError(f"{path}: not a plain LoRA adapter (peft_type LORA, no rsLoRA or DoRA)")
+    tensors = {ADAPTER_PREFIX + k: v for k, v in load_file(str(path / PEFT_WEIGHTS)).items()}
+    scaling = float(config["lora_alpha"]) / int(config["r"])
+    return {**tensors, ADAPTER_SCALING: torch.tensor(scaling, dtype=torch.float64)}
+
+
+def adapter_nbytes(model_path: str | Path, settings: LoraConfig) -> int:
+    """Bytes of one float32 adapter of `settings` on the model at `model_path`, from its weight
+    files' headers (nothing is loaded): r x (in + out) x 4 per adapted linear layer."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="numpy") as f:  # "pt" would import torch for a header
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                module = key.removesuffix(".weight").rsplit(".", 1)[-1]
+                if key.endswith(".weight") and len(shape) == 2 and module in settings.target_modules:
+                    total += settings.r * (shape[0] + shape[1]) * 4
+    return total
 
 
 class VersionWeights:

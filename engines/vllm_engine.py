@@ -103,7 +103,7 @@ import torch
 from torch import Tensor
 
 from trajflow.engines.factory import VLLM_LORA_RANKS, VllmConfig
-from trajflow.engines.lora import ADAPTER_PREFIX, ADAPTER_SCALING, is_adapter
+from trajflow.engines.lora import is_adapter, write_peft_adapter
 from trajflow.engines.numerics import check_inference_dtype
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.tokenizer import StopStrings
@@ -542,30 +542,6 @@ def vllm_lora_rank(r: int) -> int:
         if rank >= r:
             return rank
     raise ValueError(f"lora.r {r}: vLLM takes adapters up to rank {VLLM_LORA_RANKS[-1]}")
-
-
-def write_peft_adapter(payload: dict[str, Tensor], path: str) -> None:
-    """An engines/lora.py adapter payload as a PEFT adapter directory (what vLLM's LoRARequest
-    loads): the tensors under PEFT's own keys, and a config whose r (from lora_A's rows) and
-    alpha (scaling x r) give the payload's scaling."""
-    import json
-
-    from safetensors.torch import save_file
-
-    tensors = {k[len(ADAPTER_PREFIX):]: v.detach().contiguous().cpu() for k, v in payload.items()
-               if k != ADAPTER_SCALING}
-    ranks = {t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight")}
-    if len(ranks) != 1:
-        raise ValueError(f"an adapter payload needs one rank over its lora_A tensors, got {sorted(ranks)}")
-    r = ranks.pop()
-    modules = sorted({k.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for k in tensors
-                      if k.endswith(".lora_A.weight")})
-    config = {"peft_type": "LORA", "r": r, "lora_alpha": float(payload[ADAPTER_SCALING]) * r,
-              "target_modules": modules, "bias": "none", "lora_dropout": 0.0}
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
 
 
 def _drop_chat_warmup(record: logging.LogRecord) -> bool:

@@ -82,11 +82,20 @@ def _human(n: float) -> str:
 
 
 def check_version_space(config: JobConfig, model_path: Path, root: Path) -> str:
-    """The disk space save_all_versions will take; RunError if the run dir's disk lacks it."""
-    nbytes = ckpt.weights_nbytes(model_path)
+    """The disk space save_all_versions will take; RunError if the run dir's disk lacks it. A
+    LoRA run keeps each version's adapter and the base weights once."""
+    full = ckpt.weights_nbytes(model_path)
     versions = config.steps + 1
-    total = nbytes * versions
-    estimate = f"save_all_versions: {versions} versions x {_human(nbytes)} = {_human(total)} of weights"
+    if config.lora.r > 0:
+        from trajflow.engines.lora import adapter_nbytes
+
+        nbytes = adapter_nbytes(model_path, config.settings.lora)
+        total = full + nbytes * versions
+        estimate = (f"save_all_versions: the base once ({_human(full)}) + {versions} adapters x {_human(nbytes)} = "
+                    f"{_human(total)} of weights")
+    else:
+        total = full * versions
+        estimate = f"save_all_versions: {versions} versions x {_human(full)} = {_human(total)} of weights"
     free = shutil.disk_usage(root).free
     if total > free:
         raise RunError(f"{estimate}, but only {_human(free)} is free under {root} "

@@ -15,7 +15,9 @@
                                         (+ the dataset position and fingerprint in meta.json, for a dataset run;
                                         each worker's shards under trainer.sharding: fsdp; the last one is also
                                         a plain Hugging Face model directory: engines/checkpoint.py)
-      versions/v000012.safetensors      every version's weights (save_all_versions only)
+      versions/v000012.safetensors      every version's weights (save_all_versions only); a LoRA
+                                        run's: versions/v000012/, the adapter in PEFT's format, and
+                                        versions/base/, the base weights once (engines/checkpoint.py)
       tensorboard/                      event files (when tensorboard is installed)
       summary.txt                       the final summary table
       workers.log                       what the Ray worker processes printed (warnings, notices);
@@ -189,11 +191,9 @@ def truncate_after(paths: RunPaths, first_step: int) -> list[int]:
                 for tmp in path.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
     if paths.versions.is_dir():
-        for path in paths.versions.iterdir():
-            if path.name.startswith("."):
-                path.unlink(missing_ok=True)
-            elif (version := version_of(path.name)) is not None and version > first_step:
-                path.unlink()
+        for path in paths.versions.iterdir():  # files, and a LoRA run's adapter directories
+            if path.name.startswith(".") or ((version := version_of(path.name)) is not None and version > first_step):
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     ckpt.clean_partial(paths.checkpoints)
     for c in ckpt.list_checkpoints(paths.checkpoints):
         if c.version > first_step:
@@ -285,10 +285,8 @@ class RunRecorder:
             trainstep.restore(checkpoint.path)
         elif self.checkpoint_start and self.last_checkpoint(trainstep.version) is None:
             self._checkpoint(trainstep, trainstep.version, final=False)
-        if self.save_all_versions:
-            path = ckpt.version_file(self.paths.versions, trainstep.version)
-            if not path.is_file():
-                ckpt.save_weights(trainstep.full_weights(), path)
+        if self.save_all_versions and ckpt.saved_version(self.paths.versions, trainstep.version) is None:
+            trainstep.save_version(self.paths.versions)
 
     def on_step(self, trainstep, batch: pa.Table, metrics: dict) -> None:
         import ray
@@ -319,7 +317,7 @@ class RunRecorder:
 
     def on_rows(self, trainstep, batch: pa.Table, step: int) -> None:
         if self.save_all_versions:  # the version this step made, before it is published
-            ckpt.save_weights(trainstep.full_weights(), ckpt.version_file(self.paths.versions, trainstep.version))
+            trainstep.save_version(self.paths.versions)
         if self.trajectory_log:
             self._log_trajectories(self.paths, step, batch)
 
@@ -341,20 +339,25 @@ class RunRecorder:
 
     # -- the policy store's source after a fault (pipelines/store_recovery.py VersionArchive) ------
     def kept_versions(self, adapters: bool = False) -> list[int]:
-        """Versions whose weights are on disk: the version files (save_all_versions; full
-        weights, so not for `adapters`, a LoRA run's payload) and the checkpoints."""
+        """Versions whose published payload is on disk: the checkpoints, and the versions/ kept
+        with save_all_versions of the run's kind (`adapters`: a LoRA run's adapter directories,
+        else full-weight files)."""
         found = {c.version for c in ckpt.list_checkpoints(self.paths.checkpoints)}
-        if not adapters and self.paths.versions.is_dir():
-            found |= {v for p in self.paths.versions.glob(f"{ckpt.VERSION_PREFIX}*.safetensors")
-                      if (v := version_of(p.name)) is not None}
+        if self.paths.versions.is_dir():
+            for entry in self.paths.versions.iterdir():
+                version = version_of(entry.name)
+                saved = ckpt.saved_version(self.paths.versions, version) if version is not None else None
+                if saved is not None and saved.is_dir() == adapters:
+                    found.add(version)
         return sorted(found)
 
     def version_weights(self, version: int):
-        """The published payload of a kept version: its checkpoint's (an adapter for LoRA), else its file."""
+        """The published payload of a kept version: its checkpoint's (an adapter for LoRA), else
+        its file or adapter directory under versions/."""
         checkpoint = next((c for c in ckpt.list_checkpoints(self.paths.checkpoints) if c.version == version), None)
         if checkpoint is not None:
             return checkpoint.model_state()
-        return ckpt.load_weights(ckpt.version_file(self.paths.versions, version))
+        return ckpt.load_version(ckpt.saved_version(self.paths.versions, version))
 
     def metrics_logged(self, step: int) -> bool:
         return self.paths.metrics_file(step).is_file()

@@ -16,7 +16,8 @@ version: `checkpoints/step-000005/` is version 5, the state before step 5, from 
 continues with step 5. Output lines fit 100 columns.
 
 run.json keeps the run's state and one entry per session (a first run, then each resume): when
-it started and ended, by which process, the steps it trained and how it ended.
+it started and ended, by which process, the steps it trained and how it ended, the trainer's
+and store's recoveries (`recoveries`) and the stage processes Ray restarted (`restarts`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from trajflow.jobs.recorder import (
     write_table_atomic,
 )
 from trajflow.jobs.summary import record_placement, status_line, summary_table
+from trajflow.operators.trainer.recovery import RESTARTED_PREFIX
 from trajflow.pipelines.ray.embedded import WORKER_ENV, start_local_ray
 from trajflow.pipelines.ray.quiet import quiet_ray, quiet_run
 
@@ -139,6 +141,28 @@ def record_recovery(paths: RunPaths, row: dict) -> None:
          "replayed_steps": int(row["recovery/replayed_steps"]), "restarts": int(row["recovery/restarts"]),
          "time": time.time()})
     write_state(paths, sessions=sessions)
+
+
+def record_restarts(paths: RunPaths, row: dict) -> list[str]:
+    """The stage processes Ray restarted after they died (a generator, a scorer: the
+    `recovery/restarted/<process>` counts of the row, pipelines/colocation.py), added to this
+    session's entry in run.json; one line each for the console."""
+    restarted = [(key.removeprefix(RESTARTED_PREFIX), int(count)) for key, count in row.items()
+                 if key.startswith(RESTARTED_PREFIX) and count]
+    if not restarted:
+        return []
+    state = read_state(paths)
+    sessions = state.get("sessions") or [{}]
+    lines = []
+    for process, count in restarted:
+        times = "" if count == 1 else f" ({count} times)"
+        event = (f"the {process} process died{times}; Ray restarted it and Ray Data retried the batch it held "
+                 f"(noticed at step {int(row['step'])})")
+        sessions[-1].setdefault("restarts", []).append(
+            {"process": process, "count": count, "step": int(row["step"]), "event": event, "time": time.time()})
+        lines.append(event)
+    write_state(paths, sessions=sessions)
+    return lines
 
 
 def _end_session(paths: RunPaths, state: str, error: str | None = None) -> None:
@@ -332,6 +356,8 @@ def _stream(config, paths, pipeline, first_step, started, interactive, step_seco
             if row.get("recovery/event"):
                 say(f"trajflow: recovered: {row['recovery/event']}")
                 record_recovery(paths, row)
+            for line in record_restarts(paths, row):
+                say(wrap(f"trajflow: restarted: {line}"))
             if row.get("checkpoint") is not None:
                 say(f"trajflow: checkpoint of version {row['checkpoint']} (resumes at step {row['checkpoint']})")
             if record_placement(paths, placement, row) and len({n for v in placement.values() for n in v}) > 1:

@@ -115,7 +115,8 @@ class Generate:
         self.simulate_decode_seconds = rollout.simulate_decode_seconds
         # The torch engine copies an in-memory model; vLLM loads the directory itself. The float32
         # model is also the scorer of prefixes at a switch (interrupt).
-        model = load_model(model_path) if (engine.name == "torch" or scores_at_switch) else None
+        # on this process's device: the GPU it was given (Ray hides the others), else the CPU
+        model = numerics.prepare(load_model(model_path)) if (engine.name == "torch" or scores_at_switch) else None
         # vLLM applies a LoRA version's adapter itself (the window's adapters resident); the torch
         # engine gets the adapter merged into full weights
         self.lora_slots = engine.lora_slots if engine.name == "vllm" else 0

@@ -27,8 +27,9 @@ loses a worker rebuilds that state from the last checkpoint and the trajectory l
 on with a fresh optimizer.
 
 Public for the jobs layer: `version`, `strategy`, `full_weights()` (the current version's full
-tensors, one at a time: every worker takes part under FSDP), `publish()`, `save_checkpoint()` /
-`restore()` (weights, optimizer and strategy state on every worker), `unsharded_policy()`.
+tensors, one at a time: every worker takes part under FSDP), `publish()`, `save_version()` (the
+version as kept on disk), `save_checkpoint()` / `restore()` (weights, optimizer and strategy state
+on every worker), `unsharded_policy()`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from trajflow.engines.models import load_model
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.reward import FailedRewardSteps
 from trajflow.operators.trainer.accounting import apply_staleness_bound, step_metrics
+from trajflow.operators.trainer.addresses import serving_host
 from trajflow.operators.trainer.collective import Collective, this_node
 from trajflow.operators.trainer.correction import StepBatch, merge_outputs, old_column, step_diagnostics
 from trajflow.operators.trainer.group import RESUME_HINT, InProcessGroup, Pending, TrainerStateLost, WorkerGroup
@@ -74,6 +76,10 @@ class TrainStep(TrainerReplica):
     """Worker 0: the pipeline's operator. Workers 1..N-1 are built from the same `spec` by a
     `workers` group (operators/trainer/group.py; the Ray pipeline passes its own)."""
 
+    # a restart of its process is a recovery, reported as one (`recovery/event`), not as a
+    # restarted stage process (pipelines/colocation.py)
+    recovers_itself = True
+
     def __init__(self, store: PolicyStoreClient, spec: TrainStepConfig, max_staleness: int,
                  after_step: Sequence[AfterStep], hooks: StepHooks,
                  recovery: RecoveryConfig = RecoveryConfig(), failed_rewards: FailedRewardSteps | None = None,
@@ -84,7 +90,7 @@ class TrainStep(TrainerReplica):
         self.workers = workers
         # One train step per store: a second one means this process replaced a trainer that died
         # (Ray Data restarts actors and retries the step), and that trainer's optimizer and
-        # strategy state died with it (its published weights too). Rebuild it at the first step
+        # strategy state died with it (its published weights too). Rebuild it as it starts
         # (operators/trainer/recovery.py), or refuse to train on.
         self.node = this_node()
         self.group: WorkerGroup | None = None
@@ -103,7 +109,7 @@ class TrainStep(TrainerReplica):
                 return
             self.fault = Fault(what, time.time())
             workers.remove_leftover(spec.group_name)  # the dead worker 0's group: its bundles are held
-        super().__init__(store, spec)
+        super().__init__(store, spec, rebuilt=self.fault is not None)  # rebuilt: weights from the checkpoint
         self.max_staleness = max_staleness
         self.trainer = trainer
         self.after_step = list(after_step)
@@ -121,10 +127,15 @@ class TrainStep(TrainerReplica):
             hooks.on_start(self)  # e.g. a resumed job restores every worker's optimizer and strategy state here
         if weight_sync.method == "collective":  # versions go to the readers from here (operators/trainer/weight_sync.py)
             self.weight_server = WeightServer(store, weight_sync, self.model.state_dict(), reader_dtypes,
-                                              device=str(self.numerics.torch_device()))
+                                              device=str(self.numerics.torch_device()), host=serving_host())
             # gathered once in float32 if any reader takes it (each cast from it), else in the one dtype;
             # the version it started from is the store's (readers take it there, not waiting for this process)
             self.gather_dtype = torch.float32 if "float32" in reader_dtypes else getattr(torch, reader_dtypes[0])
+        if self.fault is not None:
+            # Recovered now, not at the first batch: the readers may need this trainer's version
+            # before any batch can reach it (weight_sync collective: only the trainer holds its
+            # weights; in sync mode the generator shares this process and runs first).
+            self.recovered = self._recover()
 
     def publish(self) -> None:
         """Make the trainer's current weights version `self.version` in the policy store (the
@@ -144,6 +155,13 @@ class TrainStep(TrainerReplica):
         payload = self.version_payload() if self.spec.lora.enabled else dict(self.full_weights())
         self.store.publish(payload, self.version)
 
+    def version_payload(self) -> dict[str, Tensor]:
+        """`TrainerReplica.version_payload` on worker 0, with workers 1..N-1 gathering in step
+        when sharded (the adapter's shards are theirs too)."""
+        if self.group is None or not self.sharded:
+            return super().version_payload()
+        return self._on_every_worker(super().version_payload, WorkerGroup.gather_adapter)[0]
+
     def full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """`TrainerReplica.full_weights` on worker 0, with workers 1..N-1 running the same gathers
         meanwhile when sharded. Iterate to the end: a consumer that stops early still finishes the
@@ -162,6 +180,16 @@ class TrainStep(TrainerReplica):
             for _ in gathered:
                 pass
         self.group.results(pending)
+
+    def save_version(self, directory: Path) -> Path:
+        """Write version `self.version` under `directory` (a run's versions/, engines/checkpoint.py):
+        the full weights as one file, or with LoRA the adapter in PEFT's format, the base weights
+        once beside it. Every worker takes part when sharded."""
+        if self.spec.lora.enabled:
+            return ckpt.save_adapter_version(directory, self.version, self.version_payload(),
+                                             lambda: load_model(self.spec.model_path).state_dict().items(),
+                                             self.spec.model_path)
+        return ckpt.save_weights(self.full_weights(), ckpt.version_file(directory, self.version))
 
     def unsharded_policy(self) -> torch.nn.Module:
         """The policy as one module in this process, for work outside the workers' lockstep
@@ -183,6 +211,8 @@ class TrainStep(TrainerReplica):
         with ckpt.writing_checkpoint(root, self.version, meta) as tmp:
             if self.sharded:
                 self._on_every_worker(lambda: self.save_shards(str(tmp)), lambda group: group.save_shards(str(tmp)))
+                if self.spec.lora.enabled:  # the adapter whole too: what a resumed run publishes first
+                    ckpt.write_replica(tmp, self.version_payload(), weights_file=ckpt.ADAPTER_FILE)
             else:
                 state = self.checkpoint_state()
                 if self.spec.lora.enabled:  # the adapter: the base is the model directory's
@@ -233,6 +263,9 @@ class TrainStep(TrainerReplica):
         if self.weight_server is not None:
             self.weight_server.close()
             self.weight_server = None
+        self._leave_group()
+
+    def _leave_group(self) -> None:
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -321,20 +354,25 @@ class TrainStep(TrainerReplica):
     # -- recovery (operators/trainer/recovery.py) ---------------------------------------------------------
     def _rebuild_group(self, lost: TrainerStateLost) -> None:
         """A worker of the group died: start a new group (a fault to recover at this step), or
-        raise `lost` when the fault is not to be recovered."""
+        raise `lost` when the fault is not to be recovered. The weight server (collective) is
+        worker 0's and stays: the readers keep their link."""
         self.restarts = self.store.claim_trainer()  # the store counts every trainer rebuilt
         why = refusal(self.recovery, self.source, self.restarts)
-        if why is not None or self.group is None or self.sharded:  # a sharded model is not re-sharded in place
+        if why is not None or self.group is None:
             raise lost
         self.fault = Fault(str(lost).split(";")[0], time.time())
-        self.close()
-        ranks = dict(store=self.store, spec=self.spec, version=None)  # the checkpoint's weights come next
+        self._leave_group()
+        if self.sharded:  # this worker's shards belonged to the dead group: sharded again in the new one
+            self.reload_unsharded()
+        ranks = dict(store=self.store, spec=self.spec, version=None, rebuilt=True)  # the checkpoint's weights next
         self.group = self.workers(ranks, self.trainer, device=self.numerics.torch_device(), name=self.spec.group_name)
         self.join_group(self.group.collective)
 
-    def _recover(self, step: int) -> dict:
+    def _recover(self, step: int | None = None) -> dict:
         """Roll every worker back to the last checkpoint and train the steps since it again from
-        their logged rows (nothing published or logged: it all was); the `recovery/*` metrics."""
+        their logged rows (nothing logged: it all was), through the step at hand, or (`None`)
+        through the newest logged step; the `recovery/*` metrics. Then the readers are served
+        the version the run goes on from, unless they have it already."""
         fault, self.fault = self.fault, None
         try:
             directory, version, batches = replay_plan(self.source, step)
@@ -346,6 +384,10 @@ class TrainStep(TrainerReplica):
             rows, metrics = self._train(rows, k)
             if not self.source.metrics_logged(k) and self.on_step is not None:
                 self.on_step(self, conform(rows), metrics)  # it died between the step's rows and its metrics
+        # a trainer that died between logging a step and publishing its version: publish it now (the
+        # store keeps what it holds); a rebuilt weight server has served nothing yet: serve it
+        if self.weight_server is None or self.weight_server.version is None:
+            self.publish()
         # `self.version`: the step the run goes on from (past `step` when it retrained later logged steps)
         return event_metrics(fault, self.version, version, len(batches), time.time() - fault.noticed, self.restarts)
 

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pyarrow as pa
 
+from trajflow.operators.trainer.recovery import RESTARTED_PREFIX
+
 if TYPE_CHECKING:
     from trajflow.pipelines.rl_loop import Stage
 
@@ -100,6 +102,11 @@ class StageGroup:
     `startup_seconds/<first stage>.process` (from the actor process's creation to the group's
     constructor: worker start and imports) and `node/<stage class>` (the Ray node id of this
     process, "" outside Ray). The stages never see the metadata.
+
+    Restarts: Ray Data restarts a pool's actor whose process died and retries its batch. A group
+    built in such a restarted process counts it in the store (`recovery/restarted/<group>`,
+    operators/trainer/recovery.py), which the next step's metrics row carries and the job prints
+    and records in run.json; a group with the train step leaves it to the trainer's own recovery.
     """
 
     def __init__(self, stages: list["Stage"], store: Any = None,
@@ -114,6 +121,8 @@ class StageGroup:
             # get_runtime_context() outside Ray would start one: check first
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
             self.node = {stage_class(s): node for s in stages}
+        if store is not None and restarted_process() and not any(getattr(s.fn, "recovers_itself", False) for s in stages):
+            store.add_counters({f"{RESTARTED_PREFIX}{group_name(stages)}": 1.0})
         self.stages: list[tuple[str, Callable[[pa.Table], pa.Table]]] = []
         for s in stages:
             started = time.perf_counter()
@@ -153,6 +162,16 @@ class StageGroup:
                     batch = batch.append_column(f"{area}/{name}", pa.array([value] * batch.num_rows, kind))
             return batch
         return batch.replace_schema_metadata({**(batch.schema.metadata or {}), MEASURED_KEY: json.dumps(measured)})
+
+
+def restarted_process() -> bool:
+    """Whether this process is a Ray actor restarted after its process died (outside Ray: no)."""
+    import sys
+
+    ray = sys.modules.get("ray")  # an operator run in one process never starts a Ray
+    if ray is None or not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return False
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def pop_measurements(batch: pa.Table) -> tuple[dict[str, dict[str, float | str]], pa.Table]:

@@ -31,9 +31,8 @@ what runs where Ray cannot.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-import polars as pl
 import pyarrow as pa
 
 from trajflow.engines.models import load_model
@@ -53,33 +52,43 @@ def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: rang
     one with the model at `pipe.model_path` as version 0); `workers`: how the train step starts
     its data-parallel workers 1..N-1 (default: threads of this process); `lag`: generate each
     rollout that many steps ahead (module docstring)."""
+    import polars as pl
+
     steps = range(pipe.config.steps) if steps is None else steps
     if not 0 <= lag <= pipe.config.max_staleness:
         raise ValueError(f"lag: {lag} must be in [0, max_staleness = {pipe.config.max_staleness}]")
     if store is None:
         store = InProcessStore(pipe.config.max_staleness, pipe.strategy.keep_history)
         store.publish(load_model(pipe.model_path).state_dict(), steps.start)  # the model at model_path
+    rows = [row for _, row in iter_in_process(pipe, store, steps, workers, lag)]
+    metrics = pl.from_dicts(rows, infer_schema_length=None)
+    if not final_weights:
+        return metrics
+    return metrics, {k: v.clone() for k, v in store.weights(steps.stop)[1].items()}
+
+
+def iter_in_process(pipe: RLPipeline, store: PolicyStoreClient, steps: range,
+                    workers: type[WorkerGroup] = InProcessGroup, lag: int = 0) -> Iterator[tuple[pa.Table, dict]]:
+    """The loop itself: per step, the batch as it reached the train step and the step's metrics
+    row; `lag`: each rollout generated that many steps ahead (module docstring). Needs neither Ray
+    nor polars (scripts/gpu_check.sh runs it where neither is installed)."""
     operators = [build(stage, store, workers) for stage in pipe.stages]
     generate, rest = operators[0], operators[1:]
     rollouts: deque = deque()  # generated, not yet trained (lag > 0: up to `lag` steps ahead)
     try:
-        rows = []
         for step in steps:
             while len(rollouts) <= lag and step + len(rollouts) < steps.stop:
                 # sampled with the newest version: the trainer's, `len(rollouts)` steps before its step
                 rollouts.append(generate(pipe.prompts.step_rows(step + len(rollouts))))
             batch = rollouts.popleft()
-            for operator in rest:  # reward -> ... -> train: one Arrow table to the next
+            for operator in rest[:-1]:  # reward -> ... : one Arrow table to the next
                 batch = operator(batch)
-            rows += batch.to_pylist()  # the train step's metrics row
+            for row in rest[-1](batch).to_pylist():  # the train step's metrics row (none: nothing trained)
+                yield batch, row
     finally:
         for operator in operators:  # a train step with data-parallel workers ends them
             if hasattr(operator, "close"):
                 operator.close()
-    metrics = pl.from_dicts(rows, infer_schema_length=None)
-    if not final_weights:
-        return metrics
-    return metrics, {k: v.clone() for k, v in store.weights(steps.stop)[1].items()}
 
 
 def build(stage: Stage, store: PolicyStoreClient,

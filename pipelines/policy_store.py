@@ -80,6 +80,7 @@ class PolicyStore:
         self.changed = threading.Condition()
         self.trainers_started = 0
         self.server: tuple[str, int] | None = None  # weight_sync collective: the trainer's version server
+        self.servers_started = 0  # its generation: a rebuilt trainer's server is the next one
 
     def put(self, payload: Any, nbytes: int, version: int | None = None, restored: bool = False) -> int:
         """Register a payload as `version` (default latest + 1); returns the version."""
@@ -94,18 +95,25 @@ class PolicyStore:
         return version
 
     def register(self, version: int) -> int:
-        """A version whose tensors the trainer sends to the readers itself (weight_sync collective)."""
+        """A version whose tensors the trainer sends to the readers itself (weight_sync collective).
+        The newest version again is no change: a rebuilt trainer serves the version it recovered,
+        which its predecessor may have delivered already."""
+        with self.changed:
+            if version == self.latest:
+                return version
         return PolicyStore.put(self, None, 0, version)  # no payload: a subclass's put would store one
 
     def set_weight_server(self, host: str, port: int) -> None:
         with self.changed:
             self.server = (host, port)
+            self.servers_started += 1
 
     def weight_server(self) -> ServerAddress | None:
         from trajflow.operators.trainer.weight_sync import ServerAddress
 
         with self.changed:
-            return None if self.server is None else ServerAddress(*self.server, self.max_staleness)
+            return None if self.server is None else ServerAddress(*self.server, self.max_staleness,
+                                                                  self.servers_started)
 
     def _evict(self) -> None:
         oldest_trainable = self.latest - self.max_staleness

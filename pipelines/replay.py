@@ -23,9 +23,11 @@ you pass, with the stages you inserted), turned into a replay by one rule:
   under the one strategy asked for.
 
 The weights of each needed version are read from the checkpoints dir (`versions/v000012.safetensors`
-as written with `save_all_versions: true`, or `checkpoints/step-000012/model.safetensors`) and
-published into a policy store. Every needed version is checked before Ray starts: the ones missing
-are reported by number (`ReplayError`).
+as written with `save_all_versions: true`, a LoRA run's adapter directory `versions/v000012/`, or
+`checkpoints/step-000012/model.safetensors` / `adapter.safetensors`) and published into a policy
+store (a LoRA run's adapters as such: each reader merges them into the base, as live). Every
+needed version is checked before Ray starts: the ones missing are reported by number
+(`ReplayError`).
 
     --diagnose  needs, per step k, the trainer's weights of version k (pi_theta), plus what each
                 strategy asks (`Strategy.replay_versions`: each token's behavior version for the
@@ -210,21 +212,20 @@ def resolve_strategies(config: PipelineConfig, strategies: list) -> list:
 
 
 def version_candidates(checkpoints: Path, version: int) -> list[Path]:
-    name = ckpt.version_file(".", version).name
+    """Where version `version`'s payload may be, in order: a version file or (a LoRA run) a PEFT
+    adapter directory, in `checkpoints` or its versions/; a checkpoint's weights or adapter."""
+    versions = [ckpt.saved_version(checkpoints, version), ckpt.saved_version(checkpoints / "versions", version)]
     step = ckpt.checkpoint_dir(".", version).name
-    return [
-        checkpoints / name,
-        checkpoints / "versions" / name,
-        checkpoints / step / "model.safetensors",
-        checkpoints / "checkpoints" / step / "model.safetensors",
-    ]
+    in_checkpoints = [root / step / name for root in (checkpoints, checkpoints / "checkpoints")
+                      for name in ("model.safetensors", ckpt.ADAPTER_FILE)]
+    return [p for p in versions if p is not None] + in_checkpoints
 
 
 def locate_versions(checkpoints: str | Path, versions: Iterable[int]) -> tuple[dict[int, Path], list[int]]:
     checkpoints = Path(checkpoints)
     found, missing = {}, []
     for v in sorted(set(versions)):
-        path = next((p for p in version_candidates(checkpoints, v) if p.is_file()), None)
+        path = next((p for p in version_candidates(checkpoints, v) if p.exists()), None)
         if path is None:
             missing.append(v)
         else:
@@ -397,7 +398,7 @@ class Replay:
             for v in pc.unique(pc.list_flatten(table["versions"])).to_pylist():
                 uses[v] = uses.get(v, 0) + 1
         for version in sorted(self.weights):
-            store.publish(ckpt.load_weights(self.weights[version]), version)
+            store.publish(ckpt.load_version(self.weights[version]), version)
             for _ in range(uses.get(version, 0) + 1):
                 store.weights(version, pin=True)
         return store
@@ -429,7 +430,7 @@ class Replay:
             # The trainer's last version is read after Ray Data has torn the trainer down: the
             # store copies that one (and only that one) into its own ownership.
             stores["trainer"] = RayStore.start(self.config.max_staleness, False, final_version=first + len(self.steps))
-            stores["trainer"].publish(ckpt.load_weights(self.weights[first]), first)
+            stores["trainer"].publish(ckpt.load_version(self.weights[first]), first)
         try:
             for batch in self.dataset(stores).iter_batches(batch_size=None, batch_format="pyarrow",
                                                            prefetch_batches=0):

@@ -32,11 +32,7 @@ from __future__ import annotations
 import logging
 import uuid
 from pathlib import Path
-from typing import Callable
-
-import polars as pl
-import ray
-from ray.data import ActorPoolStrategy, DataContext
+from typing import TYPE_CHECKING, Callable
 
 from trajflow.engines.models import WARM_START_DIR
 from trajflow.engines.training_numerics import checkpoint_dropout
@@ -55,12 +51,16 @@ from trajflow.operators.trainer.spec import StepHooks, TrainStepConfig
 from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups
 from trajflow.pipelines.config import PipelineConfig, preflight
 from trajflow.pipelines.policy_store import RayStore
-from trajflow.pipelines.ray import patches as ray_patches
 from trajflow.pipelines.ray.embedded import start_local_ray
 from trajflow.pipelines.ray.quiet import quiet_run
 from trajflow.pipelines.ray.trainer_group import RayWorkerGroup, remove_placement_group_named
 from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreConfig, StoreGuard, StoreLost, VersionArchive
 from trajflow.tasks.workload import PromptSource
+
+if TYPE_CHECKING:  # Ray and polars load where the pipeline runs on Ray: building its stages needs neither
+    import polars as pl
+    import ray
+    from ray.data import ActorPoolStrategy
 
 __all__ = ["Fused", "Placement", "RLPipeline", "Stage", "in_order_pool", "map_stages"]
 
@@ -83,6 +83,8 @@ def in_order_pool(size: int) -> ActorPoolStrategy:
     generator blocks on its admission permit, so step b+1 starting before step b on the same actor
     deadlocks (measured here); and the trainer must see steps in order.
     """
+    from ray.data import ActorPoolStrategy
+
     return ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1)
 
 
@@ -305,6 +307,11 @@ class RLPipeline:
         c = self.config
         if self.store is None:
             self.start_store(first_step)
+        import ray
+        from ray.data import DataContext
+
+        from trajflow.pipelines.ray import patches as ray_patches
+
         ray_patches.executor.apply()  # Ray Data's executor otherwise hands a batch on at most every 0.1 s
         ctx = DataContext.get_current()
         ctx.execution_options.preserve_order = True  # step b must reach the trainer as batch b
@@ -400,13 +407,18 @@ class RLPipeline:
                 rows.append(row)
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.3f}", version=row["version"])
+        import polars as pl
+
         return pl.DataFrame(rows)
 
     def shutdown(self) -> None:
+        import sys
+
         if self.store_guard is not None:
             self.store_guard.close()
             self.store_guard = None
-        if ray.is_initialized():
+        ray = sys.modules.get("ray")  # never imported: no Ray started here (the in-process loop)
+        if ray is not None and ray.is_initialized():
             remove_placement_group_named(self.trainer_group_name)
         if self.store is not None:
             self.store.kill()

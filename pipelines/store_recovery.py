@@ -2,7 +2,8 @@
 
 The store's versions live only in its actor (it owns their objects), so its death takes them
 along. The run's disk keeps them, when it is told to: `save_all_versions` writes every version
-before it is published (jobs/recorder.py), and checkpoints hold some. The driver watches the
+before it is published (jobs/recorder.py; a LoRA run's as PEFT adapter directories), and
+checkpoints hold some. The driver watches the
 store (`StoreGuard`, a thread); when it dies:
 
 1. the newest version published is the newest on disk, or the one after the newest logged step
@@ -80,8 +81,7 @@ def refusal(source: VersionArchive, spec: StoreConfig, restarts: int) -> str | N
     _, missing = needed_versions(source, spec)
     if missing:
         listed = ", ".join(map(str, missing))
-        setting = "checkpoint_every (a LoRA run's versions)" if spec.adapters else "save_all_versions: true"
-        return f"version{'s' if len(missing) > 1 else ''} {listed} not on disk ({setting} keeps them)"
+        return f"version{'s' if len(missing) > 1 else ''} {listed} not on disk (save_all_versions: true keeps them)"
     return None
 
 

@@ -1,4 +1,7 @@
-"""trajflow.schemas: the trajectory record (schema v1), its validation, Parquet I/O and polars views."""
+"""trajflow.schemas: the trajectory record (schema v1), its validation, Parquet I/O and polars views.
+
+The polars views load on first use: the record and its I/O need only pyarrow (the in-process
+loop runs where polars is not installed, scripts/gpu_check.sh)."""
 
 from .io import atomic_write, read_parquet, write_parquet
 from .trajectory import (
@@ -27,7 +30,14 @@ from .trajectory import (
     trajectory_schema,
     validate,
 )
-from .views import token_view, trajectory_view
+
+
+def __getattr__(name: str):
+    if name in ("token_view", "trajectory_view"):
+        from . import views
+
+        return getattr(views, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "COLUMNS",

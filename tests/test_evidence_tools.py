@@ -52,3 +52,28 @@ def test_regime_summary_counts_steps_without_gradient_apart():
     assert row["cos"] == pytest.approx(0.6) and row["cos_min"] == pytest.approx(0.5)  # NaN steps left out
     assert row["no_grad"] == 0.5
     assert row["rel_err"] == pytest.approx(0.65)  # the median, not the mean the outlier owns
+
+
+@pytest.mark.parametrize("keys", ["today", "before the names pass"])
+def test_real_model_learning_result_reads_a_run_dir(tmp_path, keys):
+    """benchmarks/real_model.py's reader on a hand-written run dir, under today's metric keys and
+    under the keys runs were written with before (read back through jobs/recorder.py)."""
+    import yaml
+
+    from benchmarks.real_model import learning_result
+
+    old = keys != "today"
+    heldout, reward = ("heldout_accuracy", "reward_mean") if old else ("heldout/accuracy", "reward/mean")
+    (tmp_path / "metrics").mkdir()
+    for step, (acc, r) in enumerate([(None, 0.1), (0.20, 0.3)]):
+        row = {"step": step, "version": step + 1, heldout: acc, f"{heldout}_start": 0.08 if step == 0 else None,
+               reward: r, "time/step_end": 100.0 + 10.0 * step}
+        pl.DataFrame([row], schema_overrides={heldout: pl.Float64, f"{heldout}_start": pl.Float64}).write_parquet(
+            tmp_path / "metrics" / f"step={step:06d}.parquet")
+    config = {"eval_prompts": 100, "steps": 2, "prompts_per_step": 8, "group_size": 4, "max_staleness": 0,
+              "inference_dtype": "float32", "optimizer": {"lr": 3e-5}, "sampling": {"max_new_tokens": 96, "temperature": 1.0}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    result = learning_result(tmp_path, "trajflow run smollm2", 60.0, "held-out accuracy 0.080 -> 0.200\n")
+    assert result["curve"] == [{"version": 0, "accuracy": 0.08}, {"version": 2, "accuracy": 0.20}]
+    assert result["reward"] == [0.1, 0.3] and result["seconds_per_step"] == 10.0
+    assert result["settings"]["lr"] == 3e-5 and result["summary"] == ["held-out accuracy 0.080 -> 0.200"]

@@ -21,7 +21,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,52 +28,11 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from ray_cluster import free_port, kill_cluster, node_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 pytest.importorskip("aiohttp", reason="the Ray Jobs API needs ray[default] (the `dev`/`cluster` extras)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _node_ports() -> list[str]:
-    names = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-             "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
-    return [f"--{name}={_free_port()}" for name in names]
-
-
-def _cluster_processes(temp_dir: str):
-    import psutil
-
-    me = os.getpid()
-    found = set()
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.pid != me and any(temp_dir in arg for arg in (p.info["cmdline"] or [])):
-                found.add(p)
-                found.update(p.children(recursive=True))
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-def _kill_cluster(temp_dir: str) -> None:
-    import psutil
-
-    for _ in range(3):  # workers started while we kill get a second pass
-        procs = _cluster_processes(temp_dir)
-        if not procs:
-            return
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(list(procs), timeout=15)
 
 
 @pytest.fixture(scope="module")
@@ -86,20 +44,20 @@ def two_node_cluster():
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_USAGE_STATS_ENABLED="0",
                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
-    gcs_port, dashboard_port = _free_port(), _free_port()
+    gcs_port, dashboard_port = free_port(), free_port()
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
     head = [str(ray_bin), "start", "--head", f"--port={gcs_port}", "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard_port}", '--resources={"gen_node": 1}',
-            f"--ray-client-server-port={_free_port()}", *common, *_node_ports()]
+            f"--ray-client-server-port={free_port()}", *common, *node_ports()]
     worker = [str(ray_bin), "start", f"--address=127.0.0.1:{gcs_port}", '--resources={"train_node": 1}',
-              *common, *_node_ports()]
+              *common, *node_ports()]
     try:
         for cmd in (head, worker):
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
             assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         yield {"address": f"http://127.0.0.1:{dashboard_port}", "env": env}
     finally:
-        _kill_cluster(temp_dir)
+        kill_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

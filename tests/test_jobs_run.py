@@ -402,19 +402,24 @@ def test_replay_reports_missing_versions_by_number(quick_run, tmp_path, capfd):
 
 # -- kill and resume ---------------------------------------------------------------------------------
 def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path, ray_session, capfd):
-    """A SIGKILLed job (a LoRA run, asynchronous snapshot at max_staleness 2, float32 inference)
-    resumes from its last complete checkpoint (the adapter and its optimizer state): `--resume`
-    trains exactly the remaining steps, once each; the log has every row once; the last checkpoint
-    is the merged model; old = inference on the adapter versions of both sessions."""
+    """A SIGKILLed job (a LoRA run, asynchronous snapshot at max_staleness 2, float32 inference,
+    every version kept) resumes from its last complete checkpoint (the adapter and its optimizer
+    state): `--resume` trains exactly the remaining steps, once each; the log has every row once;
+    the last checkpoint is the merged model; old = inference on the adapter versions of both
+    sessions. The versions on disk are PEFT adapters (each under 15 % of a full version) and the
+    base once, across both sessions; a `--train` replay of the whole log reads them and retraces
+    the run: the same losses (1e-6) and the same final adapter (1e-6)."""
+    from support import max_abs_difference
     from transformers import AutoModelForCausalLM
 
     from trajflow.engines import lora
+    from trajflow.pipelines.replay import Replay
 
     steps = 8
     run_dir = tmp_path / "killed"
     args = ["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={steps}", *SMALL, "--set", "lora.r=8",
             "--set", "max_staleness=2", "--set", "inference_dtype=float32", "--set", "checkpoint_every=2",
-            "--set", "keep_checkpoints=2", "--set", "save_all_versions=false", "--set", "tensorboard=false",
+            "--set", "keep_checkpoints=2", "--set", "save_all_versions=true", "--set", "tensorboard=false",
             "--set", "eval_every=4", "--set", "eval_prompts=16"]
     run_until_checkpoint_then_kill(args, run_dir, 4, tmp_path / "first.log")
     logged_before = sorted((run_dir / "metrics").glob("step=*.parquet"))
@@ -459,6 +464,25 @@ def test_sigkilled_lora_run_resumes_without_repeating_or_skipping_steps(tmp_path
     assert first["state"] == "killed" and first["first_step"] == 0 and first["steps_trained"] == latest.version
     assert second["state"] == "finished" and second["first_step"] == latest.version
     assert second["steps_trained"] == steps - latest.version and second["started"] > first["started"]
+
+    # versions/: the base once and every version's adapter in PEFT's format, across both sessions
+    versions = run_dir / "versions"
+    assert sorted(p.name for p in versions.iterdir()) == ["base", *(f"v{v:06d}" for v in range(steps + 1))]
+    full = ckpt.weights_nbytes(versions / "base")
+    sizes = [sum(f.stat().st_size for f in (versions / f"v{v:06d}").iterdir()) for v in range(steps + 1)]
+    assert max(sizes) <= 0.15 * full, (sizes, full)
+    assert "save_all_versions: the base once (" in (tmp_path / "first.log").read_text()  # the estimate
+    last = ckpt.load_version(versions / f"v{steps:06d}")
+    assert max_abs_difference(last, final.model_state()) == 0.0  # the last version: the final checkpoint's adapter
+    # a --train replay of the whole log from version 0 reads the adapters and retraces both sessions
+    config = load_job_config(run_dir / "config.yaml").pipeline_config()
+    replay = Replay(config, run_dir / "trajectories", versions, ["snapshot"], "train")
+    replayed = replay.run(progress=False)
+    print(f"\nLoRA versions on disk: {max(sizes)} B at most, a full version {full} B; replay --train loss gap "
+          f"{max(abs(a - b) for a, b in zip(replayed['loss'], metrics['loss'])):.1e}")
+    assert replayed["step"].to_list() == list(range(steps)) and replayed["version"].to_list() == list(range(1, steps + 1))
+    assert replayed["loss"].to_list() == pytest.approx(metrics["loss"].to_list(), abs=1e-6)
+    assert lora.is_adapter(replay.final_weights) and max_abs_difference(replay.final_weights, last) < 1e-6
 
 
 # -- in-process on the session's Ray ---------------------------------------------------------------

@@ -42,8 +42,8 @@ def test_the_section_is_checked_before_anything_starts():
                        ({"r": 8, "target_modules": []}, "target_modules")]:
         with pytest.raises(ValueError, match=words):
             PipelineConfig(lora=bad)
-    with pytest.raises(ValueError, match="lora: an adapter is trained by a replicated trainer"):
-        PipelineConfig(lora={"r": 8}, trainer={"sharding": "fsdp"})
+    # sharded too: the adapter is sharded with its layer (operators/trainer/fsdp.py; tests/test_trainer_fsdp.py)
+    assert PipelineConfig(lora={"r": 8}, trainer={"sharding": "fsdp"}).trainer.sharding == "fsdp"
 
 
 def test_a_version_is_the_adapter_under_15_percent_of_the_full_bytes():
@@ -162,6 +162,52 @@ def test_a_lora_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(ray
     assert max_abs_difference(resumed_adapter, whole_adapter) < 1e-7
 
 
+def test_a_lora_version_on_disk_is_a_peft_adapter_and_the_base_once(tmp_path):
+    """save_all_versions with LoRA (engines/checkpoint.py): each version is the adapter in PEFT's
+    format, at most 15 % of a full version file; the base weights are written once, as a model
+    directory that transformers loads; PEFT applies the adapter to it as the trainer's function;
+    `load_version` reads the payload back bitwise, and the space estimate is the adapter's size."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trajflow.engines import checkpoint as ckpt
+    from trajflow.engines.models import load_model
+
+    settings = lora.LoraConfig(r=8, alpha=16.0)
+    model = lora.wrap(load_model(WARM_START_DIR), settings)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    payload = lora.adapter_payload(model, settings.scaling)
+    base_reads = []
+
+    def base():
+        base_reads.append(1)
+        return load_model(WARM_START_DIR).state_dict().items()
+
+    versions = tmp_path / "versions"
+    for v in (0, 1):
+        ckpt.save_adapter_version(versions, v, payload, base, WARM_START_DIR)
+    assert len(base_reads) == 1  # the base once
+    assert sorted(p.name for p in versions.iterdir()) == ["base", "v000000", "v000001"]
+    full = ckpt.save_weights(load_model(WARM_START_DIR).state_dict(), tmp_path / "full.safetensors").stat().st_size
+    adapter = sum(f.stat().st_size for f in (versions / "v000001").iterdir())
+    print(f"\nLoRA version on disk: {adapter} B, a full version file {full} B ({adapter / full:.1%})")
+    assert adapter <= 0.15 * full
+    assert ckpt.saved_version(versions, 1) == versions / "v000001" and ckpt.saved_version(versions, 2) is None
+    back = ckpt.load_version(versions / "v000001")
+    assert back.keys() == payload.keys() and all(torch.equal(back[k], payload[k].cpu()) for k in payload)
+    assert lora.adapter_nbytes(WARM_START_DIR, settings) == sum(
+        t.numel() * 4 for k, t in payload.items() if k != lora.ADAPTER_SCALING)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(versions / "base"),
+                                     str(versions / "v000001")).eval()
+    ids = torch.tensor([[1, 5, 9, 12, 7, 3]])
+    with torch.no_grad():
+        a, b = model.eval()(input_ids=ids).logits, peft(input_ids=ids).logits
+    assert float((a - b).abs().max()) == 0.0
+
+
 def test_engine_vllm_keeps_the_window_of_adapters_and_refuses_what_it_cannot_apply(monkeypatch, tmp_path):
     """The config choice (no vLLM here: `find_spec` reports it installed): with `engine: vllm` a
     LoRA run keeps max_staleness + 1 adapters resident in vLLM, the torch engine none (it merges);
@@ -172,7 +218,8 @@ def test_engine_vllm_keeps_the_window_of_adapters_and_refuses_what_it_cannot_app
     from peft import PeftModel
 
     from trajflow.engines.models import build_tiny_model
-    from trajflow.engines.vllm_engine import vllm_lora_rank, write_peft_adapter
+    from trajflow.engines.lora import write_peft_adapter
+    from trajflow.engines.vllm_engine import vllm_lora_rank
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -103,6 +103,37 @@ def _recovered_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("trajflow: recovered: ")]
 
 
+COMPARED_AT_LEAST = {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"}
+
+
+def _assert_same_metrics(base, healed, at_least: set[str] = COMPARED_AT_LEAST) -> None:
+    """Every numeric metric but the timings of the uninterrupted run `base` within 1e-6 in `healed`."""
+    import numpy as np
+    import polars as pl
+
+    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
+    assert at_least <= set(compared)
+    for c in compared:
+        np.testing.assert_allclose(healed[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
+                                   atol=1e-6, rtol=0, err_msg=c)
+
+
+def _weights_gap(checkpoints) -> float:
+    """max |a - b| over the weights of two checkpoints."""
+    a, b = (c.model_state() for c in checkpoints)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _assert_matches_uninterrupted(uninterrupted, run_dir) -> None:
+    """The healed run's metrics (1e-6) and last checkpoint's weights (1e-5) are the uninterrupted run's."""
+    import polars as pl
+
+    from trajflow.engines import checkpoint as ckpt
+
+    _assert_same_metrics(*(pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir)))
+    assert _weights_gap([ckpt.latest_checkpoint(d / "checkpoints") for d in (uninterrupted, run_dir)]) <= 1e-5
+
+
 # sync: a trainer worker killed while step 4 trains, then the train step's process at step 7
 SYNC_KILLS = [("trainer_worker", 4), ("train_step", 7)]
 
@@ -118,7 +149,6 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     goes alongside (its own Ray; the two share no state)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
     import polars as pl
 
     from trajflow.engines import checkpoint as ckpt
@@ -150,18 +180,54 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     restarts = [0] * first + [1] * (second - first) + [2] * (STEPS - second)
     assert healed_metrics["recovery/restarts"].to_list() == restarts
     assert (base["recovery/restarts"] == 0).all()
-    compared = [c for c in base.columns if base[c].dtype.is_numeric() and not any(t in c for t in TIMING)]
-    assert {"loss", "grad/norm", "reward/mean", "optimizer_steps", "version"} <= set(compared)
-    for c in compared:
-        np.testing.assert_allclose(healed_metrics[c].cast(pl.Float64).to_numpy(), base[c].cast(pl.Float64).to_numpy(),
-                                   atol=1e-6, rtol=0, err_msg=c)
+    _assert_same_metrics(base, healed_metrics)
     final = [ckpt.latest_checkpoint(d / "checkpoints") for d in (uninterrupted, run_dir)]
     assert [c.version for c in final] == [STEPS, STEPS]
-    a, b = (c.model_state() for c in final)
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+    assert _weights_gap(final) <= 1e-5
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
     for kill in result.kills:
         print(f"{kill.kind}: {kill.seconds:.1f} s from the kill to step {kill.step}'s metrics")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_killed_fsdp_worker_and_train_step_are_rebuilt_and_the_run_matches_an_uninterrupted_one(tmp_path, chaos):
+    """The sharded case of the test above: FSDP x 2 (each worker holds half of the parameters,
+    gradients and Adam moments), a trainer worker SIGKILLed at step 4, then the train step's
+    process at step 7. Worker 0 leaves the dead group, reloads an unsharded model, shards it again
+    in a new group with a new worker 1, and both load their shards of checkpoint 3 and retrain
+    the steps since; the run ends with the uninterrupted sharded run's per-step metrics (1e-6)
+    and final weights (1e-5)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import polars as pl
+
+    from trajflow.engines import checkpoint as ckpt
+
+    args = ["quickstart", *SYNC, "--set", "trainer.sharding=fsdp"]
+    run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
+    with ThreadPoolExecutor(1) as pool:
+        base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
+        result = chaos.chaos_run(args, run_dir, SYNC_KILLS, tmp_path / "log")
+        assert base_run.result().status == 0, base_run.result().output[-3000:]
+    assert result.status == 0 and result.killed == len(SYNC_KILLS), result.output[-3000:]
+    recoveries, lines = _recoveries(run_dir), _recovered_lines(result.output)
+    assert len(recoveries) == len(SYNC_KILLS) and len(lines) == len(SYNC_KILLS), (recoveries, lines)
+    assert recoveries[0]["event"].startswith("trainer worker 1 of 2 (node "), recoveries
+    for (_, kill_at), recovery in zip(SYNC_KILLS, recoveries):
+        assert recovery["step"] in (kill_at - 1, kill_at), recoveries
+        checkpoint = recovery["step"] // CHECKPOINT_EVERY * CHECKPOINT_EVERY
+        assert f"rebuilt from checkpoint {checkpoint}," in recovery["event"], recoveries
+    base, healed = (pl.read_parquet(d / "metrics.parquet") for d in (uninterrupted, run_dir))
+    assert healed["step"].to_list() == list(range(STEPS))
+    assert (healed["trainer/num_workers"] == 2).all()
+    _assert_same_metrics(base, healed, COMPARED_AT_LEAST | {"trainer/dummy_passes"})
+    final = [ckpt.latest_checkpoint(d / "checkpoints") for d in (uninterrupted, run_dir)]
+    assert [c.version for c in final] == [STEPS, STEPS] and all(c.sharded for c in final)
+    gap = _weights_gap(final)
+    print(f"\nFSDP x 2 healed twice: final weights differ from the uninterrupted run's by {gap:.1e}")
+    assert gap <= 1e-5
+    assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
 
 
 @pytest.mark.timeout(120)
@@ -214,6 +280,132 @@ def test_async_run_heals_a_killed_worker_store_and_train_step_and_snapshot_stays
     # every row trained after each recovery: the first recovery's range holds the others'
     gap = _exactness_gap(run_dir, min(r["step"] for r in recoveries), STEPS)
     assert gap <= 1e-5, (recoveries, gap)
+
+
+# -- weight_sync collective with recovery at its default (issue #35) ------------------------------
+# the trainer's process killed while step 4 trains; only weight_sync.method is set (recovery on)
+COLLECTIVE_KILLS = [("train_step", 4)]
+
+
+def _one_worker(mode: list[str]) -> list[str]:
+    return [a.replace("trainer.num_workers=2", "trainer.num_workers=1") for a in mode]
+
+
+ONLY_COLLECTIVE = ["--set", "weight_sync.method=collective"]
+
+
+def _healed_once(result, run_dir, kills: int = 1) -> dict:
+    """The run completed after its kills: one trainer recovery in run.json and one `recovered`
+    line, from checkpoint 3 (the kill at step k lands in k or, when k - 1's metrics row had not yet
+    left the killed process, k - 1); the recovery's entry."""
+    assert result.status == 0 and result.killed == kills, result.output[-3000:]
+    recoveries, lines = _recoveries(run_dir), _recovered_lines(result.output)
+    assert len(recoveries) == 1 and len(lines) == 1, (recoveries, lines)
+    (recovery,) = recoveries
+    kill_at = result.kills[-1].step
+    assert recovery["step"] in (kill_at - 1, kill_at) and "rebuilt from checkpoint 3" in recovery["event"], recovery
+    return recovery
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_collective_sync_heals_a_killed_trainer_and_matches_an_uninterrupted_object_store_run(tmp_path, chaos):
+    """Sync mode (every stage in the trainer's process, the readers too), only
+    `weight_sync.method: collective` set: the train step's process SIGKILLed at step 4 is rebuilt
+    from checkpoint 3 (its weights from the checkpoint: the store holds no tensors of a version)
+    and serves its recovered version before the restarted generator's first batch; the run ends
+    with old = inference (<= 1.5e-5) on every row trained after the recovery, and with the metrics
+    and final weights of an uninterrupted object_store run (float32 readers: the same numbers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = ["quickstart", *_one_worker(SYNC)]
+    run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
+    with ThreadPoolExecutor(1) as pool:
+        base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
+        result = chaos.chaos_run([*args, *ONLY_COLLECTIVE], run_dir, COLLECTIVE_KILLS, tmp_path / "log")
+        assert base_run.result().status == 0, base_run.result().output[-3000:]
+    recovery = _healed_once(result, run_dir)
+    assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
+    gap = _exactness_gap(run_dir, recovery["step"], STEPS)
+    print(f"\ncollective sync, trainer killed at step 4: max |old - inference| {gap:.2e} after the recovery")
+    assert gap <= 1.5e-5
+    _assert_matches_uninterrupted(uninterrupted, run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_collective_async_heals_a_killed_generator_and_trainer_and_stays_exact(tmp_path, chaos):
+    """max_staleness 1 (generator, scorer and trainer in three processes), only
+    `weight_sync.method: collective` set. The generator's process SIGKILLed at step 2: the trainer
+    drops the lost reader, Ray restarts the process (one `restarted` line, an entry under the
+    session's `restarts` in run.json) and its new receiver joins as a late joiner. The train
+    step's process SIGKILLed at step 5: the generator's and the snapshot scorer's receivers keep
+    the versions they hold and join the rebuilt trainer's server. The run completes with every
+    step once and old = inference (<= 1.5e-5) on every row trained after the recovery."""
+    import json
+
+    run_dir = tmp_path / "run"
+    args = [{"max_staleness=0": "max_staleness=1"}.get(a, a) for a in _one_worker(SYNC)]
+    kills = [("generator", 2), ("train_step", 5)]
+    result = chaos.chaos_run(["quickstart", *args, *ONLY_COLLECTIVE], run_dir, kills, tmp_path / "log")
+    recovery = _healed_once(result, run_dir, kills=2)
+    restarted = [line for line in result.output.splitlines() if line.startswith("trajflow: restarted: ")]
+    assert len(restarted) == 1 and restarted[0].startswith(
+        "trajflow: restarted: the Generate process died; Ray restarted it"), result.output[-3000:]
+    (entry,) = json.loads((run_dir / "run.json").read_text())["sessions"][-1]["restarts"]
+    assert entry["process"] == "Generate" and entry["count"] == 1 and entry["step"] in (2, 3, 4), entry
+    assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
+    gap = _exactness_gap(run_dir, recovery["step"], STEPS)
+    print(f"\ncollective async, generator killed at step 2, trainer at 5: max |old - inference| {gap:.2e} "
+          "after the recovery")
+    assert gap <= 1.5e-5
+
+
+# -- a policy store killed in sync mode; a LoRA run's store rebuilt from its adapters (issue #35) --
+STORE_KILLS = [("store", 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_store_killed_in_sync_mode_is_rebuilt_and_the_run_matches_an_uninterrupted_one(tmp_path, chaos):
+    """Sync mode (max_staleness 0: every stage in one process, the store holds the newest
+    version only), every version kept: the store SIGKILLed at step 3 is rebuilt with the newest
+    version read back from versions/; the run completes with the uninterrupted run's metrics
+    (1e-6) and final weights (1e-5)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = ["quickstart", *[{"save_all_versions=false": "save_all_versions=true"}.get(a, a) for a in _one_worker(SYNC)]]
+    run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
+    with ThreadPoolExecutor(1) as pool:
+        base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
+        result = chaos.chaos_run(args, run_dir, STORE_KILLS, tmp_path / "log")
+        assert base_run.result().status == 0, base_run.result().output[-3000:]
+    assert result.status == 0 and result.killed == 1, result.output[-3000:]
+    (recovery,) = _recoveries(run_dir)
+    assert recovery["event"].startswith("the policy store died; rebuilt with version "), recovery
+    assert _recovered_lines(result.output) == [f"trajflow: recovered: {recovery['event']}"]
+    assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
+    _assert_matches_uninterrupted(uninterrupted, run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lora_runs_store_is_rebuilt_from_its_adapters_and_snapshot_stays_exact(tmp_path, chaos):
+    """A LoRA run (r 8, snapshot, max_staleness 2, every version kept: versions/ holds each
+    version's PEFT adapter and the base once): the store SIGKILLed at step 3 is rebuilt with the
+    versions of its window, adapters read back from disk; the run completes with every step once
+    and old = inference (1e-5) on every row trained after the recovery."""
+    run_dir = tmp_path / "run"
+    args = ["quickstart", *_one_worker(ASYNC), "--set", "lora.r=8"]
+    result = chaos.chaos_run(args, run_dir, STORE_KILLS, tmp_path / "log")
+    assert result.status == 0 and result.killed == 1, result.output[-3000:]
+    (recovery,) = _recoveries(run_dir)
+    assert recovery["event"].startswith("the policy store died; rebuilt with versions "), recovery
+    assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
+    assert (run_dir / "versions" / "base").is_dir() and not list((run_dir / "versions").glob("*.safetensors"))
+    gap = _exactness_gap(run_dir, recovery["step"], STEPS)
+    print(f"\nLoRA store killed at step 3: {recovery['event']}; max |old - inference| {gap:.2e} after it")
+    assert gap <= 1e-5
 
 
 # -- a policy store killed without its versions (a small run: 5 steps x 16 rows) ----------------
@@ -311,3 +503,76 @@ def test_a_rebuilt_store_keeps_its_restored_versions_until_they_leave_the_window
     assert sorted(store.versions) == [4, 5, 6]  # 3 < 6 - 2 left the window
     store.put("w7", 1, 7)
     assert sorted(store.versions) == [5, 7]  # 6, neither restored nor pinned, is freed as before
+
+
+def test_a_restarted_stage_process_is_one_line_and_an_entry_in_run_json(tmp_path):
+    """A metrics row carrying `recovery/restarted/<process>` (a generator's process restarted by
+    Ray, counted by its stage group in the store) gives one console line per process and an
+    entry under the session's `restarts` in run.json; a row without one, nothing."""
+    import json
+
+    from trajflow.jobs.recorder import RunPaths, write_state
+    from trajflow.jobs.run import record_restarts
+
+    paths = RunPaths(tmp_path)
+    write_state(paths, sessions=[{"first_step": 0, "state": "running"}])
+    assert record_restarts(paths, {"step": 2, "recovery/restarted/Generate": 0.0}) == []
+    lines = record_restarts(paths, {"step": 3, "recovery/restarted/Generate": 1.0,
+                                    "recovery/restarted/Reward+Advantage+Filter+OldLogprobs": 2.0})
+    assert lines == ["the Generate process died; Ray restarted it and Ray Data retried the batch it held "
+                     "(noticed at step 3)",
+                     "the Reward+Advantage+Filter+OldLogprobs process died (2 times); Ray restarted it and Ray "
+                     "Data retried the batch it held (noticed at step 3)"]
+    restarts = json.loads(paths.state.read_text())["sessions"][-1]["restarts"]
+    assert [(r["process"], r["count"], r["step"]) for r in restarts] == [
+        ("Generate", 1, 3), ("Reward+Advantage+Filter+OldLogprobs", 2, 3)]
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_store_is_rebuilt_from_checkpoints_holding_adapters(ray_session, tmp_path):
+    """A LoRA run keeps only checkpoints (save_all_versions off): a store that dies is rebuilt
+    from the checkpoints' adapters, the window of a snapshot run (versions 2 and 3 at
+    max_staleness 1); a reader's client of the dead store finds the new one and reads each
+    version's adapter bitwise (every reader merges it into the base, as live)."""
+    import torch
+
+    from trajflow.engines import checkpoint as ckpt
+    from trajflow.engines import lora
+    from trajflow.engines.models import WARM_START_DIR, load_model
+    from trajflow.jobs.recorder import RunPaths, RunRecorder
+    from trajflow.pipelines.policy_store import RayStore
+    from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreConfig, needed_versions, rebuild, refusal
+
+    settings = lora.LoraConfig(r=8)
+    model = lora.wrap(load_model(WARM_START_DIR), settings)
+    adapters = {}
+    for version in (1, 2, 3):  # checkpoints of versions 1..3, each its own adapter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.fill_(0.01 * version)
+        adapters[version] = {k: v.clone() for k, v in lora.adapter_payload(model, settings.scaling).items()}
+        with ckpt.writing_checkpoint(RunPaths(tmp_path).checkpoints, version) as tmp:
+            ckpt.write_replica(tmp, adapters[version], weights_file=ckpt.ADAPTER_FILE)
+    recorder = RunRecorder(run_dir=str(tmp_path), steps=4, checkpoint_every=1, keep_checkpoints=5,
+                           save_all_versions=False, trajectory_log=True)
+    spec = StoreConfig(max_staleness=1, keep_history=True, max_restarts=3, adapters=True)
+    assert recorder.kept_versions(adapters=True) == [1, 2, 3] and recorder.kept_versions() == [1, 2, 3]
+    assert needed_versions(recorder, spec) == ([2, 3], []) and refusal(recorder, spec, 1) is None
+
+    store = RayStore.start(1, True, reconnect_seconds=RECONNECT_SECONDS)
+    reader = RayStore(store.actor, store.name, store.reconnect_seconds)  # what a generator holds
+    for version in (1, 2, 3):
+        store.publish(adapters[version], version)
+    store.kill()
+    store.wait_until_dead()
+    rebuilt, held = rebuild(store, recorder, spec, restarts=1)
+    try:
+        assert held == [2, 3] and rebuilt.generation == 1
+        for version in (2, 3):  # the old client reconnects to the next generation
+            got_version, got = reader.weights(version)
+            assert got_version == version and lora.is_adapter(got)
+            assert all(torch.equal(got[k], adapters[version][k]) for k in adapters[version])
+        assert reader.generation == 1 and rebuilt.stats().counters["recovery/store_rebuilds"] == 1
+    finally:
+        rebuilt.kill()

@@ -281,3 +281,51 @@ def test_a_run_resumed_from_a_sharded_checkpoint_equals_the_uninterrupted_run(ra
     final = ckpt.latest_checkpoint(tmp_path / "resumed" / "checkpoints")
     assert final.version == 4 and (final.path / "config.json").is_file()
     assert max_abs_difference(load_model(final.path).state_dict(), resumed_weights) == 0.0
+
+
+@pytest.mark.timeout(900)
+def test_lora_on_two_sharded_workers_ends_where_lora_on_one_worker_does(ray_session, tmp_path):
+    """LoRA (r 8) with FSDP x 2, the adapter sharded with its layer: the same per-step loss
+    (1e-6), gradient norms and final adapter (1e-5) as LoRA on one unsharded worker; each worker
+    holds about half of the adapter's parameters, gradients and Adam moments (the frozen base is
+    not counted: the optimizer has only the adapter). Its checkpoints keep the adapter's shards
+    and the whole adapter (not the base); a run resumed from one equals the uninterrupted run."""
+    from trajflow.engines import checkpoint as ckpt
+    from trajflow.engines import lora
+    from trajflow.engines.models import WARM_START_DIR, load_model
+    from trajflow.jobs.recorder import RunRecorder
+
+    config = dict(SYNC, steps=4, lora={"r": 8, "alpha": 16.0})
+
+    def recorder(run_dir, resume_from=None) -> RunRecorder:
+        return RunRecorder(run_dir=str(run_dir), steps=4, checkpoint_every=2, keep_checkpoints=5,
+                           save_all_versions=False, trajectory_log=False, resume_from=resume_from)
+
+    one, one_adapter = run_with_final_weights(PipelineConfig(**config))
+    sharded = PipelineConfig(**config, trainer=FSDP2)
+    two, two_adapter = run_with_final_weights(sharded, recorder=recorder(tmp_path / "whole"))
+    assert lora.is_adapter(one_adapter) and lora.is_adapter(two_adapter)
+    moved = max(float(v.abs().max()) for k, v in one_adapter.items() if ".lora_B." in k)
+    gap = max_abs_difference(two_adapter, one_adapter)
+    print(f"\nLoRA, fsdp x 2 vs 1 worker: adapter differs by {gap:.1e} (lora_B moved {moved:.1e}), loss by "
+          f"{max(abs(a - b) for a, b in zip(two['loss'], one['loss'])):.1e}")
+    assert moved > 1e-4, "lora_B is still 0: the comparison would prove nothing"
+    assert two["loss"].to_list() == pytest.approx(one["loss"].to_list(), abs=1e-6)
+    assert two["grad/norm"].to_list() == pytest.approx(one["grad/norm"].to_list(), rel=1e-5)
+    assert two["optimizer_steps"].to_list() == one["optimizer_steps"].to_list()
+    assert gap < 1e-5
+    for kind in ("parameter", "gradient", "optimizer"):  # the adapter's bytes, halved (+ padding)
+        ratio = two[f"trainer/{kind}_bytes"].max() / one[f"trainer/{kind}_bytes"].max()
+        assert 0.5 <= ratio < 0.56, (kind, ratio)
+    checkpoint = {c.version: c for c in ckpt.list_checkpoints(tmp_path / "whole" / "checkpoints")}[2]
+    assert checkpoint.sharded and (checkpoint.path / ckpt.ADAPTER_FILE).is_file()
+    shards = sum(p.stat().st_size for p in (checkpoint.path / "shards" / "model").iterdir())
+    assert shards < 1.2 * (checkpoint.path / ckpt.ADAPTER_FILE).stat().st_size  # the adapter's shards only
+    resumed, resumed_adapter = run_with_final_weights(
+        sharded, range(2, 4), initial_weights=checkpoint.model_state(),
+        recorder=recorder(tmp_path / "resumed", str(checkpoint.path)))
+    assert resumed["loss"].to_list() == pytest.approx(two["loss"].to_list()[2:], abs=1e-7)
+    assert max_abs_difference(resumed_adapter, two_adapter) < 1e-7
+    final = ckpt.latest_checkpoint(tmp_path / "resumed" / "checkpoints")  # exported: the adapter merged in
+    expected = lora.merged(load_model(WARM_START_DIR).state_dict(), resumed_adapter)
+    assert max_abs_difference(ckpt.load_weights(final.path / "model.safetensors"), expected) < 1e-6

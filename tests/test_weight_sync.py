@@ -61,11 +61,11 @@ def test_config_section_defaults_bounds_and_what_collective_refuses():
     assert config.settings.weight_sync == WeightSyncConfig()
     assert config.weight_sync.method == "object_store"
     assert PipelineConfig(weight_sync={"bucket_mb": 1}).settings.weight_sync.bucket_mb == 1.0
-    assert PipelineConfig(weight_sync=COLLECTIVE, recovery=NO_RESTARTS).weight_sync.method == "collective"
-    with pytest.raises(ValueError, match="collective keeps no trained version.*recovery.max_restarts: 0"):
-        PipelineConfig(weight_sync=COLLECTIVE)
+    # the one key is enough: recovery stays on at its default (a rebuilt trainer reads its checkpoint)
+    config = PipelineConfig(weight_sync=COLLECTIVE)
+    assert config.weight_sync.method == "collective" and config.recovery.max_restarts == 3
     with pytest.raises(ValueError, match="collective sends full weights; a lora adapter"):
-        PipelineConfig(weight_sync=COLLECTIVE, recovery=NO_RESTARTS, lora={"r": 4})
+        PipelineConfig(weight_sync=COLLECTIVE, lora={"r": 4})
     with pytest.raises(ValueError, match="bucket_mb"):
         PipelineConfig(weight_sync={"bucket_mb": 0})
     with pytest.raises(ValueError, match="method"):
@@ -147,17 +147,21 @@ def test_readers_get_every_version_bitwise_in_their_dtype_and_a_late_one_the_cur
 
 
 @pytest.mark.timeout(300)
-def test_a_reader_killed_mid_transfer_stops_the_trainer_with_one_line(ray_session):
+def test_a_reader_killed_mid_transfer_is_dropped_and_its_restart_joins_again(ray_session, tmp_path):
+    """A reader whose process dies in the middle of version 1 (a generator killed): the trainer
+    drops it with one line and counts it, the other reader still gets version 1, the store
+    registers it, and the reader's process, restarted by Ray, joins again and is sent version 1."""
     import ray
 
     from trajflow.pipelines.policy_store import RayStore
 
     # defined here, so Ray pickles it by value (the tests folder is not importable in its workers)
     class DyingReader:
-        """A reader in its own Ray process that dies after the first bucket it receives."""
+        """A reader in its own Ray process that dies after the first bucket it receives, once."""
 
-        def __init__(self, store, config: WeightSyncConfig) -> None:
+        def __init__(self, store, config: WeightSyncConfig, marker: str) -> None:
             import os
+            from pathlib import Path
 
             from trajflow.operators.trainer import weight_sync
 
@@ -165,39 +169,52 @@ def test_a_reader_killed_mid_transfer_stops_the_trainer_with_one_line(ray_sessio
 
             def unpack_then_die(flat, bucket):  # the process dies mid-transfer, like a lost reader
                 calls.append(1)
-                if len(calls) > 1:
+                if len(calls) > 1 and not Path(marker).exists():
+                    Path(marker).touch()
                     os._exit(1)
                 return unpack(flat, bucket)
 
             weight_sync.unpack = unpack_then_die
             self.receiver = WeightReceiver(store, config, "float32", history=False)
 
-        def newest(self) -> int:
-            return self.receiver.newest()[0]
+        def newest(self) -> tuple[int, dict]:
+            version, got = self.receiver.newest()
+            return version, {k: v.clone() for k, v in got.items()}
 
     weights = _weights()
+    version_1 = {k: v + 1 for k, v in weights.items()}
     config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=10)
     assert len(bucket_layout(weights, int(0.05 * 2**20), 4)) > 2  # it dies between buckets
     store = RayStore.start(max_staleness=1, keep_history=False)
-    server = None
+    server = healthy = None
     try:
         store.publish(weights, 0)
         server = WeightServer(store, config, weights, ["float32"])
-        reader = ray.remote(DyingReader).options(num_cpus=0).remote(store, config)
-        assert ray.get(reader.newest.remote(), timeout=120) == 0  # from the store
+        reader = ray.remote(DyingReader).options(num_cpus=0, max_restarts=1, max_task_retries=1).remote(
+            store, config, str(tmp_path / "died"))
+        assert ray.get(reader.newest.remote(), timeout=120)[0] == 0  # from the store
         _wait_for_readers(server, 1)
+        healthy = WeightReceiver(store, config, "float32", history=False)
+        _wait_for_readers(server, 2)
         started = time.monotonic()
-        with pytest.raises(WeightSyncError) as info:  # the reader dies in the second bucket of version 1
-            server.offer(1, weights.items())
-            server.wait()
+        server.offer(1, version_1.items())  # the dying reader is reader 0: it dies first
+        server.wait()
         elapsed = time.monotonic() - started
+        assert (tmp_path / "died").exists()
+        assert store.latest_version() == 1 and store.stats().counters["weight_sync_readers_lost"] == 1
+        assert all(torch.equal(healthy.weights(1)[k], t) for k, t in version_1.items())
+        version, got = ray.get(reader.newest.remote(), timeout=120)  # restarted: joined as a late joiner
+        assert version == 1 and all(torch.equal(got[k], t) for k, t in version_1.items())
+        assert len(server.readers) == 2
     finally:
+        if healthy is not None:
+            healthy.close()
         if server is not None:
             server.close()
         store.kill()
-    message = str(info.value)
-    print(f"\nkilled reader: {elapsed:.1f} s to {message}")
-    assert message.startswith("trajflow: weight_sync (reader 0, trainer side):") and "\n" not in message
+    (line,) = server.lost_readers
+    print(f"\nkilled reader: dropped in {elapsed:.1f} s: {line}")
+    assert line.startswith("trajflow: weight_sync (reader 0, trainer side):") and "\n" not in line
     assert elapsed < 2 * config.timeout_seconds + 5
 
 
@@ -239,8 +256,69 @@ def test_a_lost_trainer_is_one_line_where_the_reader_needs_a_version(ray_session
         if receiver is not None:
             receiver.close()
         store.kill()
-    assert str(info.value).startswith("trajflow: weight_sync (reader") and "\n" not in str(info.value)
+    message = str(info.value)
+    assert message.startswith("trajflow: weight_sync (reader side): version 1 did not arrive (its trainer was lost: ")
+    assert "no rebuilt trainer served it" in message and "\n" not in message
     assert elapsed <= config.timeout_seconds + 5
+
+
+@pytest.mark.timeout(300)
+def test_a_reader_keeps_its_versions_and_joins_the_server_of_a_rebuilt_trainer(ray_session):
+    """Recovery under collective: the trainer's process is killed between versions; the reader
+    (an exact scorer: the window v-1..v) keeps what it holds, and joins the server the rebuilt
+    trainer starts, which serves the recovered version again (the store numbers it already: no
+    change) and then the next ones, bitwise."""
+    import ray
+
+    from trajflow.pipelines.policy_store import RayStore
+
+    class ServingTrainer:
+        """A trainer's weight server in a Ray process of its own (the test kills it)."""
+
+        def __init__(self, store, config: WeightSyncConfig, weights: dict) -> None:
+            self.server = WeightServer(store, config, weights, ["float32"])
+
+        def readers(self) -> int:
+            return len(self.server.readers)
+
+        def serve(self, version: int, weights: dict) -> None:
+            self.server.offer(version, weights.items())
+            self.server.wait()
+
+    weights = _weights()
+    versions = {v: {k: t + v for k, t in weights.items()} for v in range(4)}
+    config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=60)
+    store = RayStore.start(max_staleness=1, keep_history=True)
+    remote = ray.remote(ServingTrainer).options(num_cpus=0)
+    receiver = None
+    try:
+        store.publish(weights, 0)
+        first = remote.remote(store, config, weights)
+        receiver = WeightReceiver(store, config, "float32", history=True)
+        deadline = time.monotonic() + 60
+        while ray.get(first.readers.remote()) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for v in (1, 2):
+            ray.get(first.serve.remote(v, versions[v]))
+        assert store.weight_server().generation == 1 and store.latest_version() == 2
+        ray.kill(first)
+        deadline = time.monotonic() + 60
+        while receiver.lost is None:  # it noticed: its server is gone
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for v in (1, 2):  # kept while no trainer serves
+            assert all(torch.equal(receiver.weights(v)[k], t) for k, t in versions[v].items())
+        rebuilt = remote.remote(store, config, weights)
+        ray.get(rebuilt.serve.remote(2, versions[2]))  # the version it recovered: every joined reader gets it
+        ray.get(rebuilt.serve.remote(3, versions[3]))
+        assert store.weight_server().generation == 2 and store.latest_version() == 3
+        assert all(torch.equal(receiver.weights(3)[k], t) for k, t in versions[3].items())
+        assert sorted(receiver.held) == [2, 3] and receiver.joins == 2 and receiver.lost is None
+    finally:
+        if receiver is not None:
+            receiver.close()
+        store.kill()
 
 
 def test_backend_choice_nccl_between_gpus_gloo_otherwise_no_gpu_needed():

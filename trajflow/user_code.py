@@ -47,18 +47,16 @@ def load_object(spec: str, key: str = "") -> Any:
 def register_by_value(module: ModuleType) -> None:
     """Pickle `module`'s functions and classes by value (Ray's cloudpickle, and the standalone one
     if installed), unless workers can import it anyway (installed, trajflow, or __main__, which
-    cloudpickle always ships by value)."""
+    cloudpickle always ships by value). Without either installed (the in-process loop where Ray
+    is not: scripts/gpu_check.sh) nothing is pickled, so nothing to register."""
     if module.__name__ == "__main__" or _installed(module):
         return
-    import ray.cloudpickle
-
-    picklers = [ray.cloudpickle]
-    try:
-        import cloudpickle
-
-        picklers.append(cloudpickle)
-    except ImportError:
-        pass
+    picklers = []
+    for name in ("ray.cloudpickle", "cloudpickle"):
+        try:
+            picklers.append(importlib.import_module(name))
+        except ImportError:
+            pass
     for pickler in picklers:
         try:
             pickler.register_pickle_by_value(module)

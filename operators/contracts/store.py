@@ -49,10 +49,12 @@ class PolicyStoreClient(Protocol):
 
     def register(self, version: int) -> int:
         """Register `version` without its tensors (`weight_sync.method: collective`: the trainer
-        sends them to the readers itself); numbers and the staleness bound stay the store's."""
+        sends them to the readers itself); numbers and the staleness bound stay the store's. The
+        newest version again is no change (a rebuilt trainer serves the version it recovered)."""
 
     def set_weight_server(self, host: str, port: int) -> None:
-        """Where the trainer serves versions (collective; a rebuilt trainer's address replaces it)."""
+        """Where the trainer serves versions (collective; a rebuilt trainer's address replaces it,
+        as the next generation of the server)."""
 
     def weight_server(self) -> ServerAddress | None:
         """The trainer's version server and the staleness bound, or None before it started."""

@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from trajflow.operators.trainer.addresses import local_address
+
 
 def choose_backend(device: torch.device | str) -> str:
     """The collective backend for a worker's device: NCCL between GPUs, gloo on the CPU."""
@@ -62,7 +64,8 @@ class Collective:
             options = dist.ProcessGroupNCCL.Options()
         else:
             options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            # this worker's own sockets: loopback, or its interface toward the rendezvous host
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host))]
         options._timeout = timeout
         if not default_group:
             self.group = (dist.ProcessGroupNCCL if nccl else dist.ProcessGroupGloo)(store, rank, world_size, options)

@@ -11,7 +11,7 @@ before its forward and backward, freed after). What this module decides on top o
   replicated trainer's, is neither: so a sharded worker initialises torch.distributed's default
   group (`Collective(default_group=True)`, on the same TCP store) and the mesh is that group. One
   sharded trainer per process; `Collective.close()` destroys the group, so tests can build and
-  tear down trainers again in one process. Gloo is bound to the rendezvous host (127.0.0.1 when
+  tear down trainers again in one process. Gloo binds each worker to its own address (127.0.0.1 when
   all workers share a node) through `BOUND_GLOO`, a registered gloo backend that takes the
   device from the group options, since the built-in "gloo" picks its interface from the host name.
 - The sum, not the mean. FSDP2 divides reduced gradients by the number of workers by default; the
@@ -24,6 +24,16 @@ before its forward and backward, freed after). What this module decides on top o
   residual adds and the softmax in bf16, so pi_theta would not equal pi_old on-policy
   (r_s != 1; tests/test_trainer_fsdp.py measures it). The price is that the all-gathers move
   float32, twice the bytes of bf16.
+- LoRA (`lora:`): the adapter is sharded with its layer, not replicated. `fully_shard` shards
+  every parameter of a unit, frozen base and trainable adapter alike (FSDP2 keeps frozen and
+  trainable parameters in one unit and reduce-scatters only the gradients that exist, the
+  adapter's), so the adapter rides the all-gathers the base needs anyway and the update is the
+  same code path as full fine-tuning: one division by the global count, one clip over sharded
+  gradients, AdamW on the shards. Replicating it instead would take the adapter out of FSDP
+  (`ignored_params`) and add a second reduction of its gradients, for a saving of a few MB.
+  Reading the adapter (`version_payload`: publish, checkpoint, versions/) gathers each of its
+  tensors on every worker in step; a sharded checkpoint keeps the adapter's shards (not the
+  frozen base) and the whole adapter beside them, which a resumed run publishes first.
 - Lockstep. Every forward and backward of a sharded module is a collective, so every worker
   runs the same passes: the shard plan pads a worker's micro-batches with zero-weight dummy
   passes (`plan_shards(lockstep=True)`), strategies whose pi_old needs a model forward score

@@ -64,6 +64,9 @@ class WorkerGroup(ABC):
     def gather_weights(self, dtype: torch.dtype | None) -> Pending:
         return self._on_each(TrainerRank.gather_weights, dtype)
 
+    def gather_adapter(self) -> Pending:
+        return self._on_each(TrainerRank.gather_adapter)
+
     def save_shards(self, directory: str) -> Pending:
         return self._on_each(TrainerRank.save_shards, directory)
 

@@ -38,7 +38,10 @@ micro-batches with zero-weight dummy passes), since each pass of a sharded model
 
 A worker that dies (or does not join an all-reduce within `collective_timeout_seconds`) fails
 the step with `TrainerStateLost`, naming the worker and its node: the group's optimizer and
-strategy state is gone, and the run continues only by `--resume` from its last checkpoint.
+strategy state is gone. Worker 0 then starts a new group (sharded: every worker, itself
+included, from an unsharded model sharded again) and rebuilds the state from the last checkpoint
+and the trajectory log (operators/trainer/recovery.py), up to `recovery.max_restarts` times;
+past that, the run continues only by `--resume` from its last checkpoint.
 """
 
 from __future__ import annotations

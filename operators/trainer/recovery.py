@@ -6,10 +6,16 @@ restarts and whose in-flight step it retries — the state since the last checkp
 exactly rather than lost:
 
 1. every worker loads the last checkpoint (weights, optimizer and strategy state, its version v);
-2. the steps v .. s-1 (s: the step at hand) are trained again from the rows the trajectory log
-   holds for them — the same rows in the same order, with the old log-probs they carried — with
-   nothing published, logged or checkpointed (all of it already was);
-3. step s is trained as usual, from the live stream.
+   a rebuilt worker reads its weights there, never in the policy store (which holds no tensors
+   of a version under `weight_sync.method: collective`);
+2. the steps v .. s-1 (s: the step at hand, or the one after the newest logged step for a
+   restarted train step, which recovers as it starts) are trained again from the rows the
+   trajectory log holds for them — the same rows in the same order, with the old log-probs they
+   carried — with nothing logged or checkpointed (all of it already was);
+3. the version the run goes on from is published if the store lacks it (the trainer died
+   between logging a step and publishing its version), and a rebuilt weight server
+   (collective) serves it first: its readers kept the versions they held and join it;
+4. step s is trained as usual, from the live stream.
 
 No rollout is generated again and none is trained twice into the final state: a logged step is
 re-applied only to state that was rolled back to before it. The generators keep going meanwhile
@@ -31,6 +37,9 @@ import pyarrow as pa
 from trajflow.settings import setting
 
 RECOVERY_PREFIX = "recovery/"  # the metrics of recoveries: restarts, seconds, replayed_steps, event
+# `recovery/restarted/<process>`: times Ray restarted a stage process that died (a generator, a
+# scorer: pipelines/colocation.py), counted in the row of the step during which it came back
+RESTARTED_PREFIX = f"{RECOVERY_PREFIX}restarted/"
 
 
 @dataclass(frozen=True)
@@ -79,15 +88,16 @@ def refusal(config: RecoveryConfig, source: TrainerSource | None, restarts: int)
     return source.refusal()
 
 
-def replay_plan(source: TrainerSource, step: int) -> tuple[str, int, list[pa.Table]]:
+def replay_plan(source: TrainerSource, step: int | None = None) -> tuple[str, int, list[pa.Table]]:
     """The checkpoint to load and the logged rows of its version up to the step at hand, in step
     order; RuntimeError (one line) when the checkpoint or a step's rows are missing.
 
-    The step at hand (`step`, the first batch the rebuilt trainer receives) may be one the trainer
+    The step at hand (`step`, the batch the trainer was training when a worker died; None for a
+    train step's restarted process, which recovers before its first batch) may be one the trainer
     that died had already trained and logged: Ray Data retries a lost task whole, and one task can
     hold several steps. Every logged step is retrained from the log, so the plan runs through the
     newest logged step, and the train step skips live batches of the steps it covers."""
-    end = max(step, source.last_logged_step() + 1)
+    end = max(step or 0, source.last_logged_step() + 1)
     found = source.last_checkpoint(at_most=end)
     if found is None:
         raise RuntimeError("no checkpoint to rebuild the trainer from yet (checkpoint_every)")

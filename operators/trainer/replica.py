@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,7 +74,8 @@ class TrainerReplica(ReplicaState, PolicyHolder):
     (over the shards) and binds its strategy; from then on every forward and backward pass of the
     policy is a collective, so the workers run the same passes in the same order."""
 
-    def __init__(self, store: PolicyStoreClient, spec: TrainStepConfig, version: int | None = None) -> None:
+    def __init__(self, store: PolicyStoreClient, spec: TrainStepConfig, version: int | None = None,
+                 rebuilt: bool = False) -> None:
         torch.set_num_threads(spec.trainer.torch_threads)
         self.store = store
         self.spec = spec
@@ -87,24 +88,42 @@ class TrainerReplica(ReplicaState, PolicyHolder):
         self.sharded = spec.trainer.sharding == "fsdp"
         self.collective = Collective()  # world size 1 until a group is joined
         # The store's newest weights (version 0 on a fresh run, the resumed one later), or the
-        # version worker 0 started from.
-        self.version, weights = store.weights(version)
+        # version worker 0 started from. A worker `rebuilt` after a fault loads its checkpoint next
+        # (operators/trainer/recovery.py): the model directory's weights until then, since the
+        # store may hold no tensors of its versions (weight_sync collective).
+        self.version, weights = (store.latest_version(), {}) if rebuilt else store.weights(version)
+        self.model = self._load_policy(weights)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_steps = 0
+        if not self.sharded:
+            self._start()
+
+    def _load_policy(self, weights: Mapping[str, Tensor]) -> torch.nn.Module:
+        """The policy: the model directory's weights, then `weights` (full weights, a LoRA
+        adapter over the directory's base, or none), in the training numerics."""
+        spec = self.spec
         model = load_model(spec.model_path)
         if lora.is_adapter(weights):  # a resumed LoRA run: the model directory's base + the version's adapter
             model = lora.wrap(model, spec.lora)
             lora.load_adapter(model, weights)
         else:
-            model.load_state_dict(weights)
+            if weights:
+                model.load_state_dict(weights)
             if spec.lora.enabled:
                 model = lora.wrap(model, spec.lora)
         # sharded, the model reaches the device shard by shard (operators/trainer/fsdp.py), never whole
-        self.model = model.eval() if self.sharded else spec.numerics.prepare(model)
+        model = model.eval() if self.sharded else spec.numerics.prepare(model)
         if spec.trainer.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.optimizer_steps = 0
-        if not self.sharded:
-            self._start()
+            enable_gradient_checkpointing(model)
+        return model
+
+    def reload_unsharded(self) -> None:
+        """A sharded worker whose group is gone (a worker died): a fresh unsharded policy (FSDP
+        does not re-shard a model in place), optimizer and strategy, to join a new group and load
+        a checkpoint into (operators/trainer/recovery.py)."""
+        self.model = self._load_policy({})
+        self.optimizer, self.optimizer_steps = None, 0
+        self.strategy = copy.deepcopy(self.spec.strategy)
 
     def join_group(self, collective: Collective) -> None:
         """Train in `collective`'s group from now on. A sharded worker shards its model over it
@@ -134,20 +153,29 @@ class TrainerReplica(ReplicaState, PolicyHolder):
         worker of the group runs this iteration in step, to the end (`TrainStep.full_weights`
         drives workers 1..N-1; they drop what they gather). LoRA: the base with the adapter merged
         in, under the plain model's names."""
-        if self.spec.lora.enabled:
-            return full_tensors(lora.merged(dict(lora.base_weights(self.model)), self.version_payload()), dtype)
-        return full_tensors(self.model.state_dict(), dtype)
+        if not self.spec.lora.enabled:
+            return full_tensors(self.model.state_dict(), dtype)
+        payload = TrainerReplica.version_payload(self)  # this worker's part, not worker 0's driver of all
+        if not self.sharded:
+            return full_tensors(lora.merged(dict(lora.base_weights(self.model)), payload), dtype)
+        return _merged_in_step(lora.base_weights(self.model), lora.deltas(payload), dtype)
 
     def version_payload(self) -> dict[str, Tensor]:
-        """What a LoRA trainer publishes and checkpoints per version: the adapter (engines/lora.py)."""
-        return lora.adapter_payload(self.model, self.spec.lora.scaling)
+        """What a LoRA trainer publishes and checkpoints per version: the adapter (engines/lora.py),
+        whole. Sharded, the adapter is sharded with its layer (operators/trainer/fsdp.py): each
+        tensor is all-gathered, a collective every worker runs in step."""
+        payload = lora.adapter_payload(self.model, self.spec.lora.scaling)
+        return dict(full_tensors(payload)) if self.sharded else payload
 
     def policy_copy(self) -> torch.nn.Module:
         """A frozen copy of the policy with the current weights; sharded like it (its forward
         passes are collectives too, run by every worker in step) when the trainer is sharded."""
         if not self.sharded:
             return super().policy_copy()
-        model = load_model(self.spec.model_path).eval().requires_grad_(False)
+        model = load_model(self.spec.model_path)
+        if self.spec.lora.enabled:  # the same module tree as the policy's, so its state dict loads
+            model = lora.wrap(model, self.spec.lora)
+        model = model.eval().requires_grad_(False)
         shard_model(model, self.collective.mesh, self.spec.trainer.cpu_offload, frozen=True)
         model.load_state_dict(self.model.state_dict())
         return model
@@ -320,6 +348,16 @@ class TrainerReplica(ReplicaState, PolicyHolder):
         self.version += 1
 
 
+def _merged_in_step(base: Iterator[tuple[str, Tensor]], deltas: dict[str, lora.Delta],
+                    dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
+    """A sharded LoRA policy's full weights, one tensor at a time: each base tensor gathered (in
+    float32: the adapter is merged before any cast), its layer's adapter merged in, then cast."""
+    for name, weight in full_tensors(dict(base)):
+        if name in deltas:
+            weight = deltas[name].apply(weight)
+        yield name, weight.to(dtype) if dtype is not None and weight.is_floating_point() else weight
+
+
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass, with dropout still off.
 
@@ -339,8 +377,9 @@ class TrainerRank(TrainerReplica):
     """Worker `rank` (1..N-1) of a data-parallel train step: a Ray actor started by worker 0 from
     the same spec and version; worker 0 restores its checkpoint state when resuming."""
 
-    def __init__(self, rank: int, world_size: int, store: PolicyStoreClient, spec: TrainStepConfig, version: int) -> None:
-        super().__init__(store, spec, version)
+    def __init__(self, rank: int, world_size: int, store: PolicyStoreClient, spec: TrainStepConfig, version: int | None,
+                 rebuilt: bool = False) -> None:
+        super().__init__(store, spec, version, rebuilt)
         self.rank, self.world_size = rank, world_size
 
     def node_id(self) -> str:
@@ -354,3 +393,7 @@ class TrainerRank(TrainerReplica):
         """Take part in worker 0's `full_weights()`: the same gathers in step (their tensors dropped)."""
         for _ in self.full_weights(dtype):
             pass
+
+    def gather_adapter(self) -> None:
+        """Take part in worker 0's `version_payload()` of a sharded LoRA trainer (tensors dropped)."""
+        self.version_payload()

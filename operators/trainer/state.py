@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trajflow.engines import checkpoint as ckpt
+from trajflow.engines import lora
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +56,7 @@ class ReplicaState:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         coordinator = self.collective.rank == 0
-        ckpt.save_sharded(Path(directory), "model", self.model.state_dict(), coordinator)
+        ckpt.save_sharded(Path(directory), "model", self._trained_state(), coordinator)
         # an optimizer that never stepped has no state (reading it would make some: a zero-lr step)
         optimizer = get_optimizer_state_dict(self.model, self.optimizer) if self.optimizer.state else {}
         ckpt.save_sharded(Path(directory), "optimizer", optimizer, coordinator)
@@ -66,12 +67,19 @@ class ReplicaState:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
         directory = Path(directory)
-        self.model.load_state_dict(ckpt.load_sharded(directory, "model", self.model.state_dict))
+        self.model.load_state_dict(ckpt.load_sharded(directory, "model", self._trained_state),
+                                   strict=not self.spec.lora.enabled)
         optimizer = ckpt.load_sharded(directory, "optimizer", lambda: get_optimizer_state_dict(self.model, self.optimizer))
         if optimizer:
             set_optimizer_state_dict(self.model, self.optimizer, optimizer)
             self.optimizer_steps = _optimizer_steps(optimizer)
         self._load_strategy_state(ckpt.load_sharded(directory, "strategy", self.strategy.state_dict))
+
+    def _trained_state(self) -> dict:
+        """The model state a sharded checkpoint keeps: all of it, or a LoRA trainer's adapter
+        only (its base is the model directory's, frozen)."""
+        state = self.model.state_dict()
+        return {k: v for k, v in state.items() if "lora_" in k} if self.spec.lora.enabled else state
 
     def load_checkpoint(self, directory: str, version: int) -> None:
         """Roll this worker back to checkpoint `directory` of `version` (recovery): weights,
@@ -81,7 +89,11 @@ class ReplicaState:
             self.load_shards(directory)
         else:
             checkpoint = ckpt.Checkpoint(Path(directory), version)
-            self.model.load_state_dict(checkpoint.model_state())
+            weights = checkpoint.model_state()
+            if lora.is_adapter(weights):  # a LoRA trainer's checkpoint: its adapter over the model directory's base
+                lora.load_adapter(self.model, weights)
+            else:
+                self.model.load_state_dict(weights)
             self.strategy = copy.deepcopy(self.spec.strategy)
             self.optimizer_steps = 0
             self._start()

@@ -13,8 +13,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Protocol
 
 from trajflow.operators.contracts.store import PolicyStoreClient, VersionNotHeld
+from trajflow.operators.trainer.addresses import local_address, reachable
 from trajflow.operators.trainer.weight_sync import (
     CollectiveChannel,
+    ServerAddress,
     WeightSyncConfig,
     WeightSyncError,
     first_line,
@@ -66,10 +68,13 @@ class WeightReceiver:
 
     def __init__(self, store: PolicyStoreClient, config: WeightSyncConfig, dtype: str, history: bool,
                  device: str = "cpu") -> None:
+        import torch  # noqa: F401 - the store's versions arrive as tensors only where torch is loaded (schemas/weights.py)
+
         self.store, self.config, self.dtype, self.history, self.device = store, config, dtype, history, device
         self.held: dict[int, dict[str, Tensor]] = {}
         self.keep: int | None = None  # versions kept: 1, or the staleness window S+1 (history)
-        self.error: WeightSyncError | None = None
+        self.lost: str | None = None  # why the last server was left (its trainer died), until the next one joins
+        self.joins = 0  # servers joined: more than one after a trainer was rebuilt
         self._changed = threading.Condition()
         self._closed = threading.Event()
         self._wake: tuple[str, int, str] | None = None  # where close() announces "no more versions"
@@ -84,13 +89,23 @@ class WeightReceiver:
         return (f"trajflow: weight_sync (reader side): {what} "
                 f"(weight_sync.timeout_seconds={self.config.timeout_seconds:g})")
 
-    def _join(self) -> tuple[CollectiveChannel, dict[str, Tensor], dict[str, str]]:
+    def _server(self, gone: int) -> ServerAddress | None:
+        """The newest server the store names that is not server `gone` (0: none yet) and that
+        takes connections; waits while there is none (the trainer is starting, or being rebuilt).
+        None once this reader is closed."""
+        while True:
+            address = self.store.weight_server()
+            if address is not None and address.generation != gone:
+                if reachable(address.host, address.port):
+                    return address
+                gone = address.generation  # its trainer died before this reader joined it
+            if self._closed.wait(0.1):
+                return None
+
+    def _join(self, address: ServerAddress) -> tuple[CollectiveChannel, dict[str, Tensor], dict[str, str]]:
         import torch
         import torch.distributed as dist
 
-        while (address := self.store.weight_server()) is None:  # the trainer is still starting
-            if self._closed.wait(0.1):
-                raise WeightSyncError(self._line("closed before the trainer served versions"))
         self.keep = address.max_staleness + 1 if self.history else 1
         timeout = timedelta(seconds=self.config.timeout_seconds)
         tcp = dist.TCPStore(address.host, address.port, is_master=False, timeout=timeout)
@@ -102,27 +117,44 @@ class WeightReceiver:
         channel = CollectiveChannel(rank=1, store=dist.PrefixStore(f"join/{n}/", tcp), prefix=f"reader {n}",
                                     dtype=torch_dtype(self.dtype), bucket_mb=layout["bucket_bytes"] / 2**20,
                                     timeout_seconds=self.config.timeout_seconds,
-                                    device=link_device(self.device, layout["device"]))
+                                    device=link_device(self.device, layout["device"]),
+                                    bind=local_address(address.host))
         return channel, like, layout["aliases"]
 
     def _receive(self) -> None:
-        try:
-            channel, like, aliases = self._join()
-            self._channel = channel
-            while (version := channel.next_version(self._closed)) is not None:
-                weights = channel.receive(version, like)
-                if self.history:  # the window lives in host memory
-                    weights = {k: v.cpu() for k, v in weights.items()}
-                weights.update({alias: weights[name] for alias, name in aliases.items()})
+        """Join the trainer's server and take every version it sends. Whatever ends the link (the
+        trainer's process died: between versions, mid-transfer, mid-join) ends it for this
+        server only: the reader keeps what it holds and joins the next server (a rebuilt
+        trainer's); a version it needs meanwhile waits up to `timeout_seconds` (`weights`)."""
+        gone = 0
+        while not self._closed.is_set():
+            address = self._server(gone)
+            if address is None:  # closed while no server was up
+                return
+            try:
+                channel, like, aliases = self._join(address)
+                self._channel, self.lost = channel, None
+                self.joins += 1
+                self._take(channel, like, aliases)
+            except Exception as error:  # noqa: BLE001 - the link is gone; the reason is kept for the one line
+                if self._closed.is_set():
+                    return
+                self._channel, self._wake, gone = None, None, address.generation
                 with self._changed:
-                    self.held[version] = weights
-                    for old in sorted(self.held)[:-self.keep]:  # (the starting version may be held too)
-                        del self.held[old]
+                    self.lost = first_line(error)
                     self._changed.notify_all()
-        except Exception as error:  # noqa: BLE001 - surfaces as one line where a version is needed
-            self.error = error if isinstance(error, WeightSyncError) else WeightSyncError(
-                self._line(first_line(error)))
+
+    def _take(self, channel: CollectiveChannel, like: dict[str, Tensor], aliases: dict[str, str]) -> None:
+        """Receive versions from `channel` until this reader is closed (WeightSyncError: the server is lost)."""
+        while (version := channel.next_version(self._closed)) is not None:
+            weights = channel.receive(version, like)
+            if self.history:  # the window lives in host memory
+                weights = {k: v.cpu() for k, v in weights.items()}
+            weights.update({alias: weights[name] for alias, name in aliases.items()})
             with self._changed:
+                self.held[version] = weights
+                for old in sorted(self.held)[:-self.keep]:  # (the starting version may be held too)
+                    del self.held[old]
                 self._changed.notify_all()
 
     def weights(self, version: int) -> Mapping[str, Tensor]:
@@ -139,14 +171,13 @@ class WeightReceiver:
                 return self.held[version]
         with self._changed:
             arrived = self._changed.wait_for(
-                lambda: self.error is not None or (self.held and max(self.held) >= version),
+                lambda: self.held and max(self.held) >= version,
                 timeout=self.config.timeout_seconds)
             if version in self.held:
                 return self.held[version]
-            if self.error is not None:
-                raise self.error
             if not arrived:
-                raise WeightSyncError(self._line(f"version {version} did not arrive"))
+                lost = f" (its trainer was lost: {self.lost}; no rebuilt trainer served it)" if self.lost else ""
+                raise WeightSyncError(self._line(f"version {version} did not arrive{lost}"))
             raise VersionNotHeld(f"weights of version {version} are not held by this reader "
                                  f"(held: {sorted(self.held)})")
 

@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from trajflow.operators.contracts.store import PolicyStoreClient
+from trajflow.operators.trainer.addresses import LOOPBACK
 from trajflow.operators.trainer.weight_sync import (
     CollectiveChannel,
     WeightSyncConfig,
@@ -31,10 +32,12 @@ class WeightServer:
     """The trainer's end of `collective` (see the module docstring); in the train step's process.
 
     `shapes`: the model's state dict (names and full shapes; tensors shared by several names, tied
-    weights, travel once). `dtypes`: the reader dtypes to serve (`reader_dtype` of each reader)."""
+    weights, travel once). `dtypes`: the reader dtypes to serve (`reader_dtype` of each reader).
+    `host`: the address it listens on and binds its links to (operators/trainer/addresses.py
+    `serving_host`: 127.0.0.1 on one node, this node's address when readers may be elsewhere)."""
 
     def __init__(self, store: PolicyStoreClient, config: WeightSyncConfig, shapes: Mapping[str, Tensor],
-                 dtypes: Iterable[str], device: str = "cpu") -> None:
+                 dtypes: Iterable[str], device: str = "cpu", host: str = LOOPBACK) -> None:
         import torch
         import torch.distributed as dist
 
@@ -65,10 +68,11 @@ class WeightServer:
                 for t in bucket.tensors:
                     self.slots[name][t.name] = (i, offset, t.numel)
                     offset += t.numel
-        listen = listening_socket("127.0.0.1")
+        self.host = host
+        listen = listening_socket(host)
         port = listen.getsockname()[1]
         self.timeout = timedelta(seconds=config.timeout_seconds)
-        self.tcp = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=listen.fileno(),
+        self.tcp = dist.TCPStore(host, port, is_master=True, master_listen_fd=listen.fileno(),
                                  wait_for_workers=False, timeout=self.timeout)
         listen.detach()  # the store owns the descriptor now
         self.tcp.set("layout", json.dumps({"bucket_bytes": bucket_bytes, "aliases": self.aliases, "device": device,
@@ -77,6 +81,7 @@ class WeightServer:
         self.joined = 0
         self.version: int | None = None  # the version packed in the buffers
         self.error: WeightSyncError | None = None
+        self.lost_readers: list[str] = []  # the line of each reader lost (its process died)
         self.moved_bytes = 0  # by the last transfer, to every reader
         self.seconds = 0.0
         self._queue: queue.Queue = queue.Queue()
@@ -86,7 +91,7 @@ class WeightServer:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="trajflow-weight-server", daemon=True)
         self._thread.start()
-        store.set_weight_server("127.0.0.1", port)
+        store.set_weight_server(host, port)
 
     def version_bytes(self, dtype: str) -> int:
         """Bytes of one version in `dtype` as sent (tied weights once)."""
@@ -147,18 +152,25 @@ class WeightServer:
         moved = 0
         for reader in list(self.readers):
             channel, dtype, store = reader
-            try:
-                if not store.check(["left"]):
-                    channel.send(version, self.buffers[dtype])
-                    moved += self.version_bytes(dtype)
-                    continue
-            except WeightSyncError:
-                if not store.check(["left"]):
-                    raise  # lost, not left: the run stops
-            self.readers.remove(reader)  # its process ended its work (Ray Data ends finished stages)
+            if not store.check(["left"]) and self._send(channel, dtype, version):
+                moved += self.version_bytes(dtype)
+                continue
+            self.readers.remove(reader)  # it left (Ray Data ends finished stages) or was lost
         self.seconds, self.moved_bytes = time.perf_counter() - started, moved
         self.store.register(version)
         self.store.add_counters({"weight_sync_seconds": self.seconds, "weight_sync_bytes": float(moved)})
+
+    def _send(self, channel: CollectiveChannel, dtype: str, version: int) -> bool:
+        """Send `version` to one reader; False when the reader is lost (its process died: Ray
+        restarts it, and the restarted reader joins again and is sent the current version), which
+        the store counts (`weight_sync_readers_lost`) and the other readers never wait for."""
+        try:
+            channel.send(version, self.buffers[dtype])
+            return True
+        except WeightSyncError as error:
+            self.lost_readers.append(str(error))
+            self.store.add_counters({"weight_sync_readers_lost": 1.0})
+            return False
 
     def _serve_joins(self) -> None:
         import torch.distributed as dist
@@ -170,13 +182,21 @@ class WeightServer:
                 raise WeightSyncError(f"trajflow: weight_sync: reader {n} asked for {dtype} weights; the trainer "
                                       f"serves {sorted(self.buffers)}")
             store = dist.PrefixStore(f"join/{n}/", self.tcp)
-            channel = CollectiveChannel(rank=0, store=store, prefix=f"reader {n}", dtype=torch_dtype(dtype),
-                                        bucket_mb=self.config.bucket_mb, timeout_seconds=self.config.timeout_seconds,
-                                        device=link_device(self.device, reader_device))
+            try:
+                channel = CollectiveChannel(rank=0, store=store, prefix=f"reader {n}", dtype=torch_dtype(dtype),
+                                            bucket_mb=self.config.bucket_mb,
+                                            timeout_seconds=self.config.timeout_seconds,
+                                            device=link_device(self.device, reader_device), bind=self.host)
+            except WeightSyncError as error:  # it died while joining
+                self.lost_readers.append(str(error))
+                self.store.add_counters({"weight_sync_readers_lost": 1.0})
+                continue
+            started = time.perf_counter()
+            # a late joiner (a pool's next reader, a restarted one) gets the current version at once
+            if self.version is not None and not self._send(channel, dtype, self.version):
+                continue
             self.readers.append((channel, dtype, store))
-            if self.version is not None:  # a late joiner gets the current version at once
-                started = time.perf_counter()
-                channel.send(self.version, self.buffers[dtype])
+            if self.version is not None:
                 self.store.add_counters({"weight_sync_seconds": time.perf_counter() - started,
                                          "weight_sync_bytes": float(self.version_bytes(dtype))})
 

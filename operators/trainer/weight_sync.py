@@ -8,8 +8,11 @@ buckets of about `bucket_mb`, cast on the trainer's side to the dtype the reader
 (`reader_dtype`: bf16 for a bf16 generator, float32 for the exact scorers and for `interrupt`'s
 generator, which scores prefixes under the training numerics) — no float32 copy in the store.
 
-Trainer side (`WeightServer`, operators/trainer/weight_server.py, in the train step's process): a TCP store on 127.0.0.1 whose address
-the policy store hands to readers, and one thread that serves joins and sends versions. `offer()`
+Trainer side (`WeightServer`, operators/trainer/weight_server.py, in the train step's process): a
+TCP store whose address the policy store hands to readers, and one thread that serves joins and
+sends versions. It listens on 127.0.0.1 when the Ray cluster is this one node, else on the
+trainer node's address as Ray reports it (never 0.0.0.0), and each reader binds its end to its
+own interface toward it (operators/trainer/addresses.py). `offer()`
 gathers the full tensors (under FSDP one tensor at a time, every worker in step) into one set of
 flat buckets per reader dtype, kept until the next version, so a reader that joins late (Ray Data
 re-creates actors on each dataset execution; a pool holds several readers) is sent the current
@@ -28,7 +31,16 @@ join, so a recreated reader joins again instead of wedging a fixed-size group. B
 reader waits on a key of the TCP store (announce, then transfer). Every collective waits at most
 `timeout_seconds`: a peer lost mid-transfer is a `WeightSyncError` (one line), never a hang. A
 reader that ends (`close()`, also at its process's exit: Ray Data ends a finished stage's actors)
-leaves first, and the trainer stops sending to it; one that vanishes without leaving stops the run.
+leaves first, and the trainer stops sending to it. One that vanishes without leaving (its process
+died) is dropped and counted (`weight_sync_readers_lost`): the other readers get the version, the
+store registers it, and Ray's restart of the reader's process joins again as a late joiner.
+
+A trainer that dies takes its server along; readers keep the versions they hold. The policy store
+numbers each server started (`ServerAddress.generation`): a reader that loses its server (between
+versions or mid-transfer, the partial version dropped) joins the next one, which a trainer
+rebuilt from its checkpoint (operators/trainer/recovery.py) starts, and which first serves the
+version the rebuilt trainer recovered. A reader that needs a version no server delivers within
+`timeout_seconds` fails with one line naming the lost trainer.
 
 This module holds what both ends share: the section, the buckets, the two-member channel.
 Torch is imported inside functions: validating a job config must not import it.
@@ -43,6 +55,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Literal
 
+from trajflow.operators.trainer.addresses import LOOPBACK
 from trajflow.settings import check_settings, setting
 
 if TYPE_CHECKING:
@@ -59,8 +72,9 @@ class WeightSyncConfig:
         "trainer sends them to each reader over torch.distributed (gloo on CPU, NCCL on CUDA), in the reader's dtype")
     bucket_mb: float = setting(64.0, "collective: size of each flat buffer sent (MiB); a tensor larger than it "
                                "travels alone", gt=0.0)
-    timeout_seconds: float = setting(120.0, "collective: a join or transfer that does not finish within this "
-                                     "stops the run with one line", gt=0.0)
+    timeout_seconds: float = setting(120.0, "collective: how long a join or transfer may take (a reader lost "
+                                     "mid-transfer is dropped; its restart joins again) and how long a reader waits "
+                                     "for a version it needs (then the run stops with one line)", gt=0.0)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -148,15 +162,16 @@ def link_device(mine: str, other: str) -> str:
 
 
 class CollectiveChannel:
-    """A two-member torch.distributed group (rank 0: trainer, rank 1: reader) on `store` (a TCP store
-    on 127.0.0.1, under a prefix of its own: `prefix` names this join in messages).
+    """A two-member torch.distributed group (rank 0: trainer, rank 1: reader) on `store` (the
+    trainer's TCP store, under a prefix of its own: `prefix` names this join in messages); this
+    end's gloo sockets bind to `bind` (collective.py `local_address`).
 
     Each transfer is announced on the store (key `announce/<n>`: the version), then sent: the
     version number as a header (a reader that expected another version fails instead of loading
     the wrong weights), the buckets, and the reader's receipt (the version back)."""
 
     def __init__(self, *, rank: int, store, prefix: str, dtype: torch.dtype, bucket_mb: float,
-                 timeout_seconds: float, device: str = "cpu") -> None:
+                 timeout_seconds: float, device: str = "cpu", bind: str = LOOPBACK) -> None:
         import torch.distributed as dist
 
         self.rank, self.dtype, self.device = rank, dtype, device
@@ -172,7 +187,7 @@ class CollectiveChannel:
                 self._group = dist.ProcessGroupNCCL(store, rank, 2, options)
             else:
                 options = dist.ProcessGroupGloo._Options()
-                options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
                 options._timeout = self.timeout
                 self._group = dist.ProcessGroupGloo(store, rank, 2, options)
         except (RuntimeError, TimeoutError) as error:
@@ -257,9 +272,11 @@ def first_line(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class ServerAddress:
-    """What the policy store tells a joining reader: where the trainer serves versions, and the
-    staleness bound (how many versions an exact scorer keeps)."""
+    """What the policy store tells a joining reader: where the trainer serves versions, the
+    staleness bound (how many versions an exact scorer keeps), and which server it is (the
+    count of servers started: a trainer rebuilt after a fault serves as the next one)."""
 
     host: str
     port: int
     max_staleness: int
+    generation: int = 1

@@ -195,8 +195,6 @@ class PipelineConfig(_Strict):
             raise ValueError("task: give either task, or data / env (a config with data and no task runs on the data)")
         if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("engine: vllm is not installed (pip install 'trajflow[vllm]'), or use engine: torch")
-        if self.lora.r > 0 and self.trainer.sharding == "fsdp":
-            raise ValueError("lora: an adapter is trained by a replicated trainer; use trainer.sharding: none")
         if self.lora.r > 0 and self.engine == "vllm":
             self._check_vllm_lora()
         if self.weight_sync.method == "collective":
@@ -299,9 +297,6 @@ class PipelineConfig(_Strict):
         if self.lora.r > 0:
             raise ValueError("weight_sync.method: collective sends full weights; a lora adapter version is small: "
                              "use object_store")
-        if self.recovery.max_restarts > 0:
-            raise ValueError("weight_sync.method: collective keeps no trained version in the policy store, where a "
-                             "rebuilt trainer would read its weights: set recovery.max_restarts: 0")
 
     def reader_dtypes(self, strategy) -> tuple[str, ...]:
         """The dtypes the trainer serves under `collective` (operators/trainer/weight_sync.py): the

@@ -1,20 +1,24 @@
 """The trainer's data-parallel workers 1..N-1 as Ray actors: `RayWorkerGroup`, the Ray
 implementation of operators/trainer/group.py's `WorkerGroup` (the in-process one is beside the
 protocol). The pipeline hands it to the train stage (`workers=`); the train step never imports Ray.
+Ray itself is imported where it is used: the pipeline's stage list (which names this class) is
+built where Ray is not installed too (the in-process loop, pipelines/local.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ray
 import torch
 
 from trajflow.operators.trainer.collective import Collective, listening_socket, this_node
 from trajflow.operators.trainer.group import RESUME_HINT, TrainerStateLost, WorkerGroup
 from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.replica import TrainerRank
+
+if TYPE_CHECKING:
+    import ray
 
 
 def remove_placement_group_named(name: str) -> None:
@@ -34,10 +38,11 @@ def remove_placement_group_named(name: str) -> None:
     remove_placement_group(group)
 
 
-
 def node_address() -> tuple[str, str]:
     """(node id, node IP) of this process's Ray node; outside Ray (an operator run in one
     process) the host name and the loopback address."""
+    import ray
+
     if not ray.is_initialized():
         return this_node(), "127.0.0.1"
     return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
@@ -57,6 +62,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def __init__(self, rank_kwargs: dict[str, Any], config: TrainerConfig, device: torch.device,
                  name: str = "") -> None:
+        import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -101,6 +107,8 @@ class RayWorkerGroup(WorkerGroup):
         return [getattr(r, method.__name__).remote(*a) for r, a in zip(self.ranks, args)]
 
     def _get(self, refs: list[ray.ObjectRef], timeout: float | None = None) -> list:
+        import ray
+
         try:
             return ray.get(refs, timeout=timeout)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
@@ -117,6 +125,8 @@ class RayWorkerGroup(WorkerGroup):
 
     def dead_worker(self) -> TrainerStateLost | None:
         """A TrainerStateLost naming the first worker that no longer answers, if one does not."""
+        import ray
+
         for rank, ref in enumerate((r.node_id.remote() for r in self.ranks), start=1):
             try:
                 ray.get(ref, timeout=10)
@@ -127,6 +137,8 @@ class RayWorkerGroup(WorkerGroup):
         return None
 
     def failure(self, error: BaseException, refs: list[ray.ObjectRef]) -> BaseException:
+        import ray
+
         dead = self.dead_worker()
         if dead is not None:
             return dead
@@ -139,6 +151,8 @@ class RayWorkerGroup(WorkerGroup):
         return error
 
     def close(self) -> None:
+        import ray
+
         for r in getattr(self, "ranks", []):
             ray.kill(r)
         self.ranks = []
