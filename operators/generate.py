@@ -226,8 +226,8 @@ class Generate:
                 gens_seen[:] = gens
                 if self.simulate_decode_seconds:
                     time.sleep(self.simulate_decode_seconds)
-                if self.partial_rollout:
-                    self._switch_if_newer(pins, views, old_logprobs, supports, old_top_k)
+                if self.partial_rollout:  # the top-k ids only where they are scored (K > 0)
+                    self._switch_if_newer(pins, views, old_logprobs, None if old_top_k is None else supports, old_top_k)
 
             episodes = self.engine.generate(prompt_tokens, n=self.group_size, between_steps=hook)
             gens_seen[:] = episodes
