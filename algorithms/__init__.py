@@ -5,6 +5,9 @@ objective.py    the decoupled loss (r_d mask and weight, policy-side masks, the 
                 r_s, aggregation and its denominator, optional KL and entropy terms)
 losses.py       the policy term of each loss: ppo, cispo, sapo, dppo_tv/kl, clip_cov, kl_cov
 kl.py           KL to a reference model: per-token estimators, in the loss or in the reward
+distributions.py  TV and KL on a captured top-k support (plus the tail), the mask on them
+distillation.py on-policy distillation: reverse-KL advantages, forward KL on the top-k support
+score_centering.py  Score Centering's coefficients on the sampler's top-k (arXiv 2609.20807)
 schedules.py    learning-rate multiplier per optimizer update (warm-up, constant/linear/cosine)
 proximal.py     train-time proximal log-probs that are functions of the batch (behavior, loglinear)
 m2po.py         M2PO's second-moment trust mask (a global value cutoff)
@@ -46,12 +49,18 @@ _EXPORTS = {
     "SCHEDULES": "trajflow.algorithms.config",
     "AdvantageConfig": "trajflow.algorithms.config",
     "CorrectionConfig": "trajflow.algorithms.config",
+    "DistillConfig": "trajflow.algorithms.config",
     "KLConfig": "trajflow.algorithms.config",
     "OptimizerConfig": "trajflow.algorithms.config",
     "correction_diagnostics": "trajflow.algorithms.diagnostics",
     "effective_sample_size": "trajflow.algorithms.diagnostics",
     "mismatch_kl": "trajflow.algorithms.diagnostics",
     "staleness_stats": "trajflow.algorithms.diagnostics",
+    "distillation_advantages": "trajflow.algorithms.distillation",
+    "forward_kl_tokens": "trajflow.algorithms.distillation",
+    "distribution_keep": "trajflow.algorithms.distributions",
+    "support_kl": "trajflow.algorithms.distributions",
+    "support_tv": "trajflow.algorithms.distributions",
     "EwmaProximal": "trajflow.algorithms.ewma",
     "ewma_beta": "trajflow.algorithms.ewma",
     "ewma_mean_age": "trajflow.algorithms.ewma",
@@ -89,6 +98,8 @@ _EXPORTS = {
     "loglinear_alpha": "trajflow.algorithms.proximal",
     "loglinear_logprobs": "trajflow.algorithms.proximal",
     "recompute_logprobs": "trajflow.algorithms.proximal",
+    "centering_coefficients": "trajflow.algorithms.score_centering",
+    "centering_term": "trajflow.algorithms.score_centering",
     "lr_multiplier": "trajflow.algorithms.schedules",
 }
 __all__ = sorted(_EXPORTS)
@@ -99,8 +110,10 @@ if TYPE_CHECKING:
         reinforce_plus_plus, reinforce_plus_plus_baseline, zero_variance_groups)
     from .config import (
         AGGREGATIONS, CLIP_LEVELS, GROUP_STDS, KL_ESTIMATORS, LOSSES, MASK_LEVELS, SCHEDULES,
-        AdvantageConfig, CorrectionConfig, KLConfig, OptimizerConfig)
-    from .diagnostics import correction_diagnostics, effective_sample_size, mismatch_kl, staleness_stats
+        AdvantageConfig, CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig)
+    from .diagnostics import correction_diagnostics
+    from .distillation import distillation_advantages, forward_kl_tokens
+    from .distributions import distribution_keep, support_kl, support_tv, effective_sample_size, mismatch_kl, staleness_stats
     from .ewma import EwmaProximal, ewma_beta, ewma_mean_age
     from .kl import kl_estimate, kl_metrics, kl_penalized_rewards
     from .losses import (
@@ -114,6 +127,7 @@ if TYPE_CHECKING:
     from .proximal import (
         behavior_logprobs, linear_logprobs, loglinear_alpha, loglinear_logprobs, recompute_logprobs)
     from .schedules import lr_multiplier
+    from .score_centering import centering_coefficients, centering_term
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

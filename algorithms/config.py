@@ -1,6 +1,6 @@
 """The settings of the math, declared once (trajflow/settings.py): the objective (`correction:`),
-the advantage estimator (`advantage:`), the KL to a reference model (`kl:`) and the optimizer
-(`optimizer:`).
+the advantage estimator (`advantage:`), the KL to a reference model (`kl:`), on-policy
+distillation (`distill:`) and the optimizer (`optimizer:`).
 
 These dataclasses hold THE defaults: a job config's YAML sections are built from them
 (pipelines/config.py), so `decoupled_loss(..., CorrectionConfig())` in a notebook is exactly the
@@ -29,6 +29,9 @@ KLEstimator = Literal["k1", "k2", "k3", "low_var", "abs", "k1+", "k3+", "low_var
 # veRL's rejection statistics on the log-ratio log r_d (algorithms/rejection.py)
 RejectionStatistic = Literal["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
                              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"]
+DistMetric = Literal["tv", "kl"]
+DistLevel = Literal["token", "sequence"]
+StudentSide = Literal["current", "old"]
 Schedule = Literal["constant", "linear", "cosine"]
 
 LOSSES: tuple[str, ...] = typing.get_args(Loss)
@@ -107,6 +110,15 @@ class CorrectionConfig:
     off_policy_mask: float | None = setting(
         None, "drop the A < 0 tokens of a sequence whose mean_t log(mu / pi_theta) exceeds this "
         "(DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); null = off", ge=0.0)
+    dist_mask: float | None = setting(
+        None, "the r_d mask on distributions: drop a token whose mismatch between mu and pi_old over the "
+        "captured top-k support (dist_mask_metric; the mass outside it is one bucket) exceeds this; needs "
+        "top_k_logprobs > 0 (algorithms/distributions.py); null = off", ge=0.0)
+    dist_mask_metric: DistMetric = setting(
+        "tv", "the mismatch dist_mask bounds: tv (total variation, in [0, 1]) or kl (KL(mu || pi_old))")
+    dist_mask_level: DistLevel = setting(
+        "token", "where dist_mask acts: token, or sequence (the mean over the sequence's loss tokens; all of "
+        "it goes)")
     clip_level: ClipLevel = setting(
         "token", "where r_s is bounded: token, sequence (GSPO-style geometric mean) or none (no bound: "
         "no clip, no CISPO truncation, no SAPO gate, no DPPO trust region)")
@@ -217,6 +229,31 @@ class KLConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation from a teacher (a second model, `teacher:`; algorithms/distillation.py).
+    Its terms enter the decoupled objective, so every correction strategy applies to them."""
+
+    reverse_kl_coef: float = setting(
+        1.0, "weight of the reverse KL(pi_theta || pi_teacher) per sampled token: -coef x (log pi_student - "
+        "log pi_teacher) is the token's advantage (a policy-gradient term, clipped and masked as any)", ge=0.0)
+    reverse_kl_student: StudentSide = setting(
+        "current", "the student's log-prob in that advantage: current (pi_theta, recomputed in the update: "
+        "AsyncOPD's correction for stale rollouts) or old (the strategy's pi_old, the student that "
+        "generated the rollout, as a score cached at generation time holds)")
+    forward_kl_coef: float = setting(
+        0.0, "weight of the forward KL(pi_teacher || pi_theta) on the sampler's top-k support, the mass "
+        "outside it one bucket (a supervised term; needs top_k_logprobs > 0)", ge=0.0)
+    task_advantage_coef: float = setting(
+        0.0, "weight of the task's own advantage (the reward's) added to the distillation's; 0 = pure "
+        "distillation", ge=0.0)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if self.reverse_kl_coef == 0 and self.forward_kl_coef == 0 and self.task_advantage_coef == 0:
+            fail(self, "reverse_kl_coef", "every term has weight 0: nothing would be trained")
 
 
 @dataclass(frozen=True)

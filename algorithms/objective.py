@@ -18,6 +18,8 @@ strategy supplies as pi_old, see proximal.py):
          none              1
        and every rule of `rejection` (veRL's chained rollout_rs: k1/k2/k3 per token, or their sum,
        mean or max over the sequence; algorithms/rejection.py)
+       and, given `distribution_keep`, only tokens the distribution-level mask keeps (the mismatch
+       of mu and pi_old over the captured top-k support: algorithms/distributions.py)
   w_d  1, or the truncated IS weight (`tis_cap` C, detached: a weight, not a path):
          tis_level token     min(r_d, C) per token
          tis_level sequence  min(prod_t r_d, C) on all tokens of seq i (product of token ratios)
@@ -320,6 +322,7 @@ def decoupled_loss(
     groups: Tensor | None = None,
     group_counts: Tensor | None = None,
     cov_selected: Tensor | None = None,
+    distribution_keep: Tensor | None = None,
 ) -> LossOutput:
     """The decoupled objective of the module docstring.
 
@@ -336,6 +339,7 @@ def decoupled_loss(
     each row (prompt-mean); group_counts [B]: each row's prompt count over the whole batch
     (default: prompt_token_counts on these rows). cov_selected [B, T] bool: Clip-Cov / KL-Cov's
     selection over the whole batch (default: covariance_selection on these rows).
+    distribution_keep [B, T] bool: tokens the distribution-level mask keeps, part of M_d.
 
     Every loss token must have finite log-probs: a token the sampling filter excludes under
     training numerics (-inf) is taken out of `loss_mask` by the caller and counted there.
@@ -351,6 +355,7 @@ def decoupled_loss(
             raise ValueError(f"{name} has shape {tuple(t.shape)}, loss_mask has {tuple(loss_mask.shape)}")
     _check_mask("trust_mask", trust_mask, loss_mask)
     _check_mask("cov_selected", cov_selected, loss_mask)
+    _check_mask("distribution_keep", distribution_keep, loss_mask)
     if config.entropy_coef > 0 and entropy is None:
         raise ValueError("CorrectionConfig.entropy_coef > 0 needs the per-token `entropy`")
     if reference_logprobs is not None and kl.in_ != "loss":
@@ -371,6 +376,8 @@ def decoupled_loss(
     # Discrepancy factor r_d: a mask and a detached weight.
     log_rd = log_ratio(old, inf)
     keep = discrepancy_mask(log_rd, m, config)
+    if distribution_keep is not None:
+        keep = keep & distribution_keep
     w_d = discrepancy_weights(log_rd, m, config)
 
     # Staleness factor r_s. At sequence level the value is the geometric mean over the loss

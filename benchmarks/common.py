@@ -189,6 +189,13 @@ class RunResult:
         return self.stage_seconds(skip).get("train", 0.0) / self.seconds_per_step(skip)
 
 
+def top_k_for(strategy: str, k: int = 8) -> dict:
+    """The record's top-k a strategy needs to run (Score Centering: the sampler's top-k), else none."""
+    from trajflow.operators.strategies import resolve_strategy
+
+    return {"top_k_logprobs": k} if resolve_strategy(strategy).uses_current_top_k else {}
+
+
 def run_pipeline(*, executor_patch: bool = True, **config) -> RunResult:
     """Run one pipeline to the end on the current Ray; `executor_patch=False` runs Ray Data's
     executor as shipped (pipelines/ray/patches.py, patch 4), for side-by-side comparisons."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RunResult, ensure_ray, run_pipeline
+from benchmarks.common import RunResult, ensure_ray, run_pipeline, top_k_for
 from benchmarks.models import model_dir
 from trajflow.operators.strategies import strategy_names
 
@@ -46,7 +46,8 @@ def run(steps: int = 10, strategies: list[str] = STRATEGIES) -> list[dict]:
     with tempfile.TemporaryDirectory() as root:
         model = model_dir("25M", Path(root))
         sync = run_pipeline(strategy="behavior", max_staleness=0, **settings(model, steps))
-        results = {s: run_pipeline(strategy=s, max_staleness=2, **settings(model, steps)) for s in strategies}
+        results = {s: run_pipeline(strategy=s, max_staleness=2, **settings(model, steps), **top_k_for(s))
+                   for s in strategies}
     base = results["behavior"]
     rows = [row("sync", "behavior", 0, sync, None)]
     rows += [row("async", s, 2, r, base) for s, r in results.items()]

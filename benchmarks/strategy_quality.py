@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import ensure_ray, mean_std, run_pipeline
+from benchmarks.common import ensure_ray, mean_std, run_pipeline, top_k_for
 from trajflow.operators.strategies import strategy_names
 
 STRATEGIES = strategy_names()  # every built-in (operators/strategies/registry.py)
@@ -40,7 +40,8 @@ def run(steps: int, seeds: int, staleness: list[int], strategies: list[str] = ST
             for seed in range(seeds):
                 result = run_pipeline(strategy=strategy, max_staleness=s, inference_dtype="bfloat16", steps=steps,
                                       prompts_per_step=PROMPTS, group_size=GROUP, optimizer={"lr": LR},
-                                      eval_every=min(EVAL_EVERY, steps), eval_prompts=EVAL_PROMPTS, seed=seed)
+                                      eval_every=min(EVAL_EVERY, steps), eval_prompts=EVAL_PROMPTS, seed=seed,
+                                      **top_k_for(strategy))
                 m = result.metrics
                 evals = m.filter(m["heldout/accuracy"].is_not_null())
                 finals.append(evals["heldout/accuracy"][-1])

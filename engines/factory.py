@@ -55,7 +55,8 @@ def make_engine(name: str, model: Any, *, vllm: VllmConfig | None = None, **kwar
 
     `model`: a `PreTrainedModel` or a local Hugging Face model directory (either engine).
     `kwargs`: the shared contract (eos_id, pad_id, sampling, inference_dtype, seed, version,
-    stop_token_ids, tokenizer — the last two for extra stop ids and `sampling.stop` strings).
+    stop_token_ids, tokenizer — the last two for extra stop ids and `sampling.stop` strings —
+    and top_k_logprobs: K > 0 records each token's top-K of the distribution it was sampled from).
     `vllm`: the vLLM engine's options (ignored by the torch engine); a VllmConfig field given as
     a keyword overrides it (e.g. `kv_cache_memory_bytes=64 << 20`). An option the engine does not
     take is a TypeError that names it.

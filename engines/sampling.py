@@ -14,7 +14,7 @@ greedy token (the argmax) is never filtered out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from trajflow.deprecations import renamed_names
 from trajflow.settings import check_settings, setting
@@ -88,35 +88,53 @@ def processed_entropy(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingConfig) -> Tensor:
-    """Processed log-prob of `tokens` [...] under `logits` [..., V], in the memory-light
-    gather-minus-logsumexp form (no [..., V] log-softmax kept). Equals
-    `process_logits(logits).gather(tokens)`; a filtered token scores -inf."""
+def support_logprobs(logits: Tensor, ids: Tensor, sampling: SamplingConfig) -> Tensor:
+    """Processed log-probs [..., K] of the ids [..., K] under `logits` [..., V], in the
+    memory-light gather-minus-logsumexp form (no [..., V] log-softmax kept). Equals
+    `process_logits(logits).gather(ids)`; a filtered id scores -inf."""
     import torch
 
     warped = warp_logits(logits, sampling)
-    picked = warped.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(warped, dim=-1)
+    return warped.gather(-1, ids) - torch.logsumexp(warped, dim=-1, keepdim=True)
 
 
-def sample_tokens(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
-                  ) -> tuple[Tensor, Tensor]:
-    """Sample one token per row from float32 logits [B, V] -> (tokens [B] int64, log-probs [B]).
+def token_logprobs(logits: Tensor, tokens: Tensor, sampling: SamplingConfig) -> Tensor:
+    """Processed log-prob of `tokens` [...] under `logits` [..., V] (`support_logprobs` of one id)."""
+    return support_logprobs(logits, tokens.unsqueeze(-1), sampling).squeeze(-1)
+
+
+class Sampled(NamedTuple):
+    """One decode step: the sampled tokens [B], their processed log-probs [B], and with `top_k`
+    K > 0 the K most likely ids [B, K] of the processed distribution and their log-probs [B, K]
+    (most likely first; -inf past the filter's support)."""
+
+    tokens: Tensor
+    logprobs: Tensor
+    top_k_ids: Tensor | None = None
+    top_k_logprobs: Tensor | None = None
+
+
+def sample_tokens(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None,
+                  top_k: int = 0) -> Sampled:
+    """Sample one token per row from float32 logits [B, V] (see `Sampled`).
 
     Log-probs are under the processed distribution (see module docstring for temperature 0).
     """
     import torch
 
     warped = warp_logits(logits, sampling)
-    # Same gather-minus-logsumexp arithmetic as `token_logprobs`, so generation and scoring of the
-    # same logits give bit-identical log-probs.
+    # Same gather-minus-logsumexp arithmetic as `support_logprobs`, so generation and scoring of
+    # the same logits give bit-identical log-probs, of the sampled token and of the top k alike.
     lse = torch.logsumexp(warped, dim=-1, keepdim=True)
     if sampling.greedy:
         tokens = torch.argmax(warped, dim=-1)
     else:
         tokens = torch.multinomial(torch.exp(warped - lse), 1, generator=generator).squeeze(-1)
     picked = warped.gather(-1, tokens.unsqueeze(-1))
-    return tokens, (picked - lse).squeeze(-1)
+    if not top_k:
+        return Sampled(tokens, (picked - lse).squeeze(-1))
+    top = torch.topk(warped, top_k, dim=-1)
+    return Sampled(tokens, (picked - lse).squeeze(-1), top.indices, top.values - lse)
 
 
 __getattr__ = renamed_names(__name__, {"SamplingParams": SamplingConfig})  # one release: the old name, with a notice

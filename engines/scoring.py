@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from trajflow.engines.sampling import SamplingConfig, processed_entropy, token_logprobs
+from trajflow.engines.sampling import SamplingConfig, processed_entropy, support_logprobs
 
 
 def pack_batch(
@@ -64,6 +64,8 @@ def response_logprobs(
     *,
     grad: bool = False,
     entropy: list[Tensor] | None = None,
+    top_k_ids: Tensor | None = None,
+    top_k: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Teacher-forced processed log-probs of each response token.
 
@@ -73,6 +75,9 @@ def response_logprobs(
     parameters; the model's train/eval mode is left as the caller set it. `entropy`: a list that
     receives the entropy of the processed distribution at each response position [B, T_max]
     (differentiable like the log-probs; 0 on padding) — the entropy term of the loss.
+    `top_k_ids` [B, >= T_max, K] int64: ids per response position (a top-k support); `top_k` is a
+    list that receives their processed log-probs [B, T_max, K] from the same forward pass
+    (differentiable like the log-probs; 0 on padding).
     """
     device = next(model.parameters()).device
     lengths = torch.tensor([len(r) for r in response_tokens], dtype=torch.long, device=device)
@@ -99,10 +104,17 @@ def response_logprobs(
         # whose backward stacks the rows' gradients into one [B, T, V] tensor; indexing row b
         # instead (`logits[b]`) has a backward that zero-fills a whole [B, T, V] tensor per row
         # (B^2 T V: on SmolLM2's 49k vocabulary, 3.4 % of a 16-row train step, growing with B).
+        # The sampled token and a top-k support are gathered from one warp: column 0 is the
+        # token, columns 1.. the support.
+        ids = targets[..., None]
+        if top_k_ids is not None:
+            ids = torch.cat([ids, top_k_ids[:, :T].to(device=logits.device, dtype=ids.dtype)], dim=-1)
         rows = logits.unbind(0)
-        logprobs = torch.stack([token_logprobs(row, target, sampling) for row, target in zip(rows, targets)])
+        gathered = torch.stack([support_logprobs(row, row_ids, sampling) for row, row_ids in zip(rows, ids)])
         valid = valid.to(logits.device)
-        logprobs = logprobs.masked_fill(~valid, 0.0)
+        logprobs = gathered[..., 0].masked_fill(~valid, 0.0)
+        if top_k is not None:
+            top_k.append(gathered[..., 1:].masked_fill(~valid[..., None], 0.0))
         if entropy is not None:
             entropy.append(torch.stack([processed_entropy(row, sampling) for row in rows]).masked_fill(~valid, 0.0))
     return logprobs, valid

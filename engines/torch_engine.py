@@ -38,6 +38,10 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)  # under the processed distribution sampled from
     versions: list[int] = field(default_factory=list)  # engine version when each token was sampled
     finish_reason: str = ""  # "stop" | "length" | "abort"; "" while still being generated
+    # with top_k_logprobs K > 0: per token, the K most likely ids of the processed distribution it
+    # was sampled from (most likely first) and their log-probs (-inf past the filter's support)
+    top_k_ids: list[list[int]] = field(default_factory=list)
+    top_k_logprobs: list[list[float]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -56,7 +60,8 @@ class TorchEngine:
     The engine owns an inference copy of `model` with `inference_dtype` numerics (see
     engines/numerics.py); the caller's model is never modified. Sampling draws from a torch.Generator
     seeded with `seed`, so an engine built with the same seed and given the same calls (and weight
-    swaps) reproduces its outputs.
+    swaps) reproduces its outputs. `top_k_logprobs` K > 0 also records each token's top-K
+    (`Generation.top_k_ids` / `top_k_logprobs`) from the logits it was sampled from.
     """
 
     def __init__(
@@ -71,8 +76,10 @@ class TorchEngine:
         version: int = 0,
         stop_token_ids: Sequence[int] = (),
         tokenizer=None,
+        top_k_logprobs: int = 0,
     ) -> None:
         self.inference_dtype = check_inference_dtype(inference_dtype)
+        self.top_k_logprobs = int(top_k_logprobs)
         self.model = make_inference_model(model, inference_dtype)
         self.eos_id = int(eos_id)
         self.pad_id = int(pad_id)
@@ -149,13 +156,18 @@ class TorchEngine:
 
         for _ in range(max_new):
             version = self.version
-            tokens, logprobs = sample_tokens(logits, self.sampling, self.generator)
+            sampled = sample_tokens(logits, self.sampling, self.generator, self.top_k_logprobs)
+            tokens = sampled.tokens
+            top = (sampled.top_k_ids.tolist(), sampled.top_k_logprobs.tolist()) if self.top_k_logprobs else None
             keep: list[int] = []  # cache rows still generating
-            for j, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+            for j, (token, logprob) in enumerate(zip(tokens.tolist(), sampled.logprobs.tolist())):
                 g = gens[rows[j]]
                 g.response_tokens.append(token)
                 g.logprobs.append(logprob)
                 g.versions.append(version)
+                if top is not None:
+                    g.top_k_ids.append(top[0][j])
+                    g.top_k_logprobs.append(top[1][j])
                 if token in stop_ids or (stop_strings and stop_strings.hit(g.response_tokens)):
                     g.finish_reason = "stop"
                 elif len(g.response_tokens) >= max_new:

@@ -68,17 +68,24 @@ class TrainingNumerics:
         width: int,
         grad: bool = False,
         entropy: list[Tensor] | None = None,
+        top_k_ids: Tensor | None = None,
+        top_k: list[Tensor] | None = None,
     ) -> Tensor:
         """Per-token processed log-probs [B, width] (right-padded with 0) on the CPU; a token the
         sampling filter excludes scores -inf. Differentiable when grad=True. `entropy`: a list
         that receives the per-token entropy [B, width] of the processed distribution (the loss's
-        entropy term), from the same forward pass."""
+        entropy term), from the same forward pass. `top_k_ids` [B, width, K]: a support per
+        position; `top_k`: a list that receives its log-probs [B, width, K] (same pass)."""
         found: list[Tensor] | None = [] if entropy is not None else None
+        support: list[Tensor] | None = [] if top_k is not None else None
         with self.autocast():
-            logprobs, _ = response_logprobs(model, prompt_tokens, response_tokens, sampling, grad=grad, entropy=found)
+            logprobs, _ = response_logprobs(model, prompt_tokens, response_tokens, sampling, grad=grad, entropy=found,
+                                            top_k_ids=top_k_ids, top_k=support)
         pad = (0, width - logprobs.shape[1])
         if entropy is not None:
             entropy.append(torch.nn.functional.pad(found[0].float().cpu(), pad))
+        if top_k is not None:
+            top_k.append(torch.nn.functional.pad(support[0].float().cpu(), (0, 0, *pad)))
         return torch.nn.functional.pad(logprobs.float().cpu(), pad)
 
     def score(
@@ -87,10 +94,26 @@ class TrainingNumerics:
         prompt_tokens: Sequence[Sequence[int]],
         response_tokens: Sequence[Sequence[int]],
         sampling: SamplingConfig,
+        *,
+        top_k_ids: Sequence[np.ndarray] | None = None,
+        top_k: list[np.ndarray] | None = None,
     ) -> list[np.ndarray]:
-        """No-grad log-probs as ragged float32 arrays, one per response."""
+        """No-grad log-probs as ragged float32 arrays, one per response. `top_k_ids`: one [T, K]
+        support per response; `top_k` receives its log-probs, one [T, K] float32 array each."""
         width = max((len(r) for r in response_tokens), default=0)
-        logprobs = self.logprobs(model, prompt_tokens, response_tokens, sampling, width=width).numpy()
+        support: list[Tensor] | None = None
+        ids = None
+        if top_k_ids is not None:
+            support = []
+            k = max((len(row[0]) for row in top_k_ids if len(row)), default=0)
+            ids = torch.zeros((len(response_tokens), width, k), dtype=torch.long)
+            for i, row in enumerate(top_k_ids):
+                ids[i, : len(row)] = torch.as_tensor(np.asarray(row, dtype=np.int64).reshape(-1, k))
+        logprobs = self.logprobs(model, prompt_tokens, response_tokens, sampling, width=width, top_k_ids=ids,
+                                 top_k=support).numpy()
+        if top_k is not None and support is not None:
+            found = support[0].numpy()
+            top_k.extend(found[i, : len(r)].copy() for i, r in enumerate(response_tokens))
         return [logprobs[i, : len(r)].copy() for i, r in enumerate(response_tokens)]
 
     def describe(self) -> str:

@@ -20,13 +20,17 @@ Design
   until every sample has finished. Each step returns the token(s) each running sample produced in
   that step; they are appended to the `Generation`s, and `between_steps` runs after every step
   that produced tokens — the vLLM counterpart of the torch engine's "after every decode step".
-* Log-probs: `LLM(logprobs_mode="processed_logprobs")` and `SamplingConfig(logprobs=0)` return the
-  log-prob of the sampled token under the tempered, top-k/top-p-filtered distribution (vLLM applies
-  temperature, then top-k, then top-p, with the same tie and top-p boundary rules as
+* Log-probs: `LLM(logprobs_mode="processed_logprobs")` and vLLM's `SamplingParams(logprobs=0)`
+  return the log-prob of the sampled token under the tempered, top-k/top-p-filtered distribution
+  (vLLM applies temperature, then top-k, then top-p, with the same tie and top-p boundary rules as
   engines/sampling.py). vLLM's default (`raw_logprobs`) would be pre-temperature: wrong for μ.
   Greedy (temperature 0): vLLM drops top-k/top-p and reports log_softmax(logits); trajflow's
   semantics keep the filters, so with filters the engine asks for the top-N log-probs and
   renormalises over the kept set itself (`_greedy_filtered_logprob`).
+* Top-k (`top_k_logprobs` K > 0): `logprobs=K` returns, per position, the K most likely ids of
+  the same processed distribution (ranks 1..K; the sampled token comes on top when it ranks
+  lower), recorded as `Generation.top_k_ids` / `top_k_logprobs`, most likely first. Greedy with
+  top-k/top-p filters is refused: vLLM's greedy log-probs are unfiltered there.
 * EOS: `ignore_eos=True, stop_token_ids=[eos_id, *stop_token_ids]`, so the stop tokens are the
   engine's (the caller passes the tokenizer's eos and the generation config's eos ids), kept as
   the last response token, as in the torch engine. `sampling.stop` strings are detected by the
@@ -159,8 +163,13 @@ class VllmEngine:
         tokenizer=None,
         lora_slots: int = 0,
         lora_rank: int = 0,
+        top_k_logprobs: int = 0,
     ) -> None:
         self.inference_dtype = check_inference_dtype(inference_dtype)
+        self.top_k_logprobs = int(top_k_logprobs)
+        if self.top_k_logprobs and sampling.greedy and (sampling.top_k or sampling.top_p < 1.0):
+            raise NotImplementedError("top_k_logprobs with greedy decoding and top_k/top_p filters: vLLM reports "
+                                      "unfiltered greedy log-probs; sample (temperature > 0) or drop the filters")
         gpu_memory_utilization, kv_cache_memory_bytes = options.gpu_memory_utilization, options.kv_cache_memory_bytes
         max_model_len, enforce_eager = options.max_model_len, options.enforce_eager
         tensor_parallel_size, enable_prefix_caching = options.tensor_parallel_size, options.enable_prefix_caching
@@ -189,7 +198,7 @@ class VllmEngine:
         self.version = int(version)
         self.generator = torch.Generator()  # draws the per-request seeds; reseed with manual_seed
         self.generator.manual_seed(seed)
-        self.max_logprobs = int(max(max_logprobs, sampling.top_k))
+        self.max_logprobs = int(max(max_logprobs, sampling.top_k, self.top_k_logprobs))
         self.tensor_parallel_size = int(tensor_parallel_size)
 
         cpu = _on_cpu_platform()
@@ -363,6 +372,7 @@ class VllmEngine:
         logprobs = 0
         if s.greedy and (s.top_k or s.top_p < 1.0):
             logprobs = s.top_k if (s.top_k and s.top_p >= 1.0) else self.max_logprobs
+        logprobs = max(logprobs, self.top_k_logprobs)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator).item())
         return VllmSamplingParams(
             n=n,  # children get seeds seed, seed + 1, ...
@@ -402,6 +412,14 @@ class VllmEngine:
         if s.greedy and (s.top_k or s.top_p < 1.0):
             return _greedy_filtered_logprob(entry, token, s)
         return float(entry[token].logprob)
+
+    def _top_k(self, entry: dict) -> tuple[list[int], list[float]]:
+        """The K most likely ids of one position and their processed log-probs, most likely first."""
+        ranked = sorted((lp.rank, int(token), float(lp.logprob)) for token, lp in entry.items()
+                        if lp.rank is not None and lp.rank <= self.top_k_logprobs)
+        if len(ranked) != self.top_k_logprobs:
+            raise RuntimeError(f"vLLM returned {len(ranked)} ranked log-probs, top_k_logprobs={self.top_k_logprobs}")
+        return [token for _, token, _ in ranked], [lp for _, _, lp in ranked]
 
     def generate(
         self,
@@ -457,6 +475,10 @@ class VllmEngine:
                             g.response_tokens.append(int(token))
                             g.logprobs.append(self._token_logprob(lp_entry, int(token)))
                             g.versions.append(segment.version)
+                            if self.top_k_logprobs:
+                                ids, values = self._top_k(lp_entry)
+                                g.top_k_ids.append(ids)
+                                g.top_k_logprobs.append(values)
                             if stop_strings and stop_strings.hit(g.response_tokens):
                                 g.finish_reason = "stop"
                                 segment.open.discard(c.index)

@@ -26,7 +26,7 @@ from trajflow.jobs.console import format_table
 from trajflow.jobs.recorder import RunPaths, read_metrics, write_table_atomic
 from trajflow.jobs.run import start_ray
 from trajflow.pipelines.replay import Replay, format_versions
-from trajflow.schemas import LOGPROB_COLUMNS, SchemaError, nonfinite_rows
+from trajflow.schemas import DISTRIBUTION_LOGPROB_COLUMNS, LOGPROB_COLUMNS, SchemaError, nonfinite_rows
 
 # (header, metrics key, format) of the printed table
 TABLE_COLUMNS = (
@@ -78,7 +78,7 @@ def replay_job(trajectories: str | os.PathLike, checkpoints: str | os.PathLike, 
         replay = Replay(job.pipeline_config(), trajectories, checkpoints, strategies, mode,
                         quarantine_nonfinite=quarantine_nonfinite, gradients=gradients)
     except SchemaError as e:
-        if e.column in LOGPROB_COLUMNS and "non-finite" in str(e):
+        if e.column in (*LOGPROB_COLUMNS, *DISTRIBUTION_LOGPROB_COLUMNS) and "non-finite" in str(e):
             where = str(e).rsplit(" (", 1)[0]
             raise ReplayArgumentError(f"{where}; --quarantine-nonfinite replays the log without such rows "
                                       "(counted)") from None

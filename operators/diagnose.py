@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from trajflow.algorithms.config import CorrectionConfig, KLConfig
+from trajflow.algorithms.config import CorrectionConfig, DistillConfig, KLConfig
 from trajflow.algorithms.diagnostics import gradient_agreement
 from trajflow.engines.lora import VersionWeights
 from trajflow.engines.models import load_model
@@ -41,7 +41,7 @@ from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient, VersionNotHeld
 from trajflow.operators.strategies.base import Strategy
 from trajflow.operators.trainer.accounting import apply_staleness_bound, step_metrics
-from trajflow.operators.trainer.correction import PolicyHolder, StepBatch, correct, step_diagnostics
+from trajflow.operators.trainer.correction import PolicyHolder, StepBatch, correct, step_diagnostics, top_k_in_loss
 
 
 class Diagnose(PolicyHolder):
@@ -59,12 +59,14 @@ class Diagnose(PolicyHolder):
         numerics: TrainingNumerics,
         torch_threads: int,
         gradients: bool = False,
+        distill: DistillConfig | None = None,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
         self.strategies = list(strategies)
         self.correction = correction
         self.kl = kl
+        self.distill = distill
         self.sampling = sampling
         self.max_staleness = max_staleness
         self.numerics = numerics
@@ -109,13 +111,16 @@ class Diagnose(PolicyHolder):
         results: dict[str, dict] = {s.name: {} for s in self.strategies}
         if len(trained):
             step = StepBatch.from_table(batch.take(pa.array(trained)), k)
-            current = self.current(step, grad=self.gradients_vs is not None)
+            top_k = [] if any(top_k_in_loss(s, self.distill, step) for s in self.strategies) else None
+            current = self.current(step, grad=self.gradients_vs is not None, top_k=top_k)
             params = [p for p in self.model.parameters() if p.requires_grad]
             grads: dict[str, torch.Tensor] = {}
             for strategy in self.strategies:
                 strategy.before_step(step, self)
-                result = correct(strategy, step, current, self, self.correction, kl=self.kl)
-                results[strategy.name] = step_diagnostics(result.loss, step, k, result.outside_support)
+                result = correct(strategy, step, current, self, self.correction, kl=self.kl, distill=self.distill,
+                                 current_top_k=top_k[0] if top_k else None)
+                results[strategy.name] = step_diagnostics(result.loss, step, k, result.outside_support, strategy,
+                                                          strategy.correction(self.correction))
                 if self.gradients_vs is not None:
                     parts = torch.autograd.grad(result.loss.loss, params, retain_graph=True, allow_unused=True)
                     grads[strategy.name] = torch.cat([(torch.zeros_like(p) if g is None else g).flatten()

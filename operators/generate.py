@@ -22,6 +22,10 @@ scores the prefix generated so far with the still-resident weights under the tra
 its full context (for episodes: prompt, earlier turns and observations).
 Sampling stops at the tokenizer's eos (and the model's generation-config eos ids) and at the
 `sampling.stop` strings.
+
+With `top_k_logprobs` K > 0 the rows also carry each token's top-K of the distribution it was
+sampled from (`top_k_ids`, `top_k_inference_logprobs`; schema metadata `trajflow.top_k`), and a
+strategy that scores at a switch scores pi_old on those ids too (`top_k_old_logprobs`).
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.trainer.weight_receiver import weight_source
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig, reader_dtype
-from trajflow.schemas import SamplingSemantics, conform
+from trajflow.schemas import SamplingSemantics, TopKSemantics, conform
+from trajflow.schemas.columns import nested_array
 from trajflow.tasks.rollout import Episode, EpisodeBatch, EpisodeView, run_episodes
 from trajflow.tasks.workload import Workload, prompt_of
 
@@ -72,6 +77,7 @@ class RolloutConfig:
     partial_rollout: bool = False         # take new weights between decode steps
     scores_at_switch: bool = False        # the strategy scores the prefix before a switch (interrupt)
     simulate_decode_seconds: float = 0.0  # sleep per decode step (a slower engine, for studies)
+    top_k_logprobs: int = 0               # K > 0: record each token's top-K (module docstring)
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class Generate:
                  engine: EngineConfig, numerics: TrainingNumerics, weight_sync: WeightSyncConfig,
                  torch_threads: int) -> None:
         torch.set_num_threads(torch_threads)
+        self.top_k_logprobs = rollout.top_k_logprobs
         self.store = store
         scores_at_switch = rollout.scores_at_switch
         # the newest version only, in the dtype it samples in (float32 to score prefixes at a switch)
@@ -133,6 +140,7 @@ class Generate:
             inference_dtype=engine.inference_dtype,
             seed=rollout.seed,
             version=-1,
+            top_k_logprobs=rollout.top_k_logprobs,
             **adapters,
         )
         # Training numerics of the resident version, for scoring prefixes at a switch (interrupt).
@@ -140,6 +148,12 @@ class Generate:
         self.scoring_model = numerics.prepare(model) if scores_at_switch else None
         self.versions = VersionWeights(model_path)
         self.semantics = SamplingSemantics(rollout.sampling.temperature, rollout.sampling.top_p, rollout.sampling.top_k)
+        self.top_k_semantics = None
+        if rollout.top_k_logprobs:
+            from transformers import AutoConfig
+
+            vocab = AutoConfig.from_pretrained(model_path, local_files_only=True).vocab_size
+            self.top_k_semantics = TopKSemantics(rollout.top_k_logprobs, vocab)
         self.weight_load_seconds = 0.0  # of the current call
 
     def _take_newest(self, pins: set[int]) -> None:
@@ -159,12 +173,13 @@ class Generate:
                 self.scoring_model.load_state_dict(weights if weights is not None else self.versions.full(payload))
         self.weight_load_seconds += time.perf_counter() - started
 
-    def _switch_if_newer(self, pins: set[int], views, old_logprobs) -> None:
+    def _switch_if_newer(self, pins: set[int], views, old_logprobs, supports=None, old_top_k=None) -> None:
         """Take the newest weights if a newer version exists; for `interrupt`, first score every
-        token sampled under the resident version (`views()` gives the responses so far)."""
+        token sampled under the resident version (`views()` gives the responses so far,
+        `supports()` their tokens' top-k ids when they are recorded)."""
         if self.store.latest_version() > self.engine.version:
             if old_logprobs is not None:
-                self._score_resident(views(), old_logprobs)
+                self._score_resident(views(), old_logprobs, supports() if supports else None, old_top_k)
             self._take_newest(pins)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -180,8 +195,11 @@ class Generate:
         prompt_tokens = batch["prompt_tokens"].to_pylist()
         self.engine.generator.manual_seed(self.seed * 1_000_003 + step)
         old_logprobs: list[list[float]] | None = None
+        old_top_k: list[list[list[float]]] | None = None  # pi_old on each token's top-k ids (interrupt)
         if self.partial_rollout and self.scores_at_switch:
             old_logprobs = [[] for _ in range(len(prompt_tokens) * self.group_size)]
+            if self.top_k_logprobs:
+                old_top_k = [[] for _ in old_logprobs]
 
         if self.environment is not None:
             if self.scores_at_switch and old_logprobs is None:  # switches happen between turns too
@@ -206,20 +224,23 @@ class Generate:
                 return [EpisodeView(prompt_tokens[g.prompt_index], g.response_tokens, g.versions,
                                     [True] * len(g.response_tokens)) for g in gens_seen]
 
+            def supports() -> list[list[list[int]]]:
+                return [g.top_k_ids for g in gens_seen]
+
             gens_seen: list[Generation] = []
 
             def hook(engine: TorchEngine, gens: list[Generation]) -> None:
                 gens_seen[:] = gens
                 if self.simulate_decode_seconds:
                     time.sleep(self.simulate_decode_seconds)
-                if self.partial_rollout:
-                    self._switch_if_newer(pins, views, old_logprobs)
+                if self.partial_rollout:  # the top-k ids only where they are scored (K > 0)
+                    self._switch_if_newer(pins, views, old_logprobs, None if old_top_k is None else supports, old_top_k)
 
             episodes = self.engine.generate(prompt_tokens, n=self.group_size, between_steps=hook)
             gens_seen[:] = episodes
             rows = views()
         if old_logprobs is not None:
-            self._score_resident(rows, old_logprobs)
+            self._score_resident(rows, old_logprobs, None if old_top_k is None else supports(), old_top_k)
 
         # Release pins of versions that no generated token carries (all sequences had finished).
         used = {v for r in rows for v in r.versions}
@@ -229,11 +250,14 @@ class Generate:
             {"generate_seconds": time.perf_counter() - started - waited, "admission_wait_seconds": waited,
              "weight_load_seconds": self.weight_load_seconds}
         )
-        return self._to_table(step, batch, prompt_tokens, episodes, old_logprobs)
+        return self._to_table(step, batch, prompt_tokens, episodes, old_logprobs, old_top_k)
 
-    def _score_resident(self, rows: list[EpisodeView], old_logprobs: list[list[float]]) -> None:
+    def _score_resident(self, rows: list[EpisodeView], old_logprobs: list[list[float]],
+                        supports: list[list[list[int]]] | None = None,
+                        old_top_k: list[list[list[float]]] | None = None) -> None:
         """Fill old log-probs of every token appended under the resident version, with training
-        numerics (the float32 copy of the same weights): exact pi_v^train before v is replaced.
+        numerics (the float32 copy of the same weights): exact pi_v^train before v is replaced;
+        with `supports` (each row's top-k ids per token), pi_old on them into `old_top_k`.
 
         Each row is scored teacher-forced on its whole response so far (prompt, earlier turns and
         observations as context). Environment tokens (loss_mask false) get 0.0, like their
@@ -245,20 +269,26 @@ class Generate:
             return
         t0 = time.perf_counter()
         needs_scoring = [i for i in todo if any(rows[i].loss_mask[len(old_logprobs[i]):])]
+        tops: list[np.ndarray] = []
         scored = dict(zip(needs_scoring, self.numerics.score(
             self.scoring_model,
             [rows[i].prompt_tokens for i in needs_scoring],
             [rows[i].response_tokens for i in needs_scoring],
             self.sampling,
+            top_k_ids=None if supports is None else [np.asarray(supports[i]) for i in needs_scoring],
+            top_k=tops,
         ))) if needs_scoring else {}
+        top_of = dict(zip(needs_scoring, tops))
         for i in todo:
             row, lp = rows[i], scored.get(i)
             for t in range(len(old_logprobs[i]), len(row.response_tokens)):
                 assert row.versions[t] == version, "a token of an older version was left unscored"
                 old_logprobs[i].append(float(lp[t]) if row.loss_mask[t] else 0.0)
+                if old_top_k is not None:
+                    old_top_k[i].append(top_of[i][t].tolist())
         self.store.add_counters({"interrupt_scoring_seconds": time.perf_counter() - t0})
 
-    def _to_table(self, step, rows: pa.Table, prompt_tokens, gens, old_logprobs) -> pa.Table:
+    def _to_table(self, step, rows: pa.Table, prompt_tokens, gens, old_logprobs, old_top_k=None) -> pa.Table:
         n = self.group_size
         prompt_idx = np.repeat(np.arange(rows.num_rows), n)
         sample_idx = np.tile(np.arange(n), rows.num_rows)
@@ -292,4 +322,12 @@ class Generate:
         columns["rollout_step"] = pa.array(np.full(len(gens), step, dtype=np.int32))
         if multi_turn:
             columns["turns"] = pa.array([g.turns for g in gens], pa.int32())
-        return conform(pa.table(columns), self.semantics)
+        if self.top_k_logprobs:  # the distributions (schemas/trajectory.py); env rows are refused by the config
+            k = self.top_k_logprobs
+            columns["top_k_ids"] = nested_array([np.asarray(g.top_k_ids, np.int32) for g in gens], pa.int32(), k)
+            columns["top_k_inference_logprobs"] = nested_array(
+                [np.asarray(g.top_k_logprobs, np.float32) for g in gens], pa.float32(), k)
+            if old_top_k is not None:
+                columns["top_k_old_logprobs"] = nested_array([np.asarray(r, np.float32) for r in old_top_k],
+                                                             pa.float32(), k)
+        return conform(pa.table(columns), self.semantics, self.top_k_semantics)

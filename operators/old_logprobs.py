@@ -6,9 +6,10 @@ this process, operators/trainer/weight_sync.py) into a model scored under the tr
 trainer's device kind and autocast, dropout off), scores the responses teacher-forced and keeps
 the log-probs of the tokens stamped v. A trajectory spanning versions is thus scored under each
 token's own version. A token outside the sampling filter's support under these numerics gets
--inf (the train step takes it out of the loss and counts it). After scoring it releases the
-batch's pins on those versions, so the store frees a snapshot as soon as no in-flight token
-needs it.
+-inf (the train step takes it out of the loss and counts it). When the rows carry the sampler's
+top-k ids (`top_k_logprobs` K > 0), the same pass scores pi_old on them at each token's version
+(`top_k_old_logprobs`). After scoring it releases the batch's pins on those versions, so the store
+frees a snapshot as soon as no in-flight token needs it.
 
 The same operator serves the exact strategies; what differs is where each places it
 (operators/strategies/):
@@ -38,7 +39,7 @@ from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient, VersionNotHeld
 from trajflow.operators.trainer.weight_receiver import weight_source
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
-from trajflow.schemas.columns import filter_reasons, mark_filtered, replace_column
+from trajflow.schemas.columns import filter_reasons, mark_filtered, nested_array, nested_rows, replace_column
 
 
 class OldLogprobsAtBehaviorVersion:
@@ -81,6 +82,8 @@ class OldLogprobsAtBehaviorVersion:
         prompts = batch["prompt_tokens"].to_pylist()
         responses = batch["response_tokens"].to_pylist()
         old: list[list[float] | None] = [None] * batch.num_rows
+        supports = nested_rows(batch["top_k_ids"]) if "top_k_ids" in batch.column_names else None
+        old_top_k: list[np.ndarray | None] = [None] * batch.num_rows
         needed = sorted({v for i in rows for v in versions[i]})
         # Score under the resident version first, so a batch of one version never switches twice.
         needed.sort(key=lambda v: v != self.resident_version)
@@ -92,23 +95,32 @@ class OldLogprobsAtBehaviorVersion:
                 evicted.add(version)  # out of the staleness window: its tokens cannot be trained
                 continue
             todo = [i for i in rows if version in versions[i]]
+            tops: list[np.ndarray] = []
             scored = self.numerics.score(self.model, [prompts[i] for i in todo], [responses[i] for i in todo],
-                                         self.sampling)
-            for i, lp in zip(todo, scored):
+                                         self.sampling, top_k_ids=None if supports is None else
+                                         [supports[i] for i in todo], top_k=tops)
+            for j, (i, lp) in enumerate(zip(todo, scored)):
                 if old[i] is None:
                     old[i] = [float("nan")] * len(responses[i])
                 mine = np.asarray(versions[i]) == version
                 for t in np.flatnonzero(mine):
                     old[i][t] = float(lp[t])
+                if supports is not None:
+                    if old_top_k[i] is None:
+                        old_top_k[i] = np.full(supports[i].shape, np.nan, np.float32)
+                    old_top_k[i][mine] = tops[j][mine]
         over_stale = np.array([bool(evicted & set(vs)) for vs in versions])
         for i in np.flatnonzero(over_stale):
-            old[i] = None
+            old[i] = old_top_k[i] = None
         for version in {v for vs in versions for v in vs}:
             self.store.release(version)
         self.store.add_counters(
             {"old_logprob_seconds": time.perf_counter() - started, "old_logprob_version_switches": float(len(needed))}
         )
         batch = replace_column(batch, "old_logprobs", pa.array(old, pa.list_(pa.float32())))
+        if supports is not None:
+            k = next((r.shape[1] for r in supports if r is not None), 0)
+            batch = replace_column(batch, "top_k_old_logprobs", nested_array(old_top_k, pa.float32(), k))
         return mark_filtered(batch, over_stale, "over_stale") if over_stale.any() else batch
 
 

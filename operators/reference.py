@@ -35,31 +35,50 @@ from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.schemas.columns import KL_PENALTY_COLUMN, REFERENCE_COLUMN, filter_reasons, padded, replace_column
 
 
-class ReferenceLogprobs:
+class FrozenScorer:
+    """A frozen model read from its own directory, scoring the response tokens of a batch's rows
+    teacher-forced in the training numerics (the reference's and the teacher's machinery: neither
+    asks the policy store for weights). `skip_filtered`: only the rows that will be trained."""
+
+    def __init__(self, model_path: str | Path, sampling: SamplingConfig, numerics: TrainingNumerics,
+                 skip_filtered: bool, torch_threads: int) -> None:
+        torch.set_num_threads(torch_threads)
+        self.sampling = sampling
+        self.numerics = numerics
+        self.skip_filtered = skip_filtered
+        self.model = numerics.prepare(load_model(model_path)).requires_grad_(False)
+
+    def rows_to_score(self, batch: pa.Table) -> list[int]:
+        if not self.skip_filtered:
+            return list(range(batch.num_rows))
+        reasons = filter_reasons(batch)
+        return [i for i in range(batch.num_rows) if reasons[i] is None]
+
+    def score(self, batch: pa.Table, rows: list[int], **top_k) -> list[list[float] | None]:
+        """Per row of `batch`, the log-probs of its response tokens (None for a row not in `rows`);
+        `top_k`: TrainingNumerics.score's top_k_ids / top_k (one support per scored row)."""
+        prompts, responses = batch["prompt_tokens"].to_pylist(), batch["response_tokens"].to_pylist()
+        scored = self.numerics.score(self.model, [prompts[i] for i in rows], [responses[i] for i in rows],
+                                     self.sampling, **top_k) if rows else []
+        out: list[list[float] | None] = [None] * batch.num_rows
+        for i, lp in zip(rows, scored):
+            out[i] = lp.tolist()
+        return out
+
+
+class ReferenceLogprobs(FrozenScorer):
     """log pi_ref of every token of the scored rows (see the module docstring)."""
 
     def __init__(self, store: PolicyStoreClient | None, model_path: str | Path, kl: KLConfig, sampling: SamplingConfig,
                  numerics: TrainingNumerics, skip_filtered: bool, torch_threads: int) -> None:
         # `store`: every class stage is handed the policy store; the reference is frozen and
         # read from its directory, so it never asks it for weights
-        torch.set_num_threads(torch_threads)
+        super().__init__(model_path, sampling, numerics, skip_filtered, torch_threads)
         self.kl = kl
-        self.sampling = sampling
-        self.numerics = numerics
-        self.skip_filtered = skip_filtered
-        self.model = numerics.prepare(load_model(model_path)).requires_grad_(False)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = list(range(batch.num_rows))
-        if self.skip_filtered:
-            reasons = filter_reasons(batch)
-            rows = [i for i in rows if reasons[i] is None]
-        prompts, responses = batch["prompt_tokens"].to_pylist(), batch["response_tokens"].to_pylist()
-        scored = self.numerics.score(self.model, [prompts[i] for i in rows], [responses[i] for i in rows],
-                                     self.sampling) if rows else []
-        reference: list[list[float] | None] = [None] * batch.num_rows
-        for i, lp in zip(rows, scored):
-            reference[i] = lp.tolist()
+        rows = self.rows_to_score(batch)
+        reference = self.score(batch, rows)
         batch = replace_column(batch, REFERENCE_COLUMN, pa.array(reference, pa.list_(pa.float32())))
         if self.kl.in_ == "reward":
             batch = replace_column(batch, KL_PENALTY_COLUMN, pa.array(self._penalty(batch, rows), pa.float32()))

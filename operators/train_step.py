@@ -416,7 +416,7 @@ class TrainStep(TrainerReplica):
         for rows, old in (o for r in results for o in r.olds):
             olds[rows] = old
         outside = sum(r.outside_support for r in results)
-        diagnostics = step_diagnostics(merged, batch, trainer_version, outside)
+        diagnostics = step_diagnostics(merged, batch, trainer_version, outside, self.strategy, self.correction)
         diagnostics["grad/norm"] = float(np.mean(results[0].norms)) if results[0].norms else None
         diagnostics["grad/nonfinite_skipped"] = float(results[0].skipped)
         diagnostics["optimizer/lr"] = results[0].lr

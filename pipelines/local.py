@@ -6,6 +6,10 @@ out), an in-process policy store, and the train step's data-parallel workers as 
 process (operators/trainer/group.py `InProcessGroup`). A rollout never runs ahead of the trainer,
 so every step is on-policy in time (tokens of version k are trained at version k) whatever
 `max_staleness` says; numerics still differ between inference and training as configured.
+`lag=S` (at most max_staleness) instead generates each step's rollout S steps ahead: step k's
+tokens come from version max(0, k - S), the steady state of the asynchronous pipeline when
+generation outpaces training, with a staleness fixed by construction rather than by the
+machine's load (staleness studies that repeat exactly).
 
 Read it as the algorithm: per train step k,
 
@@ -26,6 +30,7 @@ what runs where Ray cannot.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import pyarrow as pa
@@ -39,19 +44,23 @@ from trajflow.pipelines.rl_loop import RLPipeline
 
 
 def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: range | None = None,
-                   store: PolicyStoreClient | None = None, workers: type[WorkerGroup] = InProcessGroup):
+                   store: PolicyStoreClient | None = None, workers: type[WorkerGroup] = InProcessGroup,
+                   lag: int = 0):
     """Run `pipe`'s stages here for `steps` (default: all of `pipe.config.steps`); the metrics as
     a polars DataFrame (one row per step), and with `final_weights=True` also the last version's
     weights. `store`: a policy store holding the first step's version (default: a new in-process
     one with the model at `pipe.model_path` as version 0); `workers`: how the train step starts
-    its data-parallel workers 1..N-1 (default: threads of this process)."""
+    its data-parallel workers 1..N-1 (default: threads of this process); `lag`: generate each
+    rollout that many steps ahead (module docstring)."""
     import polars as pl
 
     steps = range(pipe.config.steps) if steps is None else steps
+    if not 0 <= lag <= pipe.config.max_staleness:
+        raise ValueError(f"lag: {lag} must be in [0, max_staleness = {pipe.config.max_staleness}]")
     if store is None:
         store = InProcessStore(pipe.config.max_staleness, pipe.strategy.keep_history)
         store.publish(load_model(pipe.model_path).state_dict(), steps.start)  # the model at model_path
-    rows = [row for _, row in iter_in_process(pipe, store, steps, workers)]
+    rows = [row for _, row in iter_in_process(pipe, store, steps, workers, lag)]
     metrics = pl.from_dicts(rows, infer_schema_length=None)
     if not final_weights:
         return metrics
@@ -59,16 +68,22 @@ def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: rang
 
 
 def iter_in_process(pipe: RLPipeline, store: PolicyStoreClient, steps: range,
-                    workers: type[WorkerGroup] = InProcessGroup) -> Iterator[tuple[pa.Table, dict]]:
+                    workers: type[WorkerGroup] = InProcessGroup, lag: int = 0) -> Iterator[tuple[pa.Table, dict]]:
     """The loop itself: per step, the batch as it reached the train step and the step's metrics
-    row. Needs neither Ray nor polars (scripts/gpu_check.sh runs it where neither is installed)."""
+    row; `lag`: each rollout generated that many steps ahead (module docstring). Needs neither Ray
+    nor polars (scripts/gpu_check.sh runs it where neither is installed)."""
     operators = [build(stage, store, workers) for stage in pipe.stages]
+    generate, rest = operators[0], operators[1:]
+    rollouts: deque = deque()  # generated, not yet trained (lag > 0: up to `lag` steps ahead)
     try:
         for step in steps:
-            batch = pipe.prompts.step_rows(step)  # this step's prompt rows
-            for operator in operators[:-1]:  # generate -> reward -> ... : one Arrow table to the next
+            while len(rollouts) <= lag and step + len(rollouts) < steps.stop:
+                # sampled with the newest version: the trainer's, `len(rollouts)` steps before its step
+                rollouts.append(generate(pipe.prompts.step_rows(step + len(rollouts))))
+            batch = rollouts.popleft()
+            for operator in rest[:-1]:  # reward -> ... : one Arrow table to the next
                 batch = operator(batch)
-            for row in operators[-1](batch).to_pylist():  # the train step's metrics row (none: nothing trained)
+            for row in rest[-1](batch).to_pylist():  # the train step's metrics row (none: nothing trained)
                 yield batch, row
     finally:
         for operator in operators:  # a train step with data-parallel workers ends them

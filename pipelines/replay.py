@@ -159,8 +159,9 @@ def load_trajectories(path: str | Path, allow_nonfinite: bool = False) -> dict[i
 
 
 def _prepare(table: pa.Table) -> pa.Table:
-    """Drop what the replay recomputes: filter reasons, old, proximal and reference log-probs, the
-    KL penalty, advantages."""
+    """Drop what the replay recomputes: filter reasons, old, proximal, reference and teacher
+    log-probs (pi_old's and the teacher's on the top-k ids too), the KL penalty, advantages. The
+    sampler's top-k (ids, mu) are the log's, like the tokens."""
     from trajflow.schemas.columns import (
         FILTER_REASON,
         KL_PENALTY_COLUMN,
@@ -170,8 +171,9 @@ def _prepare(table: pa.Table) -> pa.Table:
         replace_column,
     )
 
-    table = table.drop_columns([c for c in (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN,
-                                            TOKEN_ADVANTAGE_COLUMN) if c in table.column_names])
+    recomputed = (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN, TOKEN_ADVANTAGE_COLUMN,
+                  "top_k_old_logprobs", "teacher_logprobs", "top_k_teacher_logprobs")
+    table = table.drop_columns([c for c in recomputed if c in table.column_names])
     table = replace_column(table, "old_logprobs", pa.nulls(table.num_rows, pa.list_(pa.float32())))
     return replace_column(table, "advantage", pa.nulls(table.num_rows, pa.float32()))
 
@@ -375,7 +377,8 @@ class Replay:
             s = c.settings
             diagnose = dict(model_path=self.model_path, strategies=self.strategies, correction=s.correction, kl=s.kl,
                             sampling=live.sampling, max_staleness=c.max_staleness, numerics=s.numerics,
-                            torch_threads=s.trainer.torch_threads, gradients=self.gradients)
+                            torch_threads=s.trainer.torch_threads, gradients=self.gradients,
+                            distill=s.distill)
             return chain + [Stage("diagnose", Diagnose, diagnose, s.trainer)]
         train = live.train_stage(self.strategies[0])
         train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones

@@ -1,7 +1,7 @@
 """The asynchronous RL loop as one Ray Data pipeline whose output stream is metrics rows.
 
   prompts ─▶ generate ─▶ [dedicated old log-probs] ─▶ reward ─▶ advantage ─▶ filter
-          ─▶ [snapshot old log-probs] ─▶ train step ─▶ metrics
+          ─▶ [snapshot old log-probs] ─▶ [reference] ─▶ [teacher] ─▶ train step ─▶ metrics
                  ▲                                       │
                  └──────── policy store (versions) ◀─────┘
 
@@ -45,6 +45,7 @@ from trajflow.operators.generate import EngineConfig, Generate, RolloutConfig
 from trajflow.operators.reference import ReferenceLogprobs
 from trajflow.operators.reward import FailedRewardSteps, Reward
 from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
+from trajflow.operators.teacher import TeacherLogprobs
 from trajflow.operators.train_step import TrainStep
 from trajflow.operators.trainer.services import HeldoutEvaluation, PublishWeights, StoreStatistics
 from trajflow.operators.trainer.spec import StepHooks, TrainStepConfig
@@ -199,7 +200,7 @@ class RLPipeline:
         spec = TrainStepConfig(model_path=self.model_path, strategy=strategy, correction=s.correction, kl=s.kl,
                                optimizer=s.optimizer, sampling=self.sampling, numerics=s.numerics, trainer=s.trainer,
                                total_updates=c.steps * c.optimizer.minibatches_per_step, lora=s.lora,
-                               group_name=self.trainer_group_name)
+                               group_name=self.trainer_group_name, distill=s.distill)
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
                      recovery=s.recovery, failed_rewards=self.failed_reward_steps(), weight_sync=s.weight_sync,
                      reader_dtypes=c.reader_dtypes(strategy), workers=RayWorkerGroup)
@@ -209,7 +210,8 @@ class RLPipeline:
         c, s, strategy = self.config, self.settings, self.strategy
         rollout = RolloutConfig(group_size=c.group_size, sampling=self.sampling, seed=c.seed,
                                 partial_rollout=c.partial_rollout, scores_at_switch=strategy.scores_at_switch,
-                                simulate_decode_seconds=c.simulate_decode_seconds)
+                                simulate_decode_seconds=c.simulate_decode_seconds,
+                                top_k_logprobs=c.top_k_logprobs)
         engine = EngineConfig(name=c.engine, inference_dtype=c.inference_dtype, vllm=s.vllm,
                               lora_slots=c.engine_lora_slots(), lora_rank=c.lora.r,
                               token_ids=self.token_ids())
@@ -228,6 +230,8 @@ class RLPipeline:
             place(stages, placement)
         if c.kl.beta > 0:  # a frozen reference model, scored like an old log-prob (beta 0 builds none)
             place(stages, self.reference_stage())
+        if c.teacher is not None:  # distillation: a second model scores the student's tokens
+            place(stages, self.teacher_stage())
         return stages
 
     def token_ids(self) -> TokenIds:
@@ -244,6 +248,15 @@ class RLPipeline:
                       skip_filtered=not in_reward, torch_threads=s.scorer.torch_threads)
         stage = Stage("reference", ReferenceLogprobs, kwargs, s.scorer)
         return Placement(stage, before="advantage") if in_reward else Placement(stage, before="train")
+
+    def teacher_stage(self) -> Placement:
+        """The teacher's log-probs (operators/teacher.py), right before the train step on the rows
+        it trains, on a scorer's resources."""
+        c = self.config
+        s = self.settings
+        kwargs = dict(model_path=str(c.teacher), sampling=self.sampling, numerics=s.numerics,
+                      skip_filtered=True, torch_threads=s.scorer.torch_threads)
+        return Placement(Stage("teacher", TeacherLogprobs, kwargs, s.scorer), before="train")
 
     # -- building and running --------------------------------------------------------------------
     def start_store(self, initial_version: int = 0, initial_weights: dict | None = None) -> RayStore:

@@ -73,3 +73,41 @@ def padded(column: pa.ChunkedArray | pa.Array, width: int, fill: float, dtype=np
     col_idx = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     out[row_idx, col_idx] = values[starts + col_idx]
     return out
+
+
+def nested_rows(column: pa.ChunkedArray | pa.Array) -> list[np.ndarray | None]:
+    """A list<list<T>> column with K entries per token (a top-k column) as one [T, K] array per
+    row (None for a null row), without per-token Python."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    tokens = pc.list_flatten(array)
+    widths = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
+    k = int(widths[0]) if len(widths) else 0
+    values = pc.list_flatten(tokens).to_numpy(zero_copy_only=False)
+    values = values.reshape(-1, k) if k else values.reshape(0, 0)
+    lengths = pc.fill_null(pc.list_value_length(array), 0).to_numpy(zero_copy_only=False)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    valid = array.is_valid().to_numpy(zero_copy_only=False)
+    return [values[starts[i]:starts[i + 1]] if valid[i] else None for i in range(len(array))]
+
+
+def nested_array(rows: list[np.ndarray | None], value_type: pa.DataType, k: int) -> pa.ListArray:
+    """One [T, K] array per row (None: a null row) as a list<list<value_type>> column."""
+    lengths = np.array([0 if r is None else len(r) for r in rows], dtype=np.int32)
+    present = [np.asarray(r).reshape(-1, k) for r in rows if r is not None]
+    values = np.concatenate(present) if present else np.zeros((0, k))
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(len(values) + 1, dtype=np.int32) * k),
+                                     pa.array(values.reshape(-1), type=value_type))
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    mask = pa.array([r is None for r in rows], pa.bool_())
+    return pa.ListArray.from_arrays(offsets, inner, type=pa.list_(pa.list_(value_type)), mask=mask)
+
+
+def padded_nested(column: pa.ChunkedArray | pa.Array, width: int, fill: float, dtype=np.float32) -> np.ndarray:
+    """A top-k column as a right-padded [rows, width, K] array (padding and null rows: `fill`)."""
+    rows = nested_rows(column)
+    k = next((r.shape[1] for r in rows if r is not None), 0)
+    out = np.full((len(rows), width, k), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        if r is not None:
+            out[i, : len(r)] = r
+    return out

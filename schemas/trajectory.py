@@ -13,11 +13,14 @@ import pyarrow.compute as pc
 SCHEMA_VERSION = "1"
 META_VERSION_KEY = b"trajflow.schema_version"
 META_SAMPLING_KEY = b"trajflow.sampling"
+META_TOP_K_KEY = b"trajflow.top_k"
 
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 
 _INT_LIST = pa.list_(pa.int32())
 _FLOAT_LIST = pa.list_(pa.float32())
+_INT_LISTS = pa.list_(_INT_LIST)
+_FLOAT_LISTS = pa.list_(_FLOAT_LIST)
 
 # name -> (canonical type, nullable)
 _V1: dict[str, tuple[pa.DataType, bool]] = {
@@ -42,6 +45,14 @@ _OPTIONAL: dict[str, pa.DataType] = {
     "reward_error": pa.string(),
     # one advantage per response token (REINFORCE++ with advantage.gamma < 1); absent otherwise
     "token_advantages": pa.list_(pa.float32()),
+    # The distributions (`top_k_logprobs: K` > 0; metadata `trajflow.top_k`): per response token, K
+    # entries on the sampler's K most likely ids under the processed distribution it sampled from.
+    # A row may be null (not scored, e.g. filtered before an old log-prob operator).
+    "top_k_ids": _INT_LISTS,                    # generate: the ids, most likely first
+    "top_k_inference_logprobs": _FLOAT_LISTS,   # generate: mu on them
+    "top_k_old_logprobs": _FLOAT_LISTS,         # the exact strategies: pi_old on them at each token's version
+    "top_k_teacher_logprobs": _FLOAT_LISTS,     # the teacher (distillation) on them
+    "teacher_logprobs": _FLOAT_LIST,            # the teacher's log-prob of each sampled token
 }
 
 COLUMNS: list[str] = list(_V1)
@@ -55,12 +66,19 @@ LOGPROB_COLUMNS: tuple[str, ...] = ("inference_logprobs", "old_logprobs")
 # under training numerics. The train step takes such tokens out of the loss and counts them. A
 # sampled token always lies inside its sampler's support, so inference log-probs must be finite.
 NEG_INF_ALLOWED: frozenset[str] = frozenset({"old_logprobs"})
+TOP_K_COLUMNS: tuple[str, ...] = ("top_k_ids", "top_k_inference_logprobs", "top_k_old_logprobs",
+                                  "top_k_teacher_logprobs")
+# Every log-prob of a distribution may be -inf: an id outside the support of the sampling filter
+# (top-k/top-p) under that side's numerics, or past the support when K exceeds it. A teacher's
+# sampled-token log-prob may be -inf the same way (the train step takes such a token out).
+TOP_K_LOGPROB_COLUMNS: tuple[str, ...] = TOP_K_COLUMNS[1:]
+DISTRIBUTION_LOGPROB_COLUMNS: tuple[str, ...] = (*TOP_K_LOGPROB_COLUMNS, "teacher_logprobs")
 
 
 def _invalid_values(flat: pa.Array, name: str) -> pa.Array:
     """Per element: NaN/inf that column `name` cannot hold (null for null elements)."""
     bad = pc.invert(pc.is_finite(flat))
-    if name in NEG_INF_ALLOWED:
+    if name in NEG_INF_ALLOWED or name in DISTRIBUTION_LOGPROB_COLUMNS:
         bad = pc.and_(bad, pc.not_equal(flat, float("-inf")))
     return bad
 
@@ -83,6 +101,22 @@ class SamplingSemantics:
         return cls(float(d["temperature"]), float(d["top_p"]), int(d["top_k"]), bool(d.get("processed", True)))
 
 
+@dataclass(frozen=True)
+class TopKSemantics:
+    """What the top-k columns hold: K entries per token, ids of a vocabulary of `vocab_size`."""
+
+    k: int
+    vocab_size: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> TopKSemantics:
+        d = json.loads(text)
+        return cls(int(d["k"]), int(d["vocab_size"]))
+
+
 class SchemaError(ValueError):
     """A table does not match schema v1; `column`/`row` locate the problem when known."""
 
@@ -99,10 +133,12 @@ def _error(column: str | None, row: int | None, detail: str) -> SchemaError:
     return SchemaError(f"{where}: {detail}", column=column, row=row)
 
 
-def _metadata(sampling: SamplingSemantics | None) -> dict[bytes, bytes]:
+def _metadata(sampling: SamplingSemantics | None, top_k: TopKSemantics | None = None) -> dict[bytes, bytes]:
     meta = {META_VERSION_KEY: SCHEMA_VERSION.encode()}
     if sampling is not None:
         meta[META_SAMPLING_KEY] = sampling.to_json().encode()
+    if top_k is not None:
+        meta[META_TOP_K_KEY] = top_k.to_json().encode()
     return meta
 
 
@@ -112,16 +148,26 @@ def trajectory_schema(sampling: SamplingSemantics | None = None) -> pa.Schema:
     return pa.schema(fields, metadata=_metadata(sampling))
 
 
-def sampling_semantics(obj: pa.Table | pa.Schema) -> SamplingSemantics | None:
-    """The sampling semantics recorded in a table's (or schema's) metadata, if any."""
+def _read_metadata(obj: pa.Table | pa.Schema, key: bytes, semantics: type):
+    """`semantics.from_json` of the metadata entry `key` of a table or schema (None: absent)."""
     schema = obj.schema if isinstance(obj, pa.Table) else obj
-    raw = (schema.metadata or {}).get(META_SAMPLING_KEY)
+    raw = (schema.metadata or {}).get(key)
     if raw is None:
         return None
     try:
-        return SamplingSemantics.from_json(raw)
+        return semantics.from_json(raw)
     except (ValueError, KeyError, TypeError) as e:
-        raise _error(None, None, f"bad {META_SAMPLING_KEY.decode()} metadata {raw!r}: {e}") from e
+        raise _error(None, None, f"bad {key.decode()} metadata {raw!r}: {e}") from e
+
+
+def sampling_semantics(obj: pa.Table | pa.Schema) -> SamplingSemantics | None:
+    """The sampling semantics recorded in a table's (or schema's) metadata, if any."""
+    return _read_metadata(obj, META_SAMPLING_KEY, SamplingSemantics)
+
+
+def top_k_semantics(obj: pa.Table | pa.Schema) -> TopKSemantics | None:
+    """K and the vocabulary size of the top-k columns, from the metadata (None: not recorded)."""
+    return _read_metadata(obj, META_TOP_K_KEY, TopKSemantics)
 
 
 def _check_version(schema: pa.Schema) -> None:
@@ -153,6 +199,7 @@ def validate(table: pa.Table, *, allow_nonfinite: bool = False) -> None:
     """
     _check_version(table.schema)
     sampling_semantics(table.schema)
+    top_k_semantics(table.schema)
     names = set(table.column_names)
     for name, (expected, nullable) in _V1.items():
         if name not in names:
@@ -176,6 +223,7 @@ def validate(table: pa.Table, *, allow_nonfinite: bool = False) -> None:
         if name in names and not _types_match(table.schema.field(name).type, expected):
             raise _error(name, None, f"type {table.schema.field(name).type} != {expected}; call "
                          "trajflow.schemas.conform() to cast")
+    _validate_distributions(table, allow_nonfinite)
 
     n_resp = pc.list_value_length(table.column("response_tokens"))
     for name in PER_TOKEN_COLUMNS:
@@ -206,18 +254,93 @@ def validate(table: pa.Table, *, allow_nonfinite: bool = False) -> None:
         raise _error("finish_reason", row, f"{fr[row].as_py()!r} not one of {list(FINISH_REASONS)}")
 
 
+def _row_of(col: pa.ChunkedArray, flat_index: int) -> tuple[int, int]:
+    """(row, position in the row) of element `flat_index` of list column `col`'s flattening."""
+    parents = pc.list_parent_indices(col)
+    row = parents[flat_index].as_py()
+    return row, flat_index - _first_true(pc.equal(parents, row))
+
+
+def _validate_distributions(table: pa.Table, allow_nonfinite: bool) -> None:
+    """The top-k columns and teacher_logprobs, when present: per non-null row one entry per
+    response token, K per token (the metadata's K, else the first token's), ids in the vocabulary
+    (the metadata's size, else >= 0), a log-prob row only where the ids are, and no NaN/+inf."""
+    names = set(table.column_names)
+    n_resp = pc.list_value_length(table.column("response_tokens"))
+    if "teacher_logprobs" in names:
+        _check_row_lengths(table, "teacher_logprobs", n_resp)
+        flat = pc.list_flatten(table.column("teacher_logprobs"))
+        bad = None if allow_nonfinite else _first_true(_invalid_values(flat, "teacher_logprobs"))
+        if bad is not None:
+            row, position = _row_of(table.column("teacher_logprobs"), bad)
+            raise _error("teacher_logprobs", row, f"non-finite value {flat[bad].as_py()} at token {position} "
+                         "(-inf is allowed: a token outside the teacher's sampling support)")
+    present = [c for c in TOP_K_COLUMNS if c in names]
+    if present and "top_k_ids" not in names:
+        raise _error(present[0], None, "needs the column top_k_ids (the ids its log-probs are of)")
+    semantics = top_k_semantics(table.schema)
+    k = semantics.k if semantics is not None else None
+    for name in present:
+        col = table.column(name)
+        _check_row_lengths(table, name, n_resp)
+        if name != "top_k_ids":
+            orphan = _first_true(pc.and_(pc.is_valid(col), pc.is_null(table.column("top_k_ids"))))
+            if orphan is not None:
+                raise _error(name, orphan, "log-probs on a row without top_k_ids")
+        tokens = pc.list_flatten(col)
+        if tokens.null_count:
+            row, position = _row_of(col, _first_true(pc.is_null(tokens)))
+            raise _error(name, row, f"null entry at token {position}")
+        widths = pc.list_value_length(tokens)
+        if k is None and len(widths):
+            k = widths[0].as_py()
+        bad = _first_true(pc.not_equal(widths, k)) if k is not None else None
+        if bad is not None:
+            row, position = _row_of(col, bad)
+            raise _error(name, row, f"{widths[bad].as_py()} entries at token {position}, expected K = {k}")
+        values = pc.list_flatten(tokens)
+        if values.null_count:
+            raise _error(name, None, "null value inside a token's entries")
+        if name == "top_k_ids":
+            high = semantics.vocab_size if semantics is not None else None
+            out = pc.less(values, 0) if high is None else pc.or_(pc.less(values, 0), pc.greater_equal(values, high))
+            bad = _first_true(out)
+            if bad is not None:
+                raise _error(name, _row_of(col, bad // max(k, 1))[0],
+                             f"id {values[bad].as_py()} outside the vocabulary [0, {high if high is not None else 'V'})")
+        elif not allow_nonfinite:
+            bad = _first_true(_invalid_values(values, name))
+            if bad is not None:
+                row, position = _row_of(col, bad // max(k, 1))
+                raise _error(name, row, f"non-finite value {values[bad].as_py()} at token {position} "
+                             "(-inf is allowed: an id outside the support)")
+
+
+def _check_row_lengths(table: pa.Table, name: str, n_resp: pa.Array) -> None:
+    """Each non-null row of per-token column `name` has one entry per response token."""
+    n = pc.list_value_length(table.column(name))
+    row = _first_true(pc.not_equal(n, n_resp))
+    if row is not None:
+        raise _error(name, row, f"length {n[row].as_py()} != len(response_tokens) {n_resp[row].as_py()}")
+
+
 def nonfinite_rows(table: pa.Table) -> np.ndarray:
-    """Bool mask of rows with NaN/inf in inference_logprobs or old_logprobs (-inf is valid in
-    old_logprobs: a token outside the sampling support)."""
+    """Bool mask of rows with NaN/inf in inference_logprobs or old_logprobs, or NaN/+inf in the
+    distribution columns (-inf is valid in old_logprobs and those: an id outside the support)."""
     out = np.zeros(table.num_rows, dtype=bool)
-    for name in LOGPROB_COLUMNS:
+    for name in (*LOGPROB_COLUMNS, *DISTRIBUTION_LOGPROB_COLUMNS):
         if name not in table.column_names:
             continue
         col = table.column(name)
-        bad = pc.fill_null(_invalid_values(pc.list_flatten(col), name), False)
+        tokens = pc.list_flatten(col)
+        nested = pa.types.is_list(tokens.type)
+        values = pc.list_flatten(tokens) if nested else tokens
+        bad = pc.fill_null(_invalid_values(values, name), False)
         if not pc.any(bad).as_py():
             continue
         bad_idx = pc.indices_nonzero(bad)
+        if nested:  # an entry -> its token -> its row
+            bad_idx = pc.take(pc.list_parent_indices(tokens), bad_idx)
         out[pc.take(pc.list_parent_indices(col), bad_idx).to_numpy()] = True
     return out
 
@@ -244,12 +367,13 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
     return False
 
 
-def conform(table: pa.Table, sampling: SamplingSemantics | None = None) -> pa.Table:
+def conform(table: pa.Table, sampling: SamplingSemantics | None = None,
+            top_k: TopKSemantics | None = None) -> pa.Table:
     """Cast v1 columns (and the optional ones present) back to their canonical types (large_list,
     large_string, float64, ...), put them first in canonical order then extras, and attach v1
     metadata.
 
-    Existing sampling metadata is kept when `sampling` is None. Missing columns are not
+    Existing sampling (and top-k) metadata is kept when `sampling` (`top_k`) is None. Missing columns are not
     invented (validate() reports them). Raises SchemaError for a cast that would change meaning
     or lose data (e.g. string -> float, int64 overflow), or for another schema_version.
     """
@@ -259,6 +383,8 @@ def conform(table: pa.Table, sampling: SamplingSemantics | None = None) -> pa.Ta
     old_meta = dict(table.schema.metadata or {})
     if sampling is None:
         sampling = sampling_semantics(table.schema)
+    if top_k is None:
+        top_k = top_k_semantics(table.schema)
     fields, arrays = [], []
     canonical = {**_V1, **{name: (t, True) for name, t in _OPTIONAL.items()}}
     for name, (expected, nullable) in canonical.items():
@@ -278,7 +404,7 @@ def conform(table: pa.Table, sampling: SamplingSemantics | None = None) -> pa.Ta
         if name not in canonical:
             fields.append(table.schema.field(name))
             arrays.append(table.column(name))
-    meta = {**old_meta, **_metadata(sampling)}
+    meta = {**old_meta, **_metadata(sampling, top_k)}
     # from_arrays does not check nullability; validate() reports nulls with their row
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=meta))
 

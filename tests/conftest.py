@@ -86,13 +86,13 @@ def publish_inside_rollouts():
             self._waited_this_rollout = False
             return super().__call__(batch)
 
-        def _switch_if_newer(self, pins, views, old_logprobs) -> None:
+        def _switch_if_newer(self, pins, views, old_logprobs, *top_k) -> None:
             ahead = self._rollout_step > self.engine.version
             sampled = any(len(row.response_tokens) for row in views())
             if ahead and sampled and not self._waited_this_rollout:
                 self._waited_this_rollout = True
                 self.store.wait_for_version(self.engine.version + 1)
-            super()._switch_if_newer(pins, views, old_logprobs)
+            super()._switch_if_newer(pins, views, old_logprobs, *top_k)
 
     def apply(pipe):
         generate = dataclasses.replace(pipe.stage("generate"), fn=GenerateWithPublishInsideRollout)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, OptimizerConfig
+from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig
 from trajflow.algorithms.objective import decoupled_loss
 from trajflow.engines.factory import VllmConfig
 from trajflow.engines.lora import LoraConfig
@@ -33,7 +33,7 @@ from trajflow.tasks.dataset import DataConfig
 REPO = Path(__file__).resolve().parent.parent
 # every section of a config and the settings dataclass it is declared by, with its default
 DEFAULTS = {"sampling": SamplingConfig(), "correction": CorrectionConfig(), "advantage": AdvantageConfig(),
-            "kl": KLConfig(), "optimizer": OptimizerConfig(), "lora": LoraConfig(), "vllm": VllmConfig(),
+            "kl": KLConfig(), "distill": DistillConfig(), "optimizer": OptimizerConfig(), "lora": LoraConfig(), "vllm": VllmConfig(),
             "generator": ResourceConfig(), "scorer": ResourceConfig(num_cpus=0.25), "trainer": TrainerConfig(),
             "recovery": RecoveryConfig(), "weight_sync": WeightSyncConfig(), "data": None}
 
@@ -128,7 +128,8 @@ def test_the_library_and_yaml_accept_and_refuse_the_same_values(field, value):
     except SettingError:
         library_ok = False
     try:
-        build_job_config({"steps": 1, "correction": {field: value}})
+        # top_k_logprobs: dist_mask needs the top-k (a cross-key rule, not the value's)
+        build_job_config({"steps": 1, "top_k_logprobs": 8, "correction": {field: value}})
         yaml_ok = True
     except JobConfigError:
         yaml_ok = False

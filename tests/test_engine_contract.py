@@ -70,17 +70,20 @@ def make(request):
     """make(model, sampling, seed=, version=, eos_id=) -> an engine holding `model`'s weights."""
     name = request.param
     if name == "torch":
-        def _torch(model, sampling, *, seed=0, version=0, eos_id=EOS_ID, stop_token_ids=(), tokenizer=None):
+        def _torch(model, sampling, *, seed=0, version=0, eos_id=EOS_ID, stop_token_ids=(), tokenizer=None,
+                   top_k_logprobs=0):
             return make_engine("torch", model, eos_id=eos_id, pad_id=PAD_ID, sampling=sampling,
                                inference_dtype="float32", seed=seed, version=version,
-                               stop_token_ids=stop_token_ids, tokenizer=tokenizer)
+                               stop_token_ids=stop_token_ids, tokenizer=tokenizer, top_k_logprobs=top_k_logprobs)
         return _torch
     require_vllm()
     engine = request.getfixturevalue("shared_vllm")
 
-    def _vllm(model, sampling, *, seed=0, version=0, eos_id=EOS_ID, stop_token_ids=(), tokenizer=None):
+    def _vllm(model, sampling, *, seed=0, version=0, eos_id=EOS_ID, stop_token_ids=(), tokenizer=None,
+              top_k_logprobs=0):
         engine.load_weights({k: v.detach().clone() for k, v in model.state_dict().items()}, version)
         engine.sampling = sampling
+        engine.top_k_logprobs = top_k_logprobs  # within the max_logprobs the engine was built with (64)
         engine.eos_id = eos_id
         engine.stop_token_ids = tuple(stop_token_ids)
         engine.tokenizer = tokenizer
@@ -130,6 +133,32 @@ def test_float32_logprobs_equal_training_scoring(make, model, prompts, name):
     assert diff < TOL
     if sampling.greedy:
         assert all(g.response_tokens == gens[3 * g.prompt_index].response_tokens for g in gens)
+
+
+@pytest.mark.parametrize("name", ["t1", "t0.7_topk_topp", "greedy"])
+def test_float32_top_k_equals_training_scoring(make, model, prompts, name):
+    """The sampler's top-K of each token (the processed distribution it sampled from, most likely
+    first, -inf past a filter's support) equals the training-side scores of the same ids."""
+    from trajflow.engines.training_numerics import TrainingNumerics
+
+    sampling, k = SAMPLINGS[name], 8
+    gens = make(model, sampling, seed=1, top_k_logprobs=k).generate(prompts, n=2)
+    _check_shape(gens, len(prompts), 2, sampling)
+    scored: list[np.ndarray] = []
+    TrainingNumerics().score(model, [prompts[g.prompt_index] for g in gens], [g.response_tokens for g in gens],
+                             sampling, top_k_ids=[np.asarray(g.top_k_ids) for g in gens], top_k=scored)
+    worst = 0.0
+    for g, top in zip(gens, scored):
+        mine = np.asarray(g.top_k_logprobs)
+        assert mine.shape == top.shape == (len(g.response_tokens), k)
+        assert (mine[:, :-1] >= mine[:, 1:]).all()  # most likely first
+        assert (np.isneginf(mine) == np.isneginf(top)).all()
+        finite = np.isfinite(mine)
+        worst = max(worst, float(np.abs(mine[finite] - top[finite]).max(initial=0.0)))
+    print(f"\n[contract] top-{k} {name}: max |inference - float32 scoring| = {worst:.2e}")
+    assert worst < TOL
+    if sampling.top_k:
+        assert all(np.isneginf(np.asarray(g.top_k_logprobs)[:, sampling.top_k:]).all() for g in gens)
 
 
 def test_same_seed_reproduces(make, model, prompts):

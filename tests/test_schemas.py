@@ -110,7 +110,9 @@ def test_extra_columns_pass_through():
 def test_reward_error_is_an_optional_string_column(tmp_path):
     """`reward_error` (why a row's reward failed): typed when present, after the v1 columns; a log
     written before it existed (no such column) still reads back."""
-    assert OPTIONAL_COLUMNS == ("reward_error", "token_advantages")  # the latter: tests/test_verl_knobs.py
+    # the others: tests/test_verl_knobs.py (token_advantages), tests/test_distributions.py (the top-k)
+    assert OPTIONAL_COLUMNS == ("reward_error", "token_advantages", "top_k_ids", "top_k_inference_logprobs",
+                                "top_k_old_logprobs", "top_k_teacher_logprobs", "teacher_logprobs")
     errors = [None, "ValueError: bad answer", None, "TimeoutError: too slow"]
     t = from_rows([{"answer": str(i), **r, "reward_error": e} for i, (r, e) in enumerate(zip(rows(), errors))])
     assert t.column_names == COLUMNS + ["answer", "reward_error"]

@@ -16,7 +16,8 @@ from trajflow.jobs.config import load_job_config
 from trajflow.jobs.run import plan_new_run
 from trajflow.operators.strategies import strategy_names
 for name in strategy_names():
-    config = load_job_config("quickstart", [f"strategy={name}", "run_dir=/nonexistent/trajflow-startup-test"])
+    config = load_job_config("quickstart", [f"strategy={name}", "top_k_logprobs=8",
+                                            "run_dir=/nonexistent/trajflow-startup-test"])
     config.build_strategy()
     plan_new_run(config)
 print(sorted(m for m in ("torch", "transformers") if m in sys.modules))

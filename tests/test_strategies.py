@@ -66,12 +66,15 @@ def make_batch(n: int = 6, width: int = 5, seed: int = 0, versions=(3, 4, 5), ol
 # -- the registry --------------------------------------------------------------------------------
 def test_registry_catalogue():
     assert strategy_names() == ["snapshot", "dedicated", "interrupt", "ewma", "recompute", "behavior",
-                                "loglinear", "m2po"]
+                                "loglinear", "m2po", "score_centering"]
     kinds = {name: cls.kind for name, cls in BUILTIN.items()}
-    assert [n for n, k in kinds.items() if k == "exact"] == ["snapshot", "dedicated", "interrupt"]
+    exact = ["snapshot", "dedicated", "interrupt", "score_centering"]
+    assert [n for n, k in kinds.items() if k == "exact"] == exact
     assert kinds["ewma"] == "approximate"
-    assert [n for n, c in BUILTIN.items() if c.old_from_column] == ["snapshot", "dedicated", "interrupt"]
-    assert [n for n, c in BUILTIN.items() if c.keep_history] == ["snapshot", "dedicated"]
+    assert [n for n, c in BUILTIN.items() if c.old_from_column] == exact
+    assert [n for n, c in BUILTIN.items() if c.keep_history] == ["snapshot", "dedicated", "score_centering"]
+    assert [n for n, c in BUILTIN.items() if c.old_distribution] == [*exact[:3], "behavior", "score_centering"]
+    assert [n for n, c in BUILTIN.items() if c.uses_current_top_k] == ["score_centering"]
     assert [n for n, c in BUILTIN.items() if c.scores_at_switch] == ["interrupt"]
     text = format_strategies()
     assert all(name in text for name in BUILTIN) and max(len(line) for line in text.splitlines()) <= 100
@@ -123,8 +126,9 @@ def trainer(tiny, one_torch_thread):
 def test_each_proximal(trainer):
     batch = make_batch(old=True, trainer=trainer)
     current = trainer.current(batch, grad=True)
-    by_name = {name: resolve_strategy(name).from_config(PipelineConfig(strategy=name)) for name in BUILTIN}
-    for name in ("snapshot", "dedicated", "interrupt"):
+    by_name = {name: resolve_strategy(name).from_config(PipelineConfig(strategy=name, top_k_logprobs=8))
+               for name in BUILTIN}
+    for name in ("snapshot", "dedicated", "interrupt", "score_centering"):
         assert torch.equal(by_name[name].proximal(batch, current, trainer), batch.old)
     for name in ("behavior", "m2po"):
         assert torch.equal(by_name[name].proximal(batch, current, trainer), batch.inference)
@@ -166,16 +170,23 @@ def test_tokens_outside_top_k_leave_the_loss_for_every_strategy_and_level(tiny, 
     batch = make_batch(n=8, seed=1, old=True, trainer=trainer)  # random tokens: about half outside the top 20
     outside_expected = int((batch.loss_mask & ~torch.isfinite(batch.old)).sum())
     assert 0 < outside_expected < int(batch.loss_mask.sum())
+    uses_top_k = BUILTIN[name].uses_current_top_k
+    if uses_top_k:  # random ids, scored by the trainer as the sampler and pi_old: about half outside the top 20
+        batch.top_k_ids = torch.from_numpy(np.random.default_rng(2).integers(0, 64, size=(*batch.loss_mask.shape, 4)))
+        scored: list[torch.Tensor] = []
+        trainer.current(batch, grad=False, top_k=scored)
+        batch.top_k_inference = batch.top_k_old = scored[0]
     for mask_level in ("token", "sequence", "none"):
         for clip_level in ("token", "sequence"):
-            strategy = resolve_strategy(name).from_config(PipelineConfig(strategy=name))
+            strategy = resolve_strategy(name).from_config(PipelineConfig(strategy=name, top_k_logprobs=8))
             strategy.bind(trainer)
             strategy.before_step(batch, trainer)
             trainer.model.zero_grad(set_to_none=True)
-            current = trainer.current(batch, grad=True)
+            top_k: list[torch.Tensor] | None = [] if uses_top_k else None
+            current = trainer.current(batch, grad=True, top_k=top_k)
             config = CorrectionConfig(mask_level=mask_level, clip_level=clip_level, mask_c_token=1e6,
                                       mask_c_seq=1e6)
-            result = correct(strategy, batch, current, trainer, config)
+            result = correct(strategy, batch, current, trainer, config, current_top_k=top_k[0] if top_k else None)
             result.loss.loss.backward()
             assert math.isfinite(result.loss.loss.item()), (mask_level, clip_level)
             assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)

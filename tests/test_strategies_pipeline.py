@@ -44,11 +44,12 @@ def record_weights_and_old(trainstep, batch, metrics) -> None:
 def test_every_strategy_trains_under_top_k_and_top_p(sampling, correction):
     # bf16-sampled tokens outside the float32 support: ~7e-4 of tokens on the warm start at top_k 2
     # and at top_p 0.9 (measured on 5,400 tokens each), so each strategy samples its own data (seed)
-    # and the eight runs together meet a few
+    # and the runs together meet a few
     outside = {}
     for i, strategy in enumerate(strategy_names()):
+        # with the record's top-k (past the filter's support: -inf entries), which score_centering needs
         config = PipelineConfig(**{**SMALL, "seed": 10 + i}, strategy=strategy, steps=6, inference_dtype="bfloat16",
-                                sampling={"max_new_tokens": 6, **sampling}, correction=correction)
+                                sampling={"max_new_tokens": 6, **sampling}, correction=correction, top_k_logprobs=8)
         pipe = RLPipeline(config)
         pipe.hooks.on_step = record_weights_and_old
         m = run_in_process(pipe)

@@ -11,6 +11,9 @@ What the rest of trajflow asks a strategy (and nothing else: no other file compa
   old_from_column           pi_old is the `old_logprobs` column, filled upstream (exact strategies)
   follows_updates           the strategy's state follows the weights after each optimizer update
                             (EWMA); a --diagnose replay then also needs version k + 1 per step
+  old_distribution          proximal_top_k gives pi_old on the sampler's top-k ids (the
+                            distribution-level mismatch and its mask, `correction.dist_mask`)
+  uses_current_top_k        the loss needs pi_theta on the top-k ids too (Score Centering)
   stages(ctx)               operator stages the strategy inserts, placed relative to named stages
   check(config)             strategy-specific config checks (raise ValueError naming the key)
   correction(base)          override of the objective's settings (M2PO: no PPO clip)
@@ -20,11 +23,15 @@ and, inside the process that trains (TrainStep) or diagnoses (Diagnose), per tra
   bind(trainer)             once, when that process starts (EWMA copies the weights here)
   before_step(batch, trainer)            before the first update of the step (whole step batch)
   proximal(batch, current, trainer)      pi_old for a (mini)batch, [B, T], detached
+  proximal_top_k(batch)     pi_old on the batch's top-k ids [B, T, K], or None (old_distribution)
   begin_update(log_ratios, gather)       if `needs_update_pass`: before each optimizer update,
                             log pi_theta - pi_old over this worker's loss tokens of the whole
                             update (1-D, no grad); `gather(t)` concatenates a 1-D tensor over all
                             data-parallel workers (M2PO's cutoff is a statistic of the update)
   trust_mask(batch, current, old, loss_mask)  tokens allowed to carry gradient (None: all)
+  extra_loss(batch, current_top_k, out, advantages, config)  a term added to the loss in sum form
+                            (with out.token_weights), or None; current_top_k [B, T, K] with
+                            gradient, advantages as the loss used them, config as corrected
   after_update(trainer)     after each optimizer update
   after_step(trainer, diagnostics) -> metrics   after the step's updates
   state_dict() / load_state_dict(state)  what a checkpoint keeps (tensors, numbers, strings)
@@ -53,7 +60,7 @@ if TYPE_CHECKING:  # torch-free at import: `trajflow run` resolves the strategy 
     import torch
     from torch import Tensor
 
-    from trajflow.algorithms.objective import CorrectionConfig
+    from trajflow.algorithms.objective import CorrectionConfig, LossOutput
     from trajflow.engines.sampling import SamplingConfig
     from trajflow.engines.training_numerics import TrainingNumerics
     from trajflow.operators.trainer.correction import StepBatch
@@ -99,6 +106,8 @@ class Strategy:
     old_from_column: ClassVar[bool] = False
     follows_updates: ClassVar[bool] = False
     needs_update_pass: ClassVar[bool] = False
+    old_distribution: ClassVar[bool] = False
+    uses_current_top_k: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, config: Any, options: dict[str, Any] | None = None) -> "Strategy":
@@ -151,10 +160,17 @@ class Strategy:
     def proximal(self, batch: "StepBatch", current: Tensor, trainer: Trainer) -> Tensor:
         raise NotImplementedError(f"strategy {self.name!r} does not define proximal()")
 
+    def proximal_top_k(self, batch: "StepBatch") -> Tensor | None:
+        return None
+
     def begin_update(self, log_ratios: Tensor, gather: Callable[[Tensor], Tensor]) -> None:
         pass
 
     def trust_mask(self, batch: "StepBatch", current: Tensor, old: Tensor, loss_mask: Tensor) -> Tensor | None:
+        return None
+
+    def extra_loss(self, batch: "StepBatch", current_top_k: Tensor | None, out: "LossOutput",
+                   advantages: Tensor, config: "CorrectionConfig") -> Tensor | None:
         return None
 
     def after_update(self, trainer: Trainer) -> None:
@@ -178,11 +194,15 @@ class OldLogprobsColumn(Strategy):
     token's own behavior version under training numerics."""
 
     old_from_column = True
+    old_distribution = True
 
     def proximal(self, batch: "StepBatch", current: Tensor, trainer: Trainer) -> Tensor:
         if batch.old is None:
             raise RuntimeError(f"strategy {self.name}: rows reached the trainer without old_logprobs")
         return batch.old
+
+    def proximal_top_k(self, batch: "StepBatch") -> Tensor | None:
+        return batch.top_k_old  # scored with old_logprobs, at each token's own version
 
 
 def old_logprob_stage(ctx: StageContext, skip_filtered: bool) -> Stage:

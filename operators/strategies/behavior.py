@@ -17,8 +17,12 @@ class Behavior(Strategy):
     name = "behavior"
     kind = "baseline"
     meaning = "old := inference log-probs (r_d = 1): one clip absorbs both numerics and staleness"
+    old_distribution = True
 
     def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
         from trajflow.algorithms.proximal import behavior_logprobs
 
         return behavior_logprobs(batch.inference)
+
+    def proximal_top_k(self, batch) -> Tensor | None:
+        return batch.top_k_inference  # the sampler's own distribution: no mismatch by definition

@@ -22,11 +22,13 @@ from trajflow.operators.strategies.interrupt import Interrupt
 from trajflow.operators.strategies.loglinear import Loglinear
 from trajflow.operators.strategies.m2po import M2po
 from trajflow.operators.strategies.recompute import Recompute
+from trajflow.operators.strategies.score_centering import ScoreCentering
 from trajflow.operators.strategies.snapshot import Snapshot
 from trajflow.user_code import load_object, register_by_value
 
 BUILTIN: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Snapshot, Dedicated, Interrupt, Ewma, Recompute, Behavior, Loglinear, M2po)
+    cls.name: cls for cls in (Snapshot, Dedicated, Interrupt, Ewma, Recompute, Behavior, Loglinear, M2po,
+                              ScoreCentering)
 }
 
 

@@ -29,7 +29,8 @@ from trajflow.engines import lora
 from trajflow.engines.models import load_model
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.trainer.collective import Collective, this_node
-from trajflow.operators.trainer.correction import Correction, PolicyHolder, StepBatch, correct, finite_loss_mask
+from trajflow.operators.trainer.correction import (Correction, PolicyHolder, StepBatch, correct, finite_loss_mask,
+                                                   top_k_in_loss)
 from trajflow.operators.trainer.fsdp import clip_grad_norm, full_tensors, local_bytes, shard_model
 from trajflow.operators.trainer.spec import TrainStepConfig
 from trajflow.operators.trainer.state import ReplicaState
@@ -209,9 +210,10 @@ class TrainerReplica(ReplicaState, PolicyHolder):
                 self._begin_update(minibatch)  # M2PO: a statistic of the whole update, before any backward
             loss = LossSum()
             for batch in minibatch:
-                current, entropy = self._forward(batch)  # pi_theta under the training numerics
+                current, entropy, top_k = self._forward(batch)  # pi_theta under the training numerics
                 fixed = correct(self.strategy, batch, current, self, self.correction, kl=self.spec.kl,
-                                entropy=entropy)  # the strategy's pi_old, masks and loss
+                                entropy=entropy, distill=self.spec.distill,
+                                current_top_k=top_k)  # the strategy's pi_old, masks and loss
                 loss += self._backward(batch, current, fixed, result)
             loss = self._reduce(params, loss, result)  # over the workers
             for p in params:
@@ -240,11 +242,13 @@ class TrainerReplica(ReplicaState, PolicyHolder):
         return [[batch.select(torch.tensor([local[p] for p in micro])) if micro else self._dummy(work)
                  for micro in minibatch] for minibatch in work.microbatches]
 
-    def _forward(self, batch: StepBatch) -> tuple[Tensor, Tensor | None]:
-        """pi_theta [B, T] with gradient, and its per-token entropy when the loss has an entropy term."""
+    def _forward(self, batch: StepBatch) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """pi_theta [B, T] with gradient, its per-token entropy when the loss has an entropy term,
+        and pi_theta on the batch's top-k ids [B, T, K] when a term of the loss needs them."""
         entropy: list[Tensor] | None = [] if self.correction.entropy_coef > 0 else None
-        current = self.current(batch, grad=True, entropy=entropy)
-        return current, entropy[0] if entropy else None
+        top_k: list[Tensor] | None = [] if top_k_in_loss(self.strategy, self.spec.distill, batch) else None
+        current = self.current(batch, grad=True, entropy=entropy, top_k=top_k)
+        return current, entropy[0] if entropy else None, top_k[0] if top_k else None
 
     def _backward(self, batch: StepBatch, current: Tensor, fixed: Correction, result: ShardResult) -> LossSum:
         """Backpropagate the micro-batch's loss in sum form and record its per-token results; its

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from trajflow.algorithms.config import CorrectionConfig, KLConfig, OptimizerConfig
+from trajflow.algorithms.config import CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig
 from trajflow.engines import lora
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -37,6 +37,7 @@ class TrainStepConfig:
     total_updates: int | None = None  # optimizer updates in the run (steps x minibatches_per_step): the lr schedule's N
     lora: lora.LoraConfig = lora.LoraConfig()  # r > 0: train and publish an adapter (engines/lora.py)
     group_name: str = ""  # the placement group of workers 1..N-1 (Ray): the pipeline removes it at the end
+    distill: DistillConfig | None = None  # on-policy distillation's terms (a teacher scores the rows); None: off
 
 
 @dataclass

@@ -101,3 +101,11 @@ def checked_tokenizer(path: Path):
     _TOKENIZERS[(path, ident)] = tokenizer
     return tokenizer
 
+
+def model_vocab_size(path: Path) -> int | None:
+    """The vocabulary size a local model directory's config.json declares (None: not declared)."""
+    try:
+        value = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) else None

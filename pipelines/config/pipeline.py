@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig
+from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig
 from trajflow.deprecations import notice
 from trajflow.engines.factory import VLLM_LORA_RANKS, VLLM_LORA_REFUSED_MODULES
 from trajflow.pipelines.config.deprecations import migrate_deprecated_keys
@@ -23,6 +23,7 @@ from trajflow.pipelines.config.sections import (
     AdvantageSection,
     CorrectionSection,
     DataSection,
+    DistillSection,
     KLSection,
     LoraSection,
     OptimizerSection,
@@ -109,6 +110,16 @@ class PipelineConfig(_Strict):
     advantage: AdvantageSection = Field(default_factory=AdvantageSection, description="the advantage estimator "
                                         "(a name alone is accepted: `advantage: rloo`)")
     kl: KLSection = Field(default_factory=KLSection, description="a KL penalty to a frozen reference model")
+    top_k_logprobs: int = Field(
+        0, ge=0, description="record per response token the K most likely ids of the distribution it was sampled "
+        "from and their log-probs (mu), and on them pi_old at the token's version (exact strategies) and the "
+        "teacher's; the distribution-level mismatch, Score Centering and the forward KL read them "
+        "(docs/distributions.md); 0 = off: the record without them")
+    teacher: Path | None = Field(
+        None, description="on-policy distillation: a local HF model dir (the model's tokenizer) that scores the "
+        "student's tokens before the train step (operators/teacher.py); null = no distillation")
+    distill: DistillSection = Field(default_factory=DistillSection, description="on-policy distillation's loss "
+                                    "terms (read only with a teacher)")
     drop_zero_variance_groups: bool = Field(True, description="leave groups whose rewards are all equal out of "
                                             "training (their advantage is 0 everywhere)")
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description="AdamW, its schedule and "
@@ -166,7 +177,7 @@ class PipelineConfig(_Strict):
     def _advantage_by_name(cls, value: Any) -> Any:
         return {"estimator": value} if isinstance(value, str) else value
 
-    @field_validator("model")
+    @field_validator("model", "teacher")
     @classmethod
     def _resolve_model(cls, model: Path | None) -> Path | None:
         if model is None or model.is_absolute() or model.exists():
@@ -203,6 +214,7 @@ class PipelineConfig(_Strict):
             raise ValueError(f"advantage: {e}") from None
         if self.engine != "vllm" and self.vllm != VllmSection():
             raise ValueError("vllm: settings given but engine is not vllm")
+        self._check_distributions()
         try:
             strategy = self.build_strategy()
         except (TypeError, ValueError) as e:  # the constructor refused strategy_options
@@ -215,6 +227,26 @@ class PipelineConfig(_Strict):
                 f"the {rows} rows of a step"
             )
         return self
+
+    def _check_distributions(self) -> None:
+        """What the top-k record, the distribution-level mask and distillation need, refused by key
+        (what needs the model directories, the vocabulary sizes, is the preflight's)."""
+        k = self.top_k_logprobs
+        if k and self.env is not None:
+            raise ValueError("top_k_logprobs: the top-k of multi-turn episodes (env) is not recorded yet; use 0")
+        if self.correction.dist_mask is not None:
+            if not k:
+                raise ValueError("correction.dist_mask: the distribution-level mask needs top_k_logprobs > 0")
+            if not self.build_strategy().old_distribution:
+                raise ValueError(f"correction.dist_mask: strategy {self.strategy} supplies no pi_old distribution on the "
+                                 "top-k ids (an exact strategy or behavior does)")
+        if self.teacher is None:
+            if self.distill != DistillSection():
+                raise ValueError("distill: settings given but no teacher (teacher: a model directory)")
+            return
+        if self.distill.forward_kl_coef > 0 and not k:
+            raise ValueError("distill.forward_kl_coef: the forward KL is taken on the top-k support; set "
+                             "top_k_logprobs > 0")
 
     @property
     def settings(self) -> RunSettings:
@@ -326,6 +358,11 @@ class RunSettings:
         return self._config.data.spec() if self._config.data is not None else None
 
     @property
+    def distill(self) -> DistillConfig | None:
+        """On-policy distillation's terms, or None without a teacher."""
+        return self._config.distill.spec() if self._config.teacher is not None else None
+
+    @property
     def numerics(self):
         """The numerics pi_theta and every pi_old are computed in (engines/training_numerics.py)."""
         from trajflow.engines.training_numerics import TrainingNumerics
@@ -334,5 +371,5 @@ class RunSettings:
 
 
 # the sections `settings` reads back (the YAML keys whose value is a section)
-SECTIONS = ("sampling", "correction", "advantage", "kl", "optimizer", "lora", "vllm", "data", "generator", "scorer",
-            "trainer", "recovery", "weight_sync")
+SECTIONS = ("sampling", "correction", "advantage", "kl", "distill", "optimizer", "lora", "vllm", "data", "generator",
+            "scorer", "trainer", "recovery", "weight_sync")

@@ -6,7 +6,8 @@ the model directory (config.json, a tokenizer, a causal-LM architecture, weights
 tokenizer loaded; the workload's names resolved (reward function and its signature, environment,
 the dataset's columns); every row of a dataset read, checked and tokenized (kept in this process
 for the run's prompt source); an lm_head adapter refused on a model whose output layer is its
-input embedding; and `data.epochs` turned into `steps` when steps is not given (the returned
+input embedding; the top-k within the vocabulary and a teacher's directory and vocabulary the
+model's; and `data.epochs` turned into `steps` when steps is not given (the returned
 config). Each failure is one ValueError naming the key, as validation's are: the job prints it
 as `trajflow: config error: ...` and exits 2. Validation itself (pipeline.py) reads no file.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from trajflow.pipelines.config.model_dir import check_model_dir, checked_tokenizer, ties_embeddings
+from trajflow.pipelines.config.model_dir import check_model_dir, checked_tokenizer, model_vocab_size, ties_embeddings
 from trajflow.pipelines.config.pipeline import PipelineConfig
 
 Config = TypeVar("Config", bound=PipelineConfig)
@@ -37,6 +38,23 @@ def _prepared_model(config: Config) -> Config:
     return config.model_copy(update={"model": path})
 
 
+def _check_distributions(config: PipelineConfig) -> None:
+    """`top_k_logprobs` within the model's vocabulary; a teacher a model directory whose ids are
+    the student's (it scores the student's tokens)."""
+    vocab = model_vocab_size(config.model_path)
+    if config.top_k_logprobs and vocab is not None and config.top_k_logprobs > vocab:
+        raise ValueError(f"top_k_logprobs: {config.top_k_logprobs} is more than the model's vocabulary of {vocab} ids")
+    if config.teacher is None:
+        return
+    try:
+        check_model_dir(config.teacher)
+    except ValueError as e:
+        raise ValueError(f"teacher: {e}") from None
+    if model_vocab_size(config.teacher) != vocab:
+        raise ValueError(f"teacher: {config.teacher} has {model_vocab_size(config.teacher)} ids, the model {vocab}: "
+                         "the teacher scores the student's token ids")
+
+
 def preflight(config: Config) -> Config:
     """`config` checked against the disk (see the module docstring); the same config, or a copy
     with `steps` derived from `data.epochs` and a named prepared model built into its cache."""
@@ -51,6 +69,7 @@ def preflight(config: Config) -> Config:
         raise ValueError("lora.target_modules: lm_head on a model whose output layer is its input embedding "
                          "(tie_word_embeddings): the readers' merged weights would not be the trained model; "
                          "leave lm_head out")
+    _check_distributions(config)
     workload = config.workload()
     workload.check()
     if config.data is not None and config.eval_every and not config.data.test_files:

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
-from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, OptimizerConfig
+from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig
 from trajflow.engines.factory import VllmConfig
 from trajflow.engines.lora import LoraConfig
 from trajflow.engines.sampling import SamplingConfig
@@ -135,8 +135,8 @@ def settings_section(settings: type, name: str) -> type[_Section]:
 
 
 # the YAML model of each section, named after its dataclass (CorrectionConfig -> CorrectionSection)
-(SamplingSection, CorrectionSection, AdvantageSection, KLSection, OptimizerSection, VllmSection, RecoverySection,
- LoraSection, WeightSyncSection, DataSection, ResourceSection, TrainerSection) = (
+(SamplingSection, CorrectionSection, AdvantageSection, KLSection, DistillSection, OptimizerSection, VllmSection,
+ RecoverySection, LoraSection, WeightSyncSection, DataSection, ResourceSection, TrainerSection) = (
     settings_section(settings, settings.__name__.removesuffix("Config") + "Section")
-    for settings in (SamplingConfig, CorrectionConfig, AdvantageConfig, KLConfig, OptimizerConfig, VllmConfig,
-                     RecoveryConfig, LoraConfig, WeightSyncConfig, DataConfig, ResourceConfig, TrainerConfig))
+    for settings in (SamplingConfig, CorrectionConfig, AdvantageConfig, KLConfig, DistillConfig, OptimizerConfig,
+                     VllmConfig, RecoveryConfig, LoraConfig, WeightSyncConfig, DataConfig, ResourceConfig, TrainerConfig))
