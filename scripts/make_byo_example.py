@@ -46,11 +46,15 @@ NAMES = ["Ann", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jill
 ITEMS = ["apples", "pens", "books", "coins", "cards", "shells", "stamps", "marbles", "cookies", "stickers"]
 
 
+def _cast(rng: np.random.Generator) -> tuple[str, str, str, int]:
+    """A story's two people, its item and which of four stories it is."""
+    name, other = rng.choice(NAMES, 2, replace=False)
+    return str(name), str(other), str(rng.choice(ITEMS)), int(rng.integers(4))
+
+
 def word_problem(rng: np.random.Generator) -> tuple[str, str]:
     """One problem and its integer answer: addition, subtraction, multiplication or division."""
-    name, other = rng.choice(NAMES, 2, replace=False)
-    item = rng.choice(ITEMS)
-    kind = int(rng.integers(4))
+    name, other, item, kind = _cast(rng)
     if kind == 0:
         a, b = (int(x) for x in rng.integers(1, 21, 2))
         return f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", str(a + b)
@@ -67,9 +71,7 @@ def word_problem(rng: np.random.Generator) -> tuple[str, str]:
 
 def two_step_problem(rng: np.random.Generator) -> tuple[str, str]:
     """One GSM8K-shaped problem of two operations in one story, and its integer answer."""
-    name, other = rng.choice(NAMES, 2, replace=False)
-    item = rng.choice(ITEMS)
-    kind = int(rng.integers(4))
+    name, other, item, kind = _cast(rng)
     if kind == 0:
         a, b = (int(x) for x in rng.integers(2, 21, 2))
         c = int(rng.integers(1, a + b))
