@@ -14,7 +14,7 @@ start trained longer (artifacts/teacher/addition, scripts/make_teacher.py); pure
 = 1: staleness is the only off-policy factor). Score Centering: the task's reward, bf16 inference
 (a real training-inference mismatch), K = 8.
 
-    python -m benchmarks.distillation --part distill      # results/distributions.md (+ parquet, png)
+    python -m benchmarks.distillation --part distill      # results/distributions_distill.{parquet,png} + tables
     python -m benchmarks.distillation --part sc
     python -m benchmarks.distillation --part distill --ray   # the same arms on the Ray pipeline (async)
     python -m benchmarks.distillation --part sc --report     # the tables and the png from the parquet
@@ -127,23 +127,25 @@ def report(part: str, suffix: str = "") -> str:
         keys = (("reward/mean", "distill/reverse_kl", "distill/forward_kl") if part == "distill" else
                 ("reward/mean", "mismatch/tv", "mismatch/kl_support", "mismatch/k3", "sc/alpha", "sc/center_norm"))
         # the mismatch metrics are small: scientific notation, not the table's three decimals
-        row |= {f"{k} (last 10)": (v if k.startswith(("reward/", "sc/alpha", "distill/")) or v is None else f"{v:.2e}")
-                for k in keys for v in [last_mean(m, k)]}
+        row |= {f"{k} (last 10)": v if k.startswith(("reward/", "sc/alpha", "distill/")) or v is None
+                else f"{v:.2e}" for k in keys for v in [last_mean(m, k)]}
         rows.append(row)
     teacher = teacher_accuracy() if part == "distill" else None
     plot(metrics, part, OUT / f"distributions_{part}{suffix}.png", teacher)
     if teacher is not None:
-        rows.append({"arm": "teacher (artifacts/teacher/addition)", "final ± s.e.": f"{teacher:.3f} ± {se(teacher, n):.3f}"})
+        rows.append({"arm": "teacher (artifacts/teacher/addition)",
+                     "final ± s.e.": f"{teacher:.3f} ± {se(teacher, n):.3f}"})
     out = table(rows)
     if max(len(v) for v in finals.values()) > 1:
         summary = []
         for name, runs in finals.items():
             acc, delta = [r[0] for r in runs], [r[1] for r in runs]
             mean = sum(acc) / len(acc)
-            spread = (sum((a - mean) ** 2 for a in acc) / (len(acc) - 1) / len(acc)) ** 0.5 if len(acc) > 1 else None
-            summary.append({"arm": name, "seeds": len(runs), "final accuracy by seed": ", ".join(f"{a:.3f}" for a in acc),
-                            "mean ± s.e. over seeds": f"{mean:.3f} ± {spread:.3f}" if spread is not None else f"{mean:.3f}",
-                            "mean Δ vs start": sum(delta) / len(delta)})
+            spread = f" ± {(sum((a - mean) ** 2 for a in acc) / (len(acc) - 1) / len(acc)) ** 0.5:.3f}" \
+                if len(acc) > 1 else ""
+            summary.append({"arm": name, "seeds": len(runs),
+                            "final accuracy by seed": ", ".join(f"{a:.3f}" for a in acc),
+                            "mean ± s.e. over seeds": f"{mean:.3f}{spread}", "mean Δ vs start": sum(delta) / len(delta)})
             if part == "distill":
                 summary[-1]["reverse KL last 10, mean over seeds"] = sum(r[2] for r in runs) / len(runs)
         out += "\n\nOver the seeds:\n\n" + table(summary)
@@ -180,14 +182,13 @@ def plot(metrics: pl.DataFrame, part: str, path: Path, teacher: float | None = N
         acc = {v: sum(r[v] for r in runs) / len(runs) for v in runs[0]}
         per_step = m.group_by("version").agg(pl.col(right).mean()).sort("version")
         style = "--" if m["lag"][0] else "-"
-        axes[0].plot(list(acc), list(acc.values()), style + "o", color=f"C{i}", label=name, markersize=4)
+        label = name + (f" (mean of {len(runs)} seeds)" if metrics["seed"].n_unique() > 1 else "")
+        axes[0].plot(list(acc), list(acc.values()), style + "o", color=f"C{i}", label=label, markersize=4)
         axes[1].plot(per_step["version"], per_step[right], style, color=f"C{i}", label=name)
     if teacher is not None:
         axes[0].axhline(teacher, color="k", linestyle=":", label=f"teacher ({teacher:.3f})")
     axes[0].set_xlabel("policy version (optimizer steps)")
-    seeds = metrics["seed"].n_unique()
-    axes[0].set_ylabel(f"held-out greedy accuracy ({COMMON['eval_prompts']} prompts)"
-                       + (f", mean of {seeds} seeds" if seeds > 1 else ""))
+    axes[0].set_ylabel(f"held-out greedy accuracy ({COMMON['eval_prompts']} prompts)")
     axes[1].set_xlabel("policy version (optimizer steps)")
     axes[1].set_ylabel({"distill/reverse_kl": "reverse KL to teacher (nats/token)",
                         "mismatch/tv": "TV(μ, π_old), top-8 + tail (per token)"}[right])

@@ -154,7 +154,7 @@ def sft_until_band(next_batch: Callable[[object], dict[str, torch.Tensor]],
     Returns (model, tokenizer, info) where info has steps, examples, the metric and the history.
     Raises RuntimeError if the band is not reached within ``max_steps``.
     """
-    torch.set_num_threads(threads)  # 1 on a loaded machine: two threads' barriers stall when the cores are oversubscribed
+    torch.set_num_threads(threads)  # 1 on a loaded machine: 2 threads' barriers stall on oversubscribed cores
     torch.use_deterministic_algorithms(True)
     low, high = band
     model, tokenizer = build(seed)
