@@ -116,7 +116,8 @@ def report(part: str, suffix: str = "") -> str:
         m = metrics.filter((pl.col("arm") == name) & (pl.col("seed") == seed))
         acc = heldout(m)
         final = acc[max(acc)]
-        finals.setdefault(name, []).append((final, final - acc[0], last_mean(m, "distill/reverse_kl")))
+        key = "distill/reverse_kl" if part == "distill" else "mismatch/tv"  # the summary's per-step metric
+        finals.setdefault(name, []).append((final, final - acc[0], last_mean(m, key)))
         row = {"arm": name, "seed": seed, "lag": m["lag"][0], "steps": int(m["version"].max())}
         row |= {f"acc@{v}": a for v, a in acc.items()}
         row |= {"final ± s.e.": f"{final:.3f} ± {se(final, n):.3f}", "Δ vs start": final - acc[0],
@@ -146,8 +147,8 @@ def report(part: str, suffix: str = "") -> str:
             summary.append({"arm": name, "seeds": len(runs),
                             "final accuracy by seed": ", ".join(f"{a:.3f}" for a in acc),
                             "mean ± s.e. over seeds": f"{mean:.3f}{spread}", "mean Δ vs start": sum(delta) / len(delta)})
-            if part == "distill":
-                summary[-1]["reverse KL last 10, mean over seeds"] = sum(r[2] for r in runs) / len(runs)
+            value = sum(r[2] for r in runs) / len(runs)
+            summary[-1][f"{key} last 10, mean over seeds"] = value if part == "distill" else f"{value:.2e}"
         out += "\n\nOver the seeds:\n\n" + table(summary)
     return out
 
