@@ -17,6 +17,7 @@ start trained longer (artifacts/teacher/addition, scripts/make_teacher.py); pure
     python -m benchmarks.distillation --part distill      # results/distributions_distill.{parquet,png} + tables
     python -m benchmarks.distillation --part sc
     python -m benchmarks.distillation --part distill --ray   # the same arms on the Ray pipeline (async)
+    python -m benchmarks.distillation --part distill --steps 120 --seeds 0 1 2 --tag _120
     python -m benchmarks.distillation --part sc --report     # the tables and the png from the parquet
 """
 
@@ -82,6 +83,8 @@ def run_arm(part: str, name: str, steps: int, ray: bool, seed: int = 0) -> pl.Da
 def heldout(m: pl.DataFrame) -> dict[int, float]:
     """Held-out greedy accuracy by version: the start (version 0) and every eval_every versions."""
     out = {0: m["heldout/accuracy_start"].drop_nulls()[0]}
+    if "heldout/accuracy" not in m.columns:  # a run shorter than eval_every
+        return out
     for row in m.filter(pl.col("heldout/accuracy").is_not_null()).iter_rows(named=True):
         out[row["version"]] = row["heldout/accuracy"]
     return out
@@ -209,18 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--arms", nargs="*", help="a subset of the part's arms (default: all)")
     p.add_argument("--ray", action="store_true", help="the Ray pipeline (asynchronous, staleness from the load)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="each arm once per seed")
+    p.add_argument("--tag", default="", help="appended to the results' names (e.g. _120 for a 120-step run)")
     p.add_argument("--report", action="store_true", help="only the tables and the png, from the saved parquet")
     a = p.parse_args(argv)
-    suffix = "_ray" if a.ray else ""
+    suffix = ("_ray" if a.ray else "") + a.tag
     if a.report:
         print(report(a.part, suffix))
         return 0
     arms = a.arms or list(DISTILL if a.part == "distill" else SC)
     frames, started = [], time.time()
-    for i, name in enumerate(arms):
-        frames.append(run_arm(a.part, name, a.steps, a.ray))
+    runs = [(seed, name) for seed in a.seeds for name in arms]
+    for i, (seed, name) in enumerate(runs):
+        frames.append(run_arm(a.part, name, a.steps, a.ray, seed))
         acc = heldout(frames[-1])
-        print(f"[{i + 1}/{len(arms)} {time.time() - started:.0f}s] {name}: held-out {json.dumps(acc)}", flush=True)
+        print(f"[{i + 1}/{len(runs)} {time.time() - started:.0f}s] {name}, seed {seed}: held-out {json.dumps(acc)}",
+              flush=True)
     metrics = pl.concat(frames, how="diagonal_relaxed")
     OUT.mkdir(parents=True, exist_ok=True)
     metrics.write_parquet(OUT / f"distributions_{a.part}{suffix}.parquet")
