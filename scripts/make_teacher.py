@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-n", type=int, default=500, help="held-out prompts per evaluation while training")
     parser.add_argument("--report-n", type=int, default=1000, help="held-out prompts of the final report")
     parser.add_argument("--max-steps", type=int, default=20000)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (1 when other work shares the cores)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "artifacts" / "teacher" / "addition")
     parser.add_argument("--eval-only", action="store_true", help="report on the saved teacher and exit")
     args = parser.parse_args(argv)
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda tok: make_batch(tok, [next(stream) for _ in range(args.batch_size)]),
         lambda model, tok: greedy_accuracy(model, tok, heldout, task.reward),
         metric="heldout_accuracy", seed=args.seed, band=tuple(args.band), lr=args.lr, warmup=50,
-        eval_every=args.eval_every, max_steps=args.max_steps,
+        eval_every=args.eval_every, max_steps=args.max_steps, threads=args.threads,
         build=lambda seed: (load_model(WARM_START_DIR), load_tokenizer(WARM_START_DIR)))
     train_seconds = time.perf_counter() - start
     report = evaluate(model, tokenizer, task, args.report_n, args.seed)

@@ -146,7 +146,7 @@ def sft_until_band(next_batch: Callable[[object], dict[str, torch.Tensor]],
                    band: tuple[float, float], lr: float, warmup: int, eval_every: int, max_steps: int,
                    log: Callable[[str], None] = print,
                    build: Callable[[int], tuple[torch.nn.Module, object]] = build_tiny_model,
-                   ) -> tuple[torch.nn.Module, object, dict]:
+                   threads: int = 2) -> tuple[torch.nn.Module, object, dict]:
     """SFT ``build(seed)`` (default: the built-in tiny model) on ``next_batch(tokenizer)`` until ``score(model, tokenizer)``
     (named ``metric``) first enters ``band``; on overshooting, roll back to the last evaluated state
     and evaluate twice as often. Shared by every warm-start script.
@@ -154,7 +154,7 @@ def sft_until_band(next_batch: Callable[[object], dict[str, torch.Tensor]],
     Returns (model, tokenizer, info) where info has steps, examples, the metric and the history.
     Raises RuntimeError if the band is not reached within ``max_steps``.
     """
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)  # 1 on a loaded machine: 2 threads' barriers stall on oversubscribed cores
     torch.use_deterministic_algorithms(True)
     low, high = band
     model, tokenizer = build(seed)
