@@ -182,7 +182,11 @@ class WeightReceiver:
                                  f"(held: {sorted(self.held)})")
 
     def newest(self) -> tuple[int, Mapping[str, Tensor]]:
-        self.weights(self.store.latest_version())
+        latest = self.store.latest_version()
+        with self._changed:  # a late joiner may already hold a newer version than the store names
+            ahead = bool(self.held) and max(self.held) >= latest
+        if not ahead:
+            self.weights(latest)
         with self._changed:
             version = max(self.held)
             return version, self.held[version]
