@@ -15,7 +15,7 @@ something a trajflow user can act on, and Ray keeps all of it in its log files:
   directly. A notebook kernel (ipykernel >= 6) shows what reaches fd 2 as the cell's stderr, so
   the filter runs there too.
 - Ray Data's INFO lines on every execution (its start, its plan, "finished in N seconds"), its
-  progress bars, and its issue detectors' advice about Ray's memory defaults.
+  error line when a stage raises (the exception itself reaches the caller), its progress bars, and its issue detectors' advice about Ray's memory defaults.
 - transformers' "Loading weights" bar for each model the driver loads (the workers' bars are off
   through `embedded.WORKER_ENV`).
 All of it is put back as it was when the block ends. `quiet_ray()` is the part that stays for
@@ -42,6 +42,10 @@ NOISY_LOGGERS = (
     "ray.data._internal.progress",  # "Progress bars disabled. To enable, ..."
 )
 RAY_DATA_LOGGERS = ("ray.data", "ray.data._internal")  # per execution: start, plan, finished
+# Ray Data's error line when a stage raises ("... Dataset execution will now abort. To ignore this
+# exception and continue, set DataContext.max_errored_blocks"): the exception itself reaches the
+# caller, where trajflow prints its one line or the traceback; the advice is not for its users.
+ABORT_LOGGER = "ray.data._internal.execution.streaming_executor_state"
 
 DRAINED = b"\x00trajflow: end of the filtered block\x00"  # the pump's cue: the block's output is out
 _filtering = False  # fd 2 is the process's: one filter at a time, an inner block adds nothing
@@ -145,12 +149,14 @@ def quiet_run(verbose: bool = False) -> Iterator[None]:
     context = DataContext.get_current()
     detectors = getattr(context, "issue_detectors_config", None)
     saved = (context.enable_progress_bars, list(detectors.detectors) if detectors is not None else None,
-             [logging.getLogger(name).level for name in RAY_DATA_LOGGERS], hf_logging.is_progress_bar_enabled())
+             [logging.getLogger(name).level for name in (*RAY_DATA_LOGGERS, ABORT_LOGGER)],
+             hf_logging.is_progress_bar_enabled())
     context.enable_progress_bars = False
     if detectors is not None:
         detectors.detectors = []
     for name in RAY_DATA_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger(ABORT_LOGGER).setLevel(logging.CRITICAL)
     hf_logging.disable_progress_bar()
     try:
         with filtered_stderr():
@@ -160,7 +166,7 @@ def quiet_run(verbose: bool = False) -> Iterator[None]:
         context.enable_progress_bars = bars
         if detectors is not None:
             detectors.detectors = kept_detectors
-        for name, level in zip(RAY_DATA_LOGGERS, levels):
+        for name, level in zip((*RAY_DATA_LOGGERS, ABORT_LOGGER), levels):
             logging.getLogger(name).setLevel(level)
         if hf_bars:
             hf_logging.enable_progress_bar()
