@@ -292,6 +292,19 @@ def _one_worker(mode: list[str]) -> list[str]:
 
 
 ONLY_COLLECTIVE = ["--set", "weight_sync.method=collective"]
+# one worker, sync, every version kept: the uninterrupted run two tests compare with (keeping the
+# versions changes no number of the run)
+ONE_WORKER_KEPT = ["quickstart", *[{"save_all_versions=false": "save_all_versions=true"}.get(a, a)
+                                   for a in _one_worker(SYNC)]]
+
+
+@pytest.fixture(scope="module")
+def one_worker_uninterrupted(tmp_path_factory, chaos):
+    """The run dir of an uninterrupted ONE_WORKER_KEPT run (one per module: its start-up is most of a test's time)."""
+    path = tmp_path_factory.mktemp("one_worker_base")
+    result = chaos.chaos_run(ONE_WORKER_KEPT, path / "run", [], path / "log")
+    assert result.status == 0, result.output[-3000:]
+    return path / "run"
 
 
 def _healed_once(result, run_dir, kills: int = 1) -> dict:
@@ -309,27 +322,23 @@ def _healed_once(result, run_dir, kills: int = 1) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_collective_sync_heals_a_killed_trainer_and_matches_an_uninterrupted_object_store_run(tmp_path, chaos):
+def test_collective_sync_heals_a_killed_trainer_and_matches_an_uninterrupted_object_store_run(
+        tmp_path, chaos, one_worker_uninterrupted):
     """Sync mode (every stage in the trainer's process, the readers too), only
     `weight_sync.method: collective` set: the train step's process SIGKILLed at step 4 is rebuilt
     from checkpoint 3 (its weights from the checkpoint: the store holds no tensors of a version)
     and serves its recovered version before the restarted generator's first batch; the run ends
     with old = inference (<= 1.5e-5) on every row trained after the recovery, and with the metrics
     and final weights of an uninterrupted object_store run (float32 readers: the same numbers)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    args = ["quickstart", *_one_worker(SYNC)]
-    run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
-    with ThreadPoolExecutor(1) as pool:
-        base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
-        result = chaos.chaos_run([*args, *ONLY_COLLECTIVE], run_dir, COLLECTIVE_KILLS, tmp_path / "log")
-        assert base_run.result().status == 0, base_run.result().output[-3000:]
+    run_dir = tmp_path / "run"
+    result = chaos.chaos_run(["quickstart", *_one_worker(SYNC), *ONLY_COLLECTIVE], run_dir, COLLECTIVE_KILLS,
+                             tmp_path / "log")
     recovery = _healed_once(result, run_dir)
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
     gap = _exactness_gap(run_dir, recovery["step"], STEPS)
     print(f"\ncollective sync, trainer killed at step 4: max |old - inference| {gap:.2e} after the recovery")
     assert gap <= 1.5e-5
-    _assert_matches_uninterrupted(uninterrupted, run_dir)
+    _assert_matches_uninterrupted(one_worker_uninterrupted, run_dir)
 
 
 @pytest.mark.slow
@@ -367,25 +376,20 @@ STORE_KILLS = [("store", 3)]
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_store_killed_in_sync_mode_is_rebuilt_and_the_run_matches_an_uninterrupted_one(tmp_path, chaos):
+def test_a_store_killed_in_sync_mode_is_rebuilt_and_the_run_matches_an_uninterrupted_one(
+        tmp_path, chaos, one_worker_uninterrupted):
     """Sync mode (max_staleness 0: every stage in one process, the store holds the newest
     version only), every version kept: the store SIGKILLed at step 3 is rebuilt with the newest
     version read back from versions/; the run completes with the uninterrupted run's metrics
     (1e-6) and final weights (1e-5)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    args = ["quickstart", *[{"save_all_versions=false": "save_all_versions=true"}.get(a, a) for a in _one_worker(SYNC)]]
-    run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
-    with ThreadPoolExecutor(1) as pool:
-        base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
-        result = chaos.chaos_run(args, run_dir, STORE_KILLS, tmp_path / "log")
-        assert base_run.result().status == 0, base_run.result().output[-3000:]
+    run_dir = tmp_path / "run"
+    result = chaos.chaos_run(ONE_WORKER_KEPT, run_dir, STORE_KILLS, tmp_path / "log")
     assert result.status == 0 and result.killed == 1, result.output[-3000:]
     (recovery,) = _recoveries(run_dir)
     assert recovery["event"].startswith("the policy store died; rebuilt with version "), recovery
     assert _recovered_lines(result.output) == [f"trajflow: recovered: {recovery['event']}"]
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
-    _assert_matches_uninterrupted(uninterrupted, run_dir)
+    _assert_matches_uninterrupted(one_worker_uninterrupted, run_dir)
 
 
 @pytest.mark.slow
