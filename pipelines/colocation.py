@@ -11,12 +11,16 @@ which process runs a stage, never the order of stages or what a stage computes.
 
 - synchronous (`max_staleness: 0`): every stage waits for the previous one anyway, so all
   stages that can share a process do (on CPU: generator, light stages, scorer and trainer in one);
-- asynchronous: three processes — the generator alone (rewards and scoring stay off its critical
-  path, so a slow reward function never stalls sampling), every stage between it and the train
-  step together (reward, advantage, filter, a scorer, your stages), and the train step alone;
-- `colocate: rollout`, asynchronous: two processes — the generator with every stage up to the
-  train step (one torch runtime fewer: ~0.45 GB PSS and its start-up imports at quickstart size;
-  a slow reward function then delays the next rollout), and the train step alone;
+- asynchronous, from SPLIT_FROM_CPUS CPUs on (`colocate: split` anywhere): three processes — the
+  generator alone (rewards and scoring stay off its critical path, so a slow reward function
+  never stalls sampling), every stage between it and the train step together (reward,
+  advantage, filter, a scorer, your stages), and the train step alone;
+- asynchronous on fewer CPUs (`colocate: rollout` anywhere): two processes — the generator with
+  every stage up to the train step, and the train step alone. On 2 cores three compute-bound
+  torch processes only time-slice, and the third costs its start-up and its runtime: measured on
+  the quickstart (benchmarks/results/startup.md), the first step 18.3 -> 12.4 s after enter,
+  tree PSS 2.62 -> 2.25 GiB, 0.76 -> 0.74 s per step. A slow reward function then delays the
+  next rollout;
 - two stages never share a process if their pool sizes differ, if either asks for a GPU or for
   custom resources the other does not have (placement on a cluster is the user's decision), or if
   either is marked `own_process` (`dedicated`'s scorer: its own CPU/GPU share by definition).
@@ -43,6 +47,13 @@ if TYPE_CHECKING:
     from trajflow.pipelines.rl_loop import Stage
 
 MEASURED_KEY = b"trajflow.measured"
+SPLIT_FROM_CPUS = 4  # `colocate: auto`: the fewest CPUs on which an async pipeline takes three processes
+
+
+def rollout_colocated(colocate: str, cpus: float) -> bool:
+    """Whether an asynchronous pipeline runs its generator with the stages up to the train step in
+    one process (`colocate`: the setting; `cpus`: the CPUs its actors run on)."""
+    return colocate == "rollout" or (colocate == "auto" and cpus < SPLIT_FROM_CPUS)
 NODE_AREA = "node"  # `node/<stage class>`: the node id of the stage's process (read for placement.json)
 
 

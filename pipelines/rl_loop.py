@@ -49,10 +49,10 @@ from trajflow.operators.teacher import TeacherLogprobs
 from trajflow.operators.train_step import TrainStep
 from trajflow.operators.trainer.services import HeldoutEvaluation, PublishWeights, StoreStatistics
 from trajflow.operators.trainer.spec import StepHooks, TrainStepConfig
-from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups
+from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups, rollout_colocated
 from trajflow.pipelines.config import PipelineConfig, checked_tokenizer, preflight
 from trajflow.pipelines.policy_store import RayStore
-from trajflow.pipelines.ray.embedded import start_local_ray
+from trajflow.pipelines.ray.embedded import cluster_cpus, start_local_ray
 from trajflow.pipelines.ray.quiet import quiet_run
 from trajflow.pipelines.ray.trainer_group import RayWorkerGroup, remove_placement_group_named
 from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreConfig, StoreGuard, StoreLost, VersionArchive
@@ -298,7 +298,8 @@ class RLPipeline:
         set, else the default plan for the config (see pipelines/colocation.py)."""
         if self.colocation is None:
             return plan_groups(self.stages, synchronous=self.config.max_staleness == 0,
-                               colocate=self.config.colocate != "off", rollout=self.config.colocate == "rollout")
+                               colocate=self.config.colocate != "off",
+                               rollout=rollout_colocated(self.config.colocate, cluster_cpus()))
         names = [name for group in self.colocation for name in group]
         if names != [s.name for s in self.stages]:
             raise ValueError(f"colocation {self.colocation} must list every stage once, in order: "

@@ -27,12 +27,27 @@ def test_sync_runs_every_stage_in_one_process():
         ["generate"], ["old_logprobs", "reward", "advantage", "filter"], ["train"]]
 
 
-def test_async_keeps_generator_and_train_step_alone():
+def test_colocate_split_keeps_generator_and_train_step_alone():
     # rewards and scoring off the generator's critical path, the trainer never waits behind them
-    assert layout(max_staleness=2) == [["generate"], ["reward", "advantage", "filter", "old_logprobs"], ["train"]]
-    assert layout(max_staleness=1, strategy="behavior") == [["generate"], ["reward", "advantage", "filter"], ["train"]]
-    assert layout(max_staleness=1, strategy="dedicated") == [
+    assert layout(max_staleness=2, colocate="split") == [
+        ["generate"], ["reward", "advantage", "filter", "old_logprobs"], ["train"]]
+    assert layout(max_staleness=1, colocate="split", strategy="behavior") == [
+        ["generate"], ["reward", "advantage", "filter"], ["train"]]
+    assert layout(max_staleness=1, colocate="split", strategy="dedicated") == [
         ["generate"], ["old_logprobs", "reward", "advantage", "filter"], ["train"]]
+    assert layout(max_staleness=0, colocate="split") == layout(max_staleness=0)  # sync: one process anyway
+
+
+def test_auto_splits_an_async_pipeline_from_four_cpus_on():
+    """On fewer CPUs three compute-bound torch processes only time-slice: auto takes two."""
+    from trajflow.pipelines.colocation import SPLIT_FROM_CPUS, rollout_colocated
+    from trajflow.pipelines.ray.embedded import cluster_cpus
+
+    assert SPLIT_FROM_CPUS == 4
+    assert [rollout_colocated("auto", cpus) for cpus in (1, 2, 3.9, 4, 16)] == [True, True, True, False, False]
+    assert rollout_colocated("rollout", 64) and not rollout_colocated("split", 2) and not rollout_colocated("off", 2)
+    here = "rollout" if cluster_cpus() < SPLIT_FROM_CPUS else "split"  # 2 CPUs on this machine and its test Ray
+    assert layout(max_staleness=2) == layout(max_staleness=2, colocate=here)
 
 
 def test_colocate_rollout_puts_the_rollout_side_in_one_process():

@@ -344,8 +344,8 @@ def test_collective_sync_heals_a_killed_trainer_and_matches_an_uninterrupted_obj
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_collective_async_heals_a_killed_generator_and_trainer_and_stays_exact(tmp_path, chaos):
-    """max_staleness 1 (generator, scorer and trainer in three processes), only
-    `weight_sync.method: collective` set. The generator's process SIGKILLed at step 2: the trainer
+    """max_staleness 1, `colocate: split` (generator, scorer and trainer in three processes), only
+    `weight_sync.method: collective` set besides. The generator's process SIGKILLed at step 2: the trainer
     drops the lost reader, Ray restarts the process (one `restarted` line, an entry under the
     session's `restarts` in run.json) and its new receiver joins as a late joiner. The train
     step's process SIGKILLed at step 5: the generator's and the snapshot scorer's receivers keep
@@ -356,7 +356,8 @@ def test_collective_async_heals_a_killed_generator_and_trainer_and_stays_exact(t
     run_dir = tmp_path / "run"
     args = [{"max_staleness=0": "max_staleness=1"}.get(a, a) for a in _one_worker(SYNC)]
     kills = [("generator", 2), ("train_step", 5)]
-    result = chaos.chaos_run(["quickstart", *args, *ONLY_COLLECTIVE], run_dir, kills, tmp_path / "log")
+    result = chaos.chaos_run(["quickstart", *args, *ONLY_COLLECTIVE, "--set", "colocate=split"], run_dir, kills,
+                             tmp_path / "log")
     recovery = _healed_once(result, run_dir, kills=2)
     restarted = [line for line in result.output.splitlines() if line.startswith("trajflow: restarted: ")]
     assert len(restarted) == 1 and restarted[0].startswith(

@@ -142,12 +142,12 @@ class PipelineConfig(_Strict):
     weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection, description="how each new version "
                                            "reaches the generators and scorers")
     light_stage_cpus: float = Field(0.1, gt=0.0, description="CPUs of reward/advantage/filter tasks")
-    colocate: Literal["auto", "rollout", "off"] = Field(
+    colocate: Literal["auto", "split", "rollout", "off"] = Field(
         "auto", description="auto: consecutive stages share an actor process where that does not serialise "
-        "work that overlaps (sync: one process; async: the generator, the stages between, the train step); "
-        "rollout: async too, the generator and the stages up to the train step in one process (one torch "
-        "process fewer; a slow reward then delays sampling); off: one process per operator stage (see "
-        "pipelines/colocation.py)")
+        "work that overlaps (sync: one process; async: `split` from 4 CPUs on, else `rollout`); split: async "
+        "in three processes, the generator, the stages between, the train step; rollout: async in two, the "
+        "generator and the stages up to the train step in one (one torch process fewer; a slow reward then "
+        "delays sampling); off: one process per operator stage (see pipelines/colocation.py)")
 
     @model_validator(mode="before")
     @classmethod

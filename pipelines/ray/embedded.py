@@ -218,6 +218,15 @@ def _import_in_background(modules: Sequence[str]) -> threading.Thread | None:
     return thread
 
 
+def cluster_cpus() -> float:
+    """The CPUs of the Ray cluster this process is connected to; before Ray starts, this machine's
+    (what an embedded Ray gets). Ray is not imported for it."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return float(ray.cluster_resources().get("CPU", 0.0))
+    return float(os.cpu_count() or 1)
+
+
 def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: Sequence[str] = (),
                     **init_kwargs) -> None:
     """Start an embedded single-node Ray bound to 127.0.0.1, unless Ray is already initialised.
