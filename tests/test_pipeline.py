@@ -44,7 +44,9 @@ TIGHT = dict(steps=10, correction={"mask_level": "token", "mask_c_token": 1.001}
 @pytest.mark.parametrize("max_staleness, strategy", [(0, "interrupt")] + [
     (3, name) for name in ("snapshot", "dedicated", "interrupt")])
 def test_exact_strategies_recover_inference_logprobs(ray_session, publish_inside_rollouts, strategy, max_staleness):
-    pipe = RLPipeline(PipelineConfig(**{**SMALL, **TIGHT}, strategy=strategy, max_staleness=max_staleness))
+    # split: the generator alone in its process, free to run ahead of the trainer (lag >= 2 below)
+    pipe = RLPipeline(PipelineConfig(**{**SMALL, **TIGHT}, strategy=strategy, max_staleness=max_staleness,
+                                     colocate="split"))
     if strategy == "interrupt":  # a publish lands inside every rollout that runs ahead of the trainer
         publish_inside_rollouts(pipe)
     m = pipe.run(progress=False)

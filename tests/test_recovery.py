@@ -307,16 +307,19 @@ def one_worker_uninterrupted(tmp_path_factory, chaos):
     return path / "run"
 
 
-def _healed_once(result, run_dir, kills: int = 1) -> dict:
+def _healed_once(result, run_dir, kills: int = 1, ahead: int = 0) -> dict:
     """The run completed after its kills: one trainer recovery in run.json and one `recovered`
     line, from checkpoint 3 (the kill at step k lands in k or, when k - 1's metrics row had not yet
-    left the killed process, k - 1); the recovery's entry."""
+    left the killed process, k - 1; `ahead` 1: an asynchronous train step, its next batch queued,
+    may also have finished k between the scan of the process tree and the SIGKILL); the
+    recovery's entry."""
     assert result.status == 0 and result.killed == kills, result.output[-3000:]
     recoveries, lines = _recoveries(run_dir), _recovered_lines(result.output)
     assert len(recoveries) == 1 and len(lines) == 1, (recoveries, lines)
     (recovery,) = recoveries
     kill_at = result.kills[-1].step
-    assert recovery["step"] in (kill_at - 1, kill_at) and "rebuilt from checkpoint 3" in recovery["event"], recovery
+    assert kill_at - 1 <= recovery["step"] <= kill_at + ahead, recovery
+    assert "rebuilt from checkpoint 3" in recovery["event"], recovery
     return recovery
 
 
@@ -358,7 +361,7 @@ def test_collective_async_heals_a_killed_generator_and_trainer_and_stays_exact(t
     kills = [("generator", 2), ("train_step", 5)]
     result = chaos.chaos_run(["quickstart", *args, *ONLY_COLLECTIVE, "--set", "colocate=split"], run_dir, kills,
                              tmp_path / "log")
-    recovery = _healed_once(result, run_dir, kills=2)
+    recovery = _healed_once(result, run_dir, kills=2, ahead=1)
     restarted = [line for line in result.output.splitlines() if line.startswith("trajflow: restarted: ")]
     assert len(restarted) == 1 and restarted[0].startswith(
         "trajflow: restarted: the Generate process died; Ray restarted it"), result.output[-3000:]
