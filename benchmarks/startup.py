@@ -270,10 +270,10 @@ def summarise(tree: Tree, events: dict, load_before: float, load_after: float) -
     }
 
 
-# (label, extra `trajflow run` arguments): the quickstart as shipped (async: generator, scorer +
-# light stages, trainer in three actor processes) and the same job synchronous (one actor process)
+# (label, extra `trajflow run` arguments): the quickstart as shipped (async: two actor processes
+# below 4 CPUs, three from 4 on; pipelines/colocation.py) and the same job synchronous (one)
 CONFIGS = (
-    ("quickstart (max_staleness 1: 3 actor processes)", ()),
+    ("quickstart (max_staleness 1)", ()),
     ("quickstart --set max_staleness=0 (1 actor process)", ("--set", "max_staleness=0")),
 )
 
