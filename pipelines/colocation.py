@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from trajflow.pipelines.rl_loop import Stage
 
 MEASURED_KEY = b"trajflow.measured"
+NODE_AREA = "node"  # `node/<stage class>`: the node id of the stage's process (read for placement.json)
 SPLIT_FROM_CPUS = 4  # `colocate: auto`: the fewest CPUs on which an async pipeline takes three processes
 
 
@@ -54,7 +55,6 @@ def rollout_colocated(colocate: str, cpus: float) -> bool:
     """Whether an asynchronous pipeline runs its generator with the stages up to the train step in
     one process (`colocate`: the setting; `cpus`: the CPUs its actors run on)."""
     return colocate == "rollout" or (colocate == "auto" and cpus < SPLIT_FROM_CPUS)
-NODE_AREA = "node"  # `node/<stage class>`: the node id of the stage's process (read for placement.json)
 
 
 def _can_share(a: "Stage", b: "Stage") -> bool:

@@ -15,7 +15,8 @@ something a trajflow user can act on, and Ray keeps all of it in its log files:
   directly. A notebook kernel (ipykernel >= 6) shows what reaches fd 2 as the cell's stderr, so
   the filter runs there too.
 - Ray Data's INFO lines on every execution (its start, its plan, "finished in N seconds"), its
-  error line when a stage raises (the exception itself reaches the caller), its progress bars, and its issue detectors' advice about Ray's memory defaults.
+  error line when a stage raises (the exception itself reaches the caller), its progress bars,
+  and its issue detectors' advice about Ray's memory defaults.
 - transformers' "Loading weights" bar for each model the driver loads (the workers' bars are off
   through `embedded.WORKER_ENV`).
 All of it is put back as it was when the block ends. `quiet_ray()` is the part that stays for
