@@ -317,8 +317,28 @@ def sign_flip_p(differences) -> float:
     return float(np.mean(np.abs((signs * d).mean(axis=1)) >= observed - 1e-12))
 
 
-def outcome(config: str, overrides: dict, strategies: list[str], seeds: int, work: Path) -> pl.DataFrame:
-    """One run per strategy x seed (resumable: a finished run is read, not rerun); the held-out curve."""
+def evaluated(run_dir: Path, model: Path | None, prompts: int, log: Path) -> float:
+    """`trajflow eval` of `model` (a run dir: its last checkpoint; None: the run's starting model)
+    on the run config's first `prompts` held-out prompts: the greedy accuracy, kept in a JSON
+    file beside the run (resumable; the starting model's once for all the runs beside it)."""
+    kept = run_dir.parent / (f"{run_dir.name}.final-eval.json" if model else "start-eval.json")
+    if not kept.exists():
+        trajflow("eval", "--config", str(run_dir / "config.yaml"), "--n", str(prompts),
+                 *(["--model", str(model)] if model else []), log=log)
+        last = next(line for line in reversed(log.read_text().splitlines()) if line.startswith("mean reward "))
+        kept.write_text(json.dumps({"accuracy": float(last.split()[2]), "line": last}) + "\n")
+    return json.loads(kept.read_text())["accuracy"]
+
+
+def outcome(config: str, overrides: dict, strategies: list[str], seeds: int, work: Path,
+            final_eval: int = 0) -> pl.DataFrame:
+    """One run per strategy x seed (resumable: a finished run is read, not rerun); the held-out curve.
+
+    `final_eval` N: no evaluation inside the runs (`eval_every` 0); each run's last checkpoint is
+    evaluated afterwards on N held-out prompts (`trajflow eval`, the code of `eval_every`, with
+    every thread), and the starting model once (greedy, so the same for every run). The curve
+    then has two points, and its seconds are the run's own, evaluation left out. Where a run's
+    trainer gets one thread, this halves an evaluation that would otherwise hold up its steps."""
     log = work / "commands.log"
     frames = []
     total, done, started = len(strategies) * seeds, 0, time.time()
@@ -332,14 +352,22 @@ def outcome(config: str, overrides: dict, strategies: list[str], seeds: int, wor
                 (work / f"{run_dir.name}.started_at").write_text(f"{time.time():.3f}\n")
                 trajflow("run", config, "--run-dir", str(run_dir), "--no-progress",
                          *sets({"strategy": strategy, "seed": seed, "save_all_versions": "false", "report_to": "[]",
-                                **overrides}), log=log)
+                                **overrides, **({"eval_every": 0} if final_eval else {})}), log=log)
             m = read_metrics(RunPaths(run_dir))
             start = float((work / f"{run_dir.name}.started_at").read_text())  # enter: the command's start
-            heldout = heldout_metric(m)[0]  # heldout/accuracy (0/1 rewards); heldout/mean_reward in old runs
-            frames.append(m.select("version", pl.col(heldout).alias("heldout_accuracy"), "time/step_end")
-                          .filter(pl.col("heldout_accuracy").is_not_null())
-                          .with_columns(pl.lit(strategy).alias("strategy"), pl.lit(seed).alias("seed"),
-                                        (pl.col("time/step_end") - start).alias("seconds_from_enter")))
+            if final_eval:
+                ends = m.sort("step")
+                points = pl.DataFrame({
+                    "version": [0, int(ends["version"][-1])],
+                    "heldout_accuracy": [evaluated(run_dir, None, final_eval, log),
+                                         evaluated(run_dir, run_dir, final_eval, log)],
+                    "time/step_end": [start, float(ends["time/step_end"][-1])]})
+            else:
+                heldout = heldout_metric(m)[0]  # heldout/accuracy (0/1 rewards); heldout/mean_reward in old runs
+                points = (m.select("version", pl.col(heldout).alias("heldout_accuracy"), "time/step_end")
+                          .filter(pl.col("heldout_accuracy").is_not_null()))
+            frames.append(points.with_columns(pl.lit(strategy).alias("strategy"), pl.lit(seed).alias("seed"),
+                                              (pl.col("time/step_end") - start).alias("seconds_from_enter")))
             done += 1
             print(f"[evidence outcome {done}/{total}, {time.time() - started:.0f} s] {strategy} seed {seed}", flush=True)
     return pl.concat(frames, how="diagonal_relaxed")
@@ -412,6 +440,8 @@ def main() -> None:
     o.add_argument("--seeds", type=int, default=8)
     o.add_argument("--target", type=float, required=True, help="held-out accuracy for time-to-target")
     o.add_argument("--work", type=Path, required=True, help="run dirs (resumable)")
+    o.add_argument("--final-eval", type=int, default=0, metavar="N",
+                   help="evaluate each run's last checkpoint afterwards on N held-out prompts (eval_every 0)")
     a = p.parse_args()
     if a.what == "regime":
         print(regime_report(pl.read_parquet(RESULTS / f"{regime_prefix(a.real)}.parquet"), a.real) if a.report
@@ -425,7 +455,7 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     overrides = dict(kv.split("=", 1) for kv in a.set)
     started = time.time()
-    curves = outcome(a.config, overrides, a.strategies.split(","), a.seeds, a.work)
+    curves = outcome(a.config, overrides, a.strategies.split(","), a.seeds, a.work, a.final_eval)
     curves.write_parquet(a.work / "curves.parquet")
     plot_outcome(curves, a.work / "outcome.png")
     print(json.dumps({"config": a.config, "overrides": overrides, "seeds": a.seeds, "wall_s": time.time() - started}))
