@@ -405,16 +405,24 @@ def plot_outcome(curves: pl.DataFrame, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for strategy in dict.fromkeys(curves["strategy"].to_list()):
-        c = curves.filter(pl.col("strategy") == strategy).group_by("version").agg(
+    strategies = list(dict.fromkeys(curves["strategy"].to_list()))
+    span = float(curves["version"].max() or 1)
+    for i, strategy in enumerate(strategies):
+        mine = curves.filter(pl.col("strategy") == strategy)
+        c = mine.group_by("version").agg(
             pl.col("heldout_accuracy").mean().alias("mean"), pl.col("heldout_accuracy").std().alias("sd"),
             pl.len().alias("n")).sort("version")
         half = 1.96 * c["sd"].fill_null(0.0) / np.sqrt(c["n"].to_numpy())
         line, = ax.plot(c["version"], c["mean"], marker="o", label=strategy)
         ax.fill_between(c["version"], c["mean"] - half, c["mean"] + half, alpha=0.15, color=line.get_color())
+        # every seed's own value, nudged sideways per strategy so that equal values stay visible
+        nudge = (i - (len(strategies) - 1) / 2) * span * 0.006
+        ax.scatter(mine["version"].to_numpy() + nudge, mine["heldout_accuracy"], s=10, alpha=0.6,
+                   color=line.get_color(), linewidths=0)
     ax.set_xlabel("version (optimizer steps)")
     ax.set_ylabel("held-out greedy accuracy (fraction)")
-    ax.set_title("Held-out accuracy, mean over paired seeds (band: 95 % normal interval)")
+    ax.set_title("Held-out accuracy: each seed (dots), mean over paired seeds (line, band: 95 % normal interval)",
+                 fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
