@@ -186,7 +186,10 @@ class WeightReceiver:
         with self._changed:  # a late joiner may already hold a newer version than the store names
             ahead = bool(self.held) and max(self.held) >= latest
         if not ahead:
-            self.weights(latest)
+            try:
+                self.weights(latest)
+            except VersionNotHeld:  # a newer version arrived while it waited and replaced `latest`
+                pass  # (a reader keeping one version): the newest is what is asked for
         with self._changed:
             version = max(self.held)
             return version, self.held[version]
