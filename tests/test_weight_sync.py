@@ -147,6 +147,44 @@ def test_readers_get_every_version_bitwise_in_their_dtype_and_a_late_one_the_cur
 
 
 @pytest.mark.timeout(300)
+class _StaleLatest:
+    """A store whose newest version number lags one behind (as a reader's read of it may, racing
+    the server's registration of the next); everything else is the store's."""
+
+    def __init__(self, store: InProcessStore) -> None:
+        self.store = store
+
+    def latest_version(self) -> int:
+        return self.store.latest_version() - 1
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
+def test_a_one_version_reader_asked_for_the_newest_takes_the_newer_version_that_replaced_it():
+    """A generator's receiver keeps one version: when the store names version 1 but version 2
+    has replaced it by the time the receiver has any (a restarted generator joining late, seen
+    in a CI run), `newest()` returns version 2 instead of failing with VersionNotHeld."""
+    weights = _tied(_weights())
+    store = InProcessStore(max_staleness=1, keep_history=False)
+    store.publish(weights, 0)
+    config = WeightSyncConfig(method="collective", bucket_mb=0.05, timeout_seconds=60)
+    server = WeightServer(store, config, weights, ["float32"])
+    late = None
+    try:
+        for v in (1, 2):
+            server.offer(v, {k: t + v for k, t in weights.items()}.items())
+            server.wait()
+        late = WeightReceiver(_StaleLatest(store), config, "float32", history=False)
+        version, got = late.newest()  # asks for 1; the late joiner is sent the current version, 2
+        assert version == 2 and sorted(late.held) == [2]
+        assert torch.equal(got["model.norm.weight"], weights["model.norm.weight"] + 2)
+    finally:
+        server.close()
+        if late is not None:
+            late.close()
+
+
 def test_a_reader_killed_mid_transfer_is_dropped_and_its_restart_joins_again(ray_session, tmp_path):
     """A reader whose process dies in the middle of version 1 (a generator killed): the trainer
     drops it with one line and counts it, the other reader still gets version 1, the store
