@@ -146,7 +146,6 @@ def test_readers_get_every_version_bitwise_in_their_dtype_and_a_late_one_the_cur
             late.close()
 
 
-@pytest.mark.timeout(300)
 class _StaleLatest:
     """A store whose newest version number lags one behind (as a reader's read of it may, racing
     the server's registration of the next); everything else is the store's."""
@@ -161,6 +160,7 @@ class _StaleLatest:
         return getattr(self.store, name)
 
 
+@pytest.mark.timeout(120)
 def test_a_one_version_reader_asked_for_the_newest_takes_the_newer_version_that_replaced_it():
     """A generator's receiver keeps one version: when the store names version 1 but version 2
     has replaced it by the time the receiver has any (a restarted generator joining late, seen
@@ -185,6 +185,7 @@ def test_a_one_version_reader_asked_for_the_newest_takes_the_newer_version_that_
             late.close()
 
 
+@pytest.mark.timeout(300)
 def test_a_reader_killed_mid_transfer_is_dropped_and_its_restart_joins_again(ray_session, tmp_path):
     """A reader whose process dies in the middle of version 1 (a generator killed): the trainer
     drops it with one line and counts it, the other reader still gets version 1, the store
