@@ -338,7 +338,8 @@ def outcome(config: str, overrides: dict, strategies: list[str], seeds: int, wor
     evaluated afterwards on N held-out prompts (`trajflow eval`, the code of `eval_every`, with
     every thread), and the starting model once (greedy, so the same for every run). The curve
     then has two points, and its seconds are the run's own, evaluation left out. Where a run's
-    trainer gets one thread, this halves an evaluation that would otherwise hold up its steps."""
+    trainer gets one thread, this halves an evaluation that would otherwise hold up its steps.
+    Once evaluated, a run's checkpoints are deleted (the accuracy is kept beside the run)."""
     log = work / "commands.log"
     frames = []
     total, done, started = len(strategies) * seeds, 0, time.time()
@@ -362,6 +363,8 @@ def outcome(config: str, overrides: dict, strategies: list[str], seeds: int, wor
                     "heldout_accuracy": [evaluated(run_dir, None, final_eval, log),
                                          evaluated(run_dir, run_dir, final_eval, log)],
                     "time/step_end": [start, float(ends["time/step_end"][-1])]})
+                # evaluated and kept: its checkpoint (weights + AdamW, 1.6 GB on the real model) goes
+                shutil.rmtree(RunPaths(run_dir).checkpoints, ignore_errors=True)
             else:
                 heldout = heldout_metric(m)[0]  # heldout/accuracy (0/1 rewards); heldout/mean_reward in old runs
                 points = (m.select("version", pl.col(heldout).alias("heldout_accuracy"), "time/step_end")

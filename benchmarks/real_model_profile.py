@@ -23,7 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def step_batch(prompts: int, group: int, max_new_tokens: int, threads: int, seed: int = 0, **overrides):
+def step_batch(prompts: int, group: int, max_new_tokens: int, threads: int, seed: int = 0,
+               trainer: dict | None = None, **overrides):
     """(the train operator, the step's batch as it reaches the train stage, the pipeline)."""
     import torch
 
@@ -40,7 +41,7 @@ def step_batch(prompts: int, group: int, max_new_tokens: int, threads: int, seed
         "prompts_per_step": prompts, "group_size": group, "max_staleness": 64, "inference_dtype": "float32",
         "drop_zero_variance_groups": False, "sampling": {"max_new_tokens": max_new_tokens}, "seed": seed,
         "optimizer": {"lr": 1e-5}, "steps": 64,
-        "trainer": {"torch_threads": threads}, "generator": {"torch_threads": threads},
+        "trainer": {"torch_threads": threads, **(trainer or {})}, "generator": {"torch_threads": threads},
         "scorer": {"num_cpus": 0.25, "torch_threads": threads}, **overrides})
     pipe = RLPipeline(config)
     store = InProcessStore(config.max_staleness, pipe.strategy.keep_history)
@@ -55,6 +56,16 @@ def step_batch(prompts: int, group: int, max_new_tokens: int, threads: int, seed
     return ops["train"], batch, pipe
 
 
+def _reset_peak_rss() -> None:
+    """Start the process's peak RSS (VmHWM) afresh: from here it is the train steps' own."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss() -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=8)
@@ -63,22 +74,27 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--lora", type=int, default=0, help="train a LoRA adapter of this rank (0: full fine-tuning)")
+    p.add_argument("--trainer", action="append", default=[], metavar="KEY=JSON",
+                   help="a trainer setting, e.g. gradient_checkpointing=true (repeatable)")
     p.add_argument("--profile", type=Path, help="write the torch profiler's table of one more step here")
     a = p.parse_args()
     import numpy as np
     import pyarrow.compute as pc
 
     lora = {"lora": {"r": a.lora}} if a.lora else {}
-    train, batch, pipe = step_batch(a.prompts, a.group, a.max_new_tokens, a.threads, **lora)
+    trainer = {key: json.loads(value) for key, value in (kv.split("=", 1) for kv in a.trainer)}
+    train, batch, pipe = step_batch(a.prompts, a.group, a.max_new_tokens, a.threads, trainer=trainer, **lora)
     lengths = pc.list_value_length(batch["response_tokens"]).to_numpy()
     prompt_lengths = pc.list_value_length(batch["prompt_tokens"]).to_numpy()
     seconds = []
+    _reset_peak_rss()
     for step in range(a.repeats):
         started = time.perf_counter()
         metrics = train(batch.set_column(batch.schema.get_field_index("rollout_step"), "rollout_step",
                                          pc.add(batch["rollout_step"], step))).to_pylist()[0]
         seconds.append(time.perf_counter() - started)
         print(f"train step {step}: {seconds[-1]:.2f} s (rows trained {metrics['rows_trained']})", flush=True)
+    train_peak = _peak_rss()
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -104,10 +120,11 @@ def main() -> None:
         "version_file_bytes": file_bytes,
         "trainable_parameters": sum(p.numel() for p in train.model.parameters() if p.requires_grad),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "lora_r": a.lora,
+        "train_peak_rss_bytes": train_peak,
         "rows": batch.num_rows, "response_tokens_mean": float(np.mean(lengths)), "response_tokens_max": int(lengths.max()),
         "prompt_tokens_mean": float(np.mean(prompt_lengths)), "prompt_tokens_max": int(prompt_lengths.max()),
         "train_step_s_min": min(seconds), "train_step_s_median": statistics.median(seconds),
-        "load_1min": os.getloadavg()[0], "threads": a.threads}))
+        "load_1min": os.getloadavg()[0], "threads": a.threads, "trainer": trainer}))
 
 
 if __name__ == "__main__":
