@@ -2,13 +2,15 @@
 
     python -m benchmarks.real_model_profile                       # 8 prompts x 4, 64 new tokens
     python -m benchmarks.real_model_profile --profile out.txt     # + torch profiler's op table
+    python -m benchmarks.real_model_profile --trainer max_tokens_per_microbatch=1024  # a trainer setting
 
 One step of the smollm2 workload is generated, rewarded and scored once (snapshot, float32, every
 row trained: `drop_zero_variance_groups: false`), in this process, on the pipeline's own operators
 (an in-process policy store, no Ray). Then the train operator runs `--repeats` times on that same
 batch (`max_staleness` large enough that no token is over-stale), each timed; its parts are timed
 with the torch profiler's `record_function` ranges of operators/correction.py and the step.
-Reports seconds per train step (min and median) and the profiler's top operators.
+Reports seconds per train step (min and median), the process's peak RSS from the first train
+step on (VmHWM reset after generation and scoring) and the profiler's top operators.
 """
 
 from __future__ import annotations
