@@ -273,8 +273,11 @@ def report() -> str:
                 for key, runs in d["runs"].items()]
         parts += ["## LoRA vs full fine-tuning", f"Load {d['load_1min_end']:.1f}.", table(rows)]
     if (d := load("profile")) is not None:
-        rows = [{"train step": key, "s (best)": f"{min(r['train_step_s_min'] for r in runs):.1f}",
-                 "peak RSS during the train steps GiB": f"{max(r['train_peak_rss_bytes'] for r in runs) / 2**30:.2f}",
+        # per variant: the best seconds and the highest train-step peak over its runs
+        best = {key: (min(r["train_step_s_min"] for r in runs), max(r["train_peak_rss_bytes"] for r in runs) / 2**30)
+                for key, runs in d["runs"].items()}
+        rows = [{"train step": key, "s (best)": f"{best[key][0]:.1f}",
+                 "peak RSS during the train steps GiB": f"{best[key][1]:.2f}",
                  "rows": runs[0]["rows"], "response tokens (mean / max)":
                  f"{runs[0]['response_tokens_mean']:.0f} / {runs[0]['response_tokens_max']}"}
                 for key, runs in d["runs"].items()]
@@ -285,14 +288,11 @@ def report() -> str:
                   f"{d['load_1min_end']:.1f}. The peak RSS is the process's from the first train step on "
                   "(VmHWM reset): the policy, its gradients and AdamW state (2.0 GiB), the generator's and "
                   "scorer's models, the in-process store's versions, and the update's activations.", table(rows)]
-        best = {key: (min(r["train_step_s_min"] for r in runs), max(r["train_peak_rss_bytes"] for r in runs) / 2**30)
-                for key, runs in d["runs"].items()}
-        base = best.get("2 threads")
-        if base and len(best) > 1:
-            parts.append("Against 2 threads: " + "; ".join(
-                f"{key} {secs / base[0]:.2f}x the seconds, {gib - base[1]:+.2f} GiB"
-                for key, (secs, gib) in best.items() if key != "2 threads") + ". smollm2.yaml takes the micro-batches (the learning run above was "
-                "measured before they became its setting).")
+        if (base := best.get("2 threads")) and len(best) > 1:
+            against = "; ".join(f"{key} {secs / base[0]:.2f}x the seconds, {gib - base[1]:+.2f} GiB"
+                                for key, (secs, gib) in best.items() if key != "2 threads")
+            parts.append(f"Against 2 threads: {against}. smollm2.yaml takes the micro-batches (the learning run "
+                         "above was measured before they became its setting).")
         parts.append(
             "Where a train step's time goes (`python -m benchmarks.real_model_profile --prompts 4 --repeats 1 "
             "--threads 1 --profile results/real_model/profile_ops.txt`: 16 rows, 1 thread, load 2.8, the "
