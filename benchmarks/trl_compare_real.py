@@ -80,13 +80,17 @@ print("RESULT " + json.dumps({
 TRL_NAME = "TRL GRPOTrainer (sync, every row)"
 
 
-def _systems(all_rows_async: int) -> dict[str, tuple[str, dict | None]]:
+def _systems(all_rows_async: int, threads: int) -> dict[str, tuple[str, dict | None]]:
     """name -> (short name, trajflow overrides; None: TRL)."""
+    every_row_async = {"max_staleness": all_rows_async, "drop_zero_variance_groups": False}
     return {
         TRL_NAME: ("trl", None),
         "trajflow sync, every row": ("sync_all", {"max_staleness": 0, "drop_zero_variance_groups": False}),
-        f"trajflow async (max_staleness {all_rows_async}), every row": (
-            "async_all", {"max_staleness": all_rows_async, "drop_zero_variance_groups": False}),
+        f"trajflow async (max_staleness {all_rows_async}), every row": ("async_all", every_row_async),
+        # the trainer is async's bottleneck (a train step at 1 thread takes 1.9x its 2-thread time):
+        # it gets every thread, the generator and scorer 1 each, oversubscribing the cores
+        f"trajflow async (max_staleness {all_rows_async}), every row, trainer {threads} threads": (
+            "async_all_trainer", {**every_row_async, "trainer.torch_threads": threads}),
         "trajflow default filter (sync)": ("sync_filter", {"max_staleness": 0}),
     }
 
@@ -149,13 +153,16 @@ def run_trajflow(spec: dict, overrides: dict, work: Path, name: str) -> dict:
 
 
 def run(steps: int, repeats: int, prompts: int = 8, group: int = 4, max_new_tokens: int = 96, lr: float = 1e-5,
-        threads: int = 2, async_staleness: int = 1, work: Path | None = None) -> dict:
+        threads: int = 2, async_staleness: int = 1, work: Path | None = None,
+        only: list[str] | None = None) -> dict:
+    """Every system (or TRL and the ones whose short names are in `only`), interleaved."""
     from trajflow.engines.prepared import SMOLLM2, prepare
 
     spec = {"model": str(prepare(SMOLLM2.name)), "data": str(DATA), "steps": steps, "prompts": prompts,
             "group": group, "max_new_tokens": max_new_tokens, "lr": lr, "seed": 0, "threads": threads}
     work = work or Path(tempfile.mkdtemp(prefix="trajflow-trl-real-"))
-    systems = _systems(async_staleness)
+    systems = {name: system for name, system in _systems(async_staleness, threads).items()
+               if only is None or system[1] is None or system[0] in only}
     results: dict[str, list[dict]] = {name: [] for name in systems}
     for r in range(repeats):  # interleaved
         for name, (short, overrides) in systems.items():
@@ -207,10 +214,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", type=Path)
     p.add_argument("--out", type=Path, help="write the raw results (JSON) here")
+    p.add_argument("--only", nargs="+", metavar="SHORT", help="TRL and these trajflow systems (e.g. async_all)")
     a = p.parse_args()
     from benchmarks.run_all import table
 
-    data = run(a.steps, a.repeats, a.prompts, a.group, a.max_new_tokens, a.lr, a.threads, work=a.work)
+    data = run(a.steps, a.repeats, a.prompts, a.group, a.max_new_tokens, a.lr, a.threads, work=a.work, only=a.only)
     if a.out:
         a.out.write_text(json.dumps(data, indent=1))
     print(table(table_rows(data)))
