@@ -92,6 +92,10 @@ def _systems(all_rows_async: int, threads: int) -> dict[str, tuple[str, dict | N
         f"trajflow async (max_staleness {all_rows_async}), every row, trainer {threads} threads": (
             "async_all_trainer", {**every_row_async, "trainer.torch_threads": threads}),
         "trajflow default filter (sync)": ("sync_filter", {"max_staleness": 0}),
+        # bypass: the inference log-probs as old ones, no second forward (TRL's on-policy choice);
+        # in float32 the snapshot's forward moves them by < 3e-5 here (benchmarks/results/real_model.md)
+        f"trajflow async (max_staleness {all_rows_async}), every row, trainer {threads} threads, behavior": (
+            "async_behavior", {**every_row_async, "trainer.torch_threads": threads, "strategy": "behavior"}),
     }
 
 
