@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -117,6 +118,7 @@ def run_trl(spec: dict, work: Path) -> dict:
     if code or line is None:
         raise RuntimeError(f"TRL failed ({code}); see {log}")
     result = json.loads(line.removeprefix("RESULT "))
+    shutil.rmtree(work / "trl", ignore_errors=True)  # its final model: GBs per run, nothing read from it
     ends = result.pop("step_ends")
     return {**result, "wall": wall, "pss": tree.peak_pss_bytes, "processes": tree.peak_processes,
             "s_per_step": (ends[-1] - ends[0]) / max(1, len(ends) - 1), "steps": len(ends)}
@@ -150,6 +152,8 @@ def run_trajflow(spec: dict, overrides: dict, work: Path, name: str) -> dict:
         trained = table.filter(pc.is_null(table["filter_reason"]))
         trained_tokens += int(pc.sum(pc.list_value_length(trained["response_tokens"])).as_py() or 0)
     ends = metrics.sort("step")["time/step_end"].to_list()
+    for weights in ("checkpoints", "versions"):  # GBs per run; the logs, metrics and trajectories stay
+        shutil.rmtree(run_dir / weights, ignore_errors=True)
     return {"wall": wall, "pss": tree.peak_pss_bytes, "processes": tree.peak_processes, "completions": completions,
             "trained_tokens": trained_tokens, "s_per_step": (ends[-1] - ends[0]) / max(1, len(ends) - 1),
             "steps": metrics.height, "reward": metrics["reward/mean"].to_list(),
