@@ -340,7 +340,8 @@ def report() -> str:
                   f"are the old ones: no scoring forward, TRL's own on-policy choice); TRL and it, "
                   f"{d['repeats']} interleaved repeats, load {d['load_1min_end']:.1f}. In float32 the snapshot's "
                   "forward is a cost without an effect here: over the 15,331 response tokens of the snapshot "
-                  "run above, |old - inference log-prob| is at most 2.9e-5 (mean 2.5e-6), an importance ratio "
+                  "run above (its second round's trajectory log), |old - inference log-prob| is at most 2.9e-5 "
+                  "(mean 2.5e-6; each run's own is in the JSON from this run on), an importance ratio "
                   "within 1 +- 3e-5 of 1, against a clip at 0.2. Under bfloat16 or fp8 inference, or past "
                   "max_staleness 0 with weights that change inside a rollout, they part, and the snapshot's "
                   "forward is what keeps the ratio exact (benchmarks/results/evidence.md).",
@@ -352,7 +353,8 @@ def report() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("section", choices=["learning", "engines", "lora", "trl", "trl_async", "trl_bypass", "profile", "report"])
+    p.add_argument("section", choices=["learning", "engines", "lora", "trl", "trl_async", "trl_bypass", "profile",
+                                       "report"])
     p.add_argument("--quick", action="store_true", help="a smoke test of the section (numbers mean nothing)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="trl: steps per run")

@@ -146,8 +146,16 @@ def run_trajflow(spec: dict, overrides: dict, work: Path, name: str) -> dict:
         raise RuntimeError(f"trajflow failed ({code}); see {work / f'{name}.log'}")
     metrics = read_metrics(RunPaths(run_dir))
     trained_tokens = completions = cut = 0
+    gap_max = gap_sum = gap_tokens = 0.0  # |old - inference log-prob| where the strategy scored old ones
     for table in load_trajectories(run_dir / "trajectories").values():
         completions += table.num_rows
+        scored = table.filter(pc.is_valid(table["old_logprobs"]))
+        if scored.num_rows:
+            gap = pc.abs(pc.subtract(pc.list_flatten(scored["old_logprobs"]),
+                                     pc.list_flatten(scored["inference_logprobs"])))
+            gap_max = max(gap_max, pc.max(gap).as_py() or 0.0)
+            gap_sum += pc.sum(gap).as_py() or 0.0
+            gap_tokens += len(gap) - gap.null_count
         cut += int(pc.sum(pc.equal(table["finish_reason"], "length")).as_py() or 0)
         trained = table.filter(pc.is_null(table["filter_reason"]))
         trained_tokens += int(pc.sum(pc.list_value_length(trained["response_tokens"])).as_py() or 0)
@@ -157,7 +165,9 @@ def run_trajflow(spec: dict, overrides: dict, work: Path, name: str) -> dict:
     return {"wall": wall, "pss": tree.peak_pss_bytes, "processes": tree.peak_processes, "completions": completions,
             "trained_tokens": trained_tokens, "s_per_step": (ends[-1] - ends[0]) / max(1, len(ends) - 1),
             "steps": metrics.height, "reward": metrics["reward/mean"].to_list(),
-            "rows_trained": int(metrics["rows_trained"].sum()), "clipped_ratio": cut / max(1, completions)}
+            "rows_trained": int(metrics["rows_trained"].sum()), "clipped_ratio": cut / max(1, completions),
+            "old_vs_inference_max": gap_max if gap_tokens else None,
+            "old_vs_inference_mean": gap_sum / gap_tokens if gap_tokens else None}
 
 
 def run(steps: int, repeats: int, prompts: int = 8, group: int = 4, max_new_tokens: int = 96, lr: float = 1e-5,
