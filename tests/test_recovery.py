@@ -167,9 +167,13 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     from trajflow.engines import checkpoint as ckpt
 
     run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
+    # a step here trains in 0.2 s: under load a kill sent after step k - 1's metrics could land two
+    # steps late, both kills then healing as one event; 0.1 s of sleep per decode step (~0.6 s per
+    # step, no CPU, the same numbers) keeps each kill inside its step
+    args = ["quickstart", *SYNC, "--set", "simulate_decode_seconds=0.1"]
     with ThreadPoolExecutor(1) as pool:
-        base_run = pool.submit(chaos.chaos_run, ["quickstart", *SYNC], uninterrupted, [], tmp_path / "base.log")
-        result = chaos.chaos_run(["quickstart", *SYNC], run_dir, SYNC_KILLS, tmp_path / "log")
+        base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
+        result = chaos.chaos_run(args, run_dir, SYNC_KILLS, tmp_path / "log")
         assert base_run.result().status == 0, base_run.result().output[-3000:]
     out = result.output
     assert result.status == 0 and result.killed == len(SYNC_KILLS), out[-3000:]
