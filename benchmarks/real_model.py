@@ -224,6 +224,12 @@ def _plot_learning(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _per_round(d: dict) -> str:
+    """A TRL-and-one-system section's s/step ratio per interleaved round, e.g. "0.755, 0.769"."""
+    trl, system = d["results"].values()
+    return ", ".join(f"{a['s_per_step'] / t['s_per_step']:.3f}" for t, a in zip(trl, system))
+
+
 def report() -> str:
     from benchmarks.run_all import table
 
@@ -329,9 +335,7 @@ def report() -> str:
                   "thread is 1.9x its 2-thread time, above), so it gets both threads and the other process "
                   "(generation and old log-probs, one after the other: `colocate: auto` below 4 CPUs) 1, "
                   "3 threads on 2 cores.", table(table_rows(d)),
-                  "Per round, async's s/step against TRL's: " + ", ".join(
-                      f"{a['s_per_step'] / t['s_per_step']:.3f}" for t, a in zip(*d["results"].values())) +
-                  ". Issue 32's async goal (<= 0.75x) is not met: 0.76x, from 0.78x with 1 thread per process."]
+                  "Per round, async's s/step against TRL's: " + _per_round(d) + ". Issue 32's async goal (<= 0.75x) is not met: 0.76x, from 0.78x with 1 thread per process."]
     if (d := load("trl_bypass")) is not None:
         from benchmarks.trl_compare_real import table_rows
 
@@ -346,8 +350,7 @@ def report() -> str:
                   "max_staleness 0 with weights that change inside a rollout, they part, and the snapshot's "
                   "forward is what keeps the ratio exact (benchmarks/results/evidence.md).",
                   table(table_rows(d)),
-                  "Per round, its s/step against TRL's: " + ", ".join(
-                      f"{a['s_per_step'] / t['s_per_step']:.3f}" for t, a in zip(*d["results"].values())) + "."]
+                  "Per round, its s/step against TRL's: " + _per_round(d) + "."]
     return "\n\n".join(parts) + "\n"
 
 
