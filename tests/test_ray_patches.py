@@ -66,7 +66,7 @@ def test_the_series_is_major_and_minor(version, inside):
 def test_on_another_ray_simulated_nothing_is_patched_and_one_line_says_so(ray_session, monkeypatch, caplog,
                                                                           tmp_path):
     ray = ray_session
-    from ray._private import node, ray_constants
+    from ray._private import node, ray_constants, services
     from ray.data._internal.execution import streaming_executor_state
     from ray.data._internal.execution.operators import actor_pool_map_operator as pool
 
@@ -75,6 +75,7 @@ def test_on_another_ray_simulated_nothing_is_patched_and_one_line_says_so(ray_se
     data_services.revert()
     shipped_wait, shipped_tracker = streaming_executor_state.ray, pool.get_or_create_actor_location_tracker
     shipped_node, cluster = (node.Node.__init__, node.Node.start_api_server), ray_constants.ENABLE_RAY_CLUSTER
+    shipped_get_node = services.get_node
     try:
         monkeypatch.setattr(ray, "__version__", "2.61.0")
         with caplog.at_level(logging.WARNING, logger="trajflow"):
@@ -82,6 +83,7 @@ def test_on_another_ray_simulated_nothing_is_patched_and_one_line_says_so(ray_se
             assert data_services.apply() is False and not data_services.active()
             with ray_patches.lean_head(log_monitor=False):
                 assert (node.Node.__init__, node.Node.start_api_server) == shipped_node
+                assert services.get_node is shipped_get_node
             worker_output.to(tmp_path / "workers.log")
             assert not worker_output.active() and not (tmp_path / "workers.log").exists()
             refused = (r"^Ray 2\.61\.0 would listen beyond "
@@ -104,15 +106,54 @@ def test_on_another_ray_simulated_nothing_is_patched_and_one_line_says_so(ray_se
 
 
 def test_the_patches_of_the_embedded_start_hold_for_the_start_only():
-    from ray._private import node, ray_constants
+    from ray._private import node, ray_constants, services
 
-    before = (node.Node.__init__, node.Node.start_api_server, ray_constants.ENABLE_RAY_CLUSTER)
+    before = (node.Node.__init__, node.Node.start_api_server, ray_constants.ENABLE_RAY_CLUSTER, services.get_node)
     with pytest.raises(KeyError):  # as when ray.init fails
         with ray_patches.loopback_node(), ray_patches.lean_head(log_monitor=False):
             assert node.Node.__init__ is not before[0] and node.Node.start_api_server is not before[1]
-            assert ray_constants.ENABLE_RAY_CLUSTER is False
+            assert ray_constants.ENABLE_RAY_CLUSTER is False and services.get_node is not before[3]
             raise KeyError("ray.init failed")
-    assert (node.Node.__init__, node.Node.start_api_server, ray_constants.ENABLE_RAY_CLUSTER) == before
+    assert (node.Node.__init__, node.Node.start_api_server, ray_constants.ENABLE_RAY_CLUSTER,
+            services.get_node) == before
+
+
+class _Clock:
+    """A clock that moves only when slept on."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _registers_after(clock: _Clock, seconds: float):
+    def get_node(gcs_address, node_id):
+        if clock.now - 100.0 < seconds:
+            raise RuntimeError(f"node {node_id} not found")
+        return {"node_id": node_id}
+
+    return get_node
+
+
+def test_the_embedded_raylet_gets_its_registration_budget_not_rays_30_seconds():
+    """A raylet that registers 45 s after the first poll (Ray gives up at 30) is found by the
+    first poll; one that never registers: Ray's own error once the budget is spent."""
+    clock = _Clock()
+    wait = ray_patches.patient(_registers_after(clock, 45.0), 120.0, poll_seconds=0.5, clock=lambda: clock.now,
+                               sleep=clock.sleep)
+    assert wait("127.0.0.1:6379", "abc") == {"node_id": "abc"}
+    assert clock.now - 100.0 == pytest.approx(45.0)
+    clock = _Clock()
+    wait = ray_patches.patient(_registers_after(clock, 1e9), 120.0, poll_seconds=0.5, clock=lambda: clock.now,
+                               sleep=clock.sleep)
+    with pytest.raises(RuntimeError, match="node abc not found"):
+        wait("127.0.0.1:6379", "abc")
+    assert clock.now - 100.0 == pytest.approx(120.0)
+    with pytest.raises(RuntimeError):  # a later poll (Ray's loop polls again) gets no new budget
+        wait("127.0.0.1:6379", "abc")
+    assert clock.now - 100.0 == pytest.approx(120.0)
 
 
 def test_worker_output_goes_to_the_file_and_back_to_rays_printer(monkeypatch, tmp_path):

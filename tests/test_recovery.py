@@ -149,6 +149,10 @@ def _checkpoint_before(step: int, recovery: dict) -> int:
 # sync: a trainer worker killed while step 4 trains, then the train step's process at step 6 (not
 # the last step: under load a kill may land one step late, and the run must still be running)
 SYNC_KILLS = [("trainer_worker", 4), ("train_step", 6)]
+# for runs killed more than once: a step here trains in 0.2 s, and under load a kill sent after
+# step k - 1's metrics could land two steps late, two kills then healing as one event; 0.1 s of
+# sleep per decode step (~0.6 s per step, no CPU, the same numbers) keeps each kill inside its step
+SLOW_DECODE = ["--set", "simulate_decode_seconds=0.1"]
 
 
 @pytest.mark.slow
@@ -167,10 +171,7 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     from trajflow.engines import checkpoint as ckpt
 
     run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
-    # a step here trains in 0.2 s: under load a kill sent after step k - 1's metrics could land two
-    # steps late, both kills then healing as one event; 0.1 s of sleep per decode step (~0.6 s per
-    # step, no CPU, the same numbers) keeps each kill inside its step
-    args = ["quickstart", *SYNC, "--set", "simulate_decode_seconds=0.1"]
+    args = ["quickstart", *SYNC, *SLOW_DECODE]
     with ThreadPoolExecutor(1) as pool:
         base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
         result = chaos.chaos_run(args, run_dir, SYNC_KILLS, tmp_path / "log")
@@ -222,7 +223,7 @@ def test_killed_fsdp_worker_and_train_step_are_rebuilt_and_the_run_matches_an_un
 
     from trajflow.engines import checkpoint as ckpt
 
-    args = ["quickstart", *SYNC, "--set", "trainer.sharding=fsdp"]
+    args = ["quickstart", *SYNC, *SLOW_DECODE, "--set", "trainer.sharding=fsdp"]
     run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
     with ThreadPoolExecutor(1) as pool:
         base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
@@ -273,7 +274,7 @@ def test_a_killed_policy_store_is_one_line_naming_resume(ray_session):
 # async: every version kept (a rebuilt store reads its window back); a trainer worker killed at
 # step 2, before the first periodic checkpoint (3), the policy store at 4, the train step at 6
 ASYNC = [{"max_staleness=0": "max_staleness=2", "save_all_versions=false": "save_all_versions=true"}.get(a, a)
-         for a in SYNC] + ["--set", "strategy=snapshot"]
+         for a in SYNC] + ["--set", "strategy=snapshot", *SLOW_DECODE]
 ASYNC_KILLS = [("trainer_worker", 2), ("store", 4), ("train_step", 6)]
 
 

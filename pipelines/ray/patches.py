@@ -41,6 +41,12 @@ The patches (measured figures: benchmarks/results/, on this 2-core machine, load
    (ray-project/ray#13505, #48891 added them to `ray start` only) and no longer starts the API
    server without a dashboard (it has since ray-project/ray#26042, for usage stats; disabling
    usage stats does not stop it in 2.60).
+   The same block gives the raylet `RAYLET_REGISTER_SECONDS` (120) to register with the GCS
+   where Ray gives it 30 (`Node.__init__` polls `services.get_node` and raises "The current node
+   timed out during startup" after a fixed 30 s): on a saturated machine (a test suite beside
+   two runs, load 10 on 2 cores) a raylet has taken longer, and the run died at start with Ray's
+   traceback. Here each poll itself waits, polling, until the node is registered or the budget
+   is spent. Drop: when that wait is a setting of `ray.init` (none in 2.60).
 3. `data_services`: Ray Data's cluster-wide helper actors are answered in the driver on the
    embedded Ray. On its first execution Ray Data starts three, each a Ray worker process that
    imports Ray Data: `ActorLocationTracker` (which node each pool actor runs on: on one node,
@@ -111,8 +117,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -122,6 +129,7 @@ import ray
 log = logging.getLogger("trajflow")
 
 RAY_SERIES = "2.60"  # the Ray minor series these patches were read against; pyproject.toml pins it
+RAYLET_REGISTER_SECONDS = 120.0  # the embedded raylet's time to register with the GCS (Ray: 30 s)
 REPEAT_PACE_S = 0.005  # how long the executor waits for new news while an already-seen task stays ready
 
 _told: set[str] = set()  # Ray versions the user was told about (once per process)
@@ -183,7 +191,7 @@ def lean_head(*, log_monitor: bool) -> Iterator[None]:
     if not patches_apply():
         yield
         return
-    from ray._private import node
+    from ray._private import node, services
 
     original_init, original_api_server = node.Node.__init__, node.Node.start_api_server
 
@@ -201,10 +209,33 @@ def lean_head(*, log_monitor: bool) -> Iterator[None]:
         # polls until it is up; without it the node runs as when that server fails to start
 
     node.Node.__init__, node.Node.start_api_server = init, api_server
+    original_get_node = services.get_node
+    services.get_node = patient(original_get_node, RAYLET_REGISTER_SECONDS)
     try:
         yield
     finally:
         node.Node.__init__, node.Node.start_api_server = original_init, original_api_server
+        services.get_node = original_get_node
+
+
+def patient(get_node: Callable, seconds: float, poll_seconds: float = 0.1,
+            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> Callable:
+    """`get_node` that, while it raises RuntimeError (the node is not registered yet), polls
+    again until `seconds` after its first call, then raises what it last raised."""
+    started: list[float] = []
+
+    def wait_for_node(*args, **kwargs):
+        if not started:
+            started.append(clock())
+        while True:
+            try:
+                return get_node(*args, **kwargs)
+            except RuntimeError:
+                if clock() - started[0] >= seconds:
+                    raise
+            sleep(poll_seconds)
+
+    return wait_for_node
 
 
 # -- 3. Ray Data's helper actors answered locally --------------------------------------------
