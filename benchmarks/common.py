@@ -20,7 +20,33 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
-class ActorMemory:
+class Sampler:
+    """Calls `sample()` every `interval` seconds on a thread of its own, from entering a `with`
+    block to leaving it."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class ActorMemory(Sampler):
     """Peak RSS of the pipeline's own actors (the Ray Data operator actors and the policy store).
 
     Only this driver's descendants count (not other Ray sessions on the machine), minus processes
@@ -31,10 +57,8 @@ class ActorMemory:
     """
 
     def __init__(self, interval: float = 0.5) -> None:
-        self.interval = interval
+        super().__init__(interval)
         self._peaks: dict[int, tuple[str, float]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
     def role(title: str) -> str | None:
@@ -51,20 +75,17 @@ class ActorMemory:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return None
 
-    def _run(self) -> None:
-        me = psutil.Process()
-        while not self._stop.is_set():
-            for proc in me.children(recursive=True):
-                if proc.pid in self._before:
-                    continue
-                role = self._role_of(proc)
-                try:
-                    rss = proc.memory_info().rss / 2**20
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-                if role is not None:
-                    self._peaks[proc.pid] = (role, max(rss, self._peaks.get(proc.pid, (role, 0.0))[1]))
-            self._stop.wait(self.interval)
+    def sample(self) -> None:
+        for proc in psutil.Process().children(recursive=True):
+            if proc.pid in self._before:
+                continue
+            role = self._role_of(proc)
+            try:
+                rss = proc.memory_info().rss / 2**20
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if role is not None:
+                self._peaks[proc.pid] = (role, max(rss, self._peaks.get(proc.pid, (role, 0.0))[1]))
 
     @property
     def peaks_mb(self) -> dict[str, float]:
@@ -75,27 +96,20 @@ class ActorMemory:
 
     def __enter__(self) -> "ActorMemory":
         self._before = {p.pid for p in psutil.Process().children(recursive=True) if self._role_of(p)}
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        return super().__enter__()
 
 
-class ProcessTree:
+class ProcessTree(Sampler):
     """Peak PSS, process count and thread count of a process (default: this one) and all its
     descendants — with an embedded Ray, that is the whole run: driver, Ray's own services, idle
     workers and actors."""
 
     def __init__(self, interval: float = 1.0, pid: int | None = None) -> None:
-        self.interval = interval
+        super().__init__(interval)
         self.pid = pid  # the tree's root (default: this process)
         self.peak_pss_bytes = 0
         self.peak_processes = 0
         self.peak_threads = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> None:
         try:
@@ -114,18 +128,6 @@ class ProcessTree:
         self.peak_processes = max(self.peak_processes, processes)
         self.peak_threads = max(self.peak_threads, threads)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> "ProcessTree":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @dataclass

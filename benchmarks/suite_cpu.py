@@ -18,10 +18,11 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
+
+from benchmarks.common import Sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -43,16 +44,15 @@ def kind(cmdline: str) -> str:
     return cmdline.split()[0].rsplit("/", 1)[-1][:40]
 
 
-class Sampler:
+class ProcessCPU(Sampler):
     """CPU seconds per process over the sampling window: (pid, start time) -> [kind, first, last]."""
 
     def __init__(self, interval: float = 0.3) -> None:
-        self.interval = interval
+        super().__init__(interval)
         self.seen: dict[tuple[str, str], list] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._first = True  # processes already running count from the first sample on
 
-    def _sample(self, first: bool) -> None:
+    def sample(self) -> None:
         for pid in os.listdir("/proc"):
             if not pid.isdigit():
                 continue
@@ -63,26 +63,15 @@ class Sampler:
                 continue
             fields = stat[stat.rfind(")") + 2:].split()
             cpu = (int(fields[11]) + int(fields[12])) / TICKS
-            entry = self.seen.setdefault((pid, fields[19]), [kind(cmdline), cpu if first else 0.0, cpu])
+            entry = self.seen.setdefault((pid, fields[19]), [kind(cmdline), cpu if self._first else 0.0, cpu])
             if cmdline and (entry[0].startswith("(") or "ray::" in cmdline):  # Ray retitles its workers
                 entry[0] = kind(cmdline)
             entry[2] = max(entry[2], cpu)
-
-    def _run(self) -> None:
-        first = True
-        while not self._stop.is_set():
-            self._sample(first)
-            first = False
-            time.sleep(self.interval)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
+        self._first = False
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample(False)
+        super().__exit__(*exc)
+        self.sample()  # what the last processes used since the previous sample
 
     def by_kind(self) -> tuple[Counter, Counter]:
         seconds, count = Counter(), Counter()
@@ -94,7 +83,7 @@ class Sampler:
 
 def report(pytest_args: list[str]) -> str:
     started = time.monotonic()
-    with Sampler() as sampler:
+    with ProcessCPU() as sampler:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
                               cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - started
