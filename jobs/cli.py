@@ -446,14 +446,19 @@ _BAD_INPUT = (
     ("trajflow.user_code", "UserCodeError"),  # a reward, env or strategy import path (RewardSpecError too)
     ("trajflow.pipelines.ray.patches", "RayVersionError"),  # an unpinned Ray that would not stay on loopback
 )
+# a run that stopped or could not start for a reason that is not its input: one line, exit 1
+_FAILED = (
+    ("trajflow.jobs.errors", "RunFailed"),  # resumable with --resume
+    ("trajflow.pipelines.ray.embedded", "RayStartError"),
+)
 # a path the user gave that cannot be used: `trajflow: PATH: reason`
 _BAD_PATH = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
 
 
-def _is_bad_input(error: BaseException, classes: tuple[tuple[str, str], ...] = _BAD_INPUT) -> bool:
-    """An error about the user's input (not a bug), one of `classes` (module, name): reported as
-    one line. Only modules already imported are checked — an error cannot come from a module that
-    was never loaded."""
+def _is_one_of(error: BaseException, classes: tuple[tuple[str, str], ...]) -> bool:
+    """Whether `error` is one of `classes` (module, name): `_BAD_INPUT` and the others above, each
+    reported as one line. Only modules already imported are checked — an error cannot come from a
+    module that was never loaded."""
     for module, name in classes:
         cls = getattr(sys.modules.get(module), name, None)
         if cls is not None and isinstance(error, cls):
@@ -465,9 +470,9 @@ def _bad_input_line(command: str, error: BaseException) -> str | None:
     """The one line for an error the user can fix, or None for a bug (which keeps its traceback)."""
     from pydantic import ValidationError
 
-    if _is_bad_input(error, _BAD_ARGUMENT):
+    if _is_one_of(error, _BAD_ARGUMENT):
         return f"{command}: {_one_line(error)}"
-    if _is_bad_input(error):
+    if _is_one_of(error, _BAD_INPUT):
         return _one_line(error)
     if isinstance(error, ValidationError):  # a config built outside load_job_config
         from trajflow.jobs.config import format_validation_error
@@ -517,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         line = _bad_input_line(args.command, e)
         if line is None:
-            if isinstance(e, getattr(sys.modules.get("trajflow.jobs.errors"), "RunFailed", ())):  # resumable
+            if _is_one_of(e, _FAILED):
                 print(f"trajflow: {_one_line(e)}", file=sys.stderr)
                 return 1
             if args.command in ("submit", "status", "stop") and isinstance(e, RuntimeError):

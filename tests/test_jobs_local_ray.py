@@ -158,3 +158,31 @@ def test_the_watchdog_ends_exactly_the_marked_processes_when_its_parent_dies(tmp
     finally:
         for p in _alive([marked_a, marked_b, unmarked]):
             p.kill()
+
+
+RAYLET_NEVER_REGISTERS = """
+import sys
+
+import ray
+
+def init(*args, **kwargs):  # what Ray 2.60 raises once its raylet has not registered in time
+    raise Exception("The current node timed out during startup. This could happen because some of the "
+                    "raylet failed to startup or the GCS has become overloaded.")
+
+ray.init = init
+from trajflow.jobs.cli import main
+
+sys.exit(main(["run", "quickstart", "--run-dir", sys.argv[1], "--no-progress"]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_embedded_ray_that_does_not_start_is_one_line_exit_1_and_nothing_written(tmp_path):
+    """Ray's startup timeout (a bare Exception and its traceback) becomes one line naming the wait;
+    not the user's input, so exit 1; the run dir is not created."""
+    proc = subprocess.run([sys.executable, "-c", RAYLET_NEVER_REGISTERS, str(tmp_path / "run")], env=_env(),
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == ["trajflow: the embedded Ray did not start: its raylet did not register "
+                                        "within 120 s (is the machine overloaded?)"], proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()

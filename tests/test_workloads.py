@@ -419,11 +419,11 @@ def test_workload_of_a_config(dataset_config):
 def test_dataset_errors_found_while_reading_are_one_line_bad_input(bpe, tmp_path):
     """A problem only reading the whole file can find (a null prompt in row 2) is a DataError naming
     the row, which the CLI reports as bad input (one line, exit 2)."""
-    from trajflow.jobs.cli import _is_bad_input
+    from trajflow.jobs.cli import _BAD_INPUT, _is_one_of
 
     rows = [dict(r) for r in bpe[1][:3]]
     rows[2]["prompt"] = None
     path = write_jsonl(tmp_path / "train.jsonl", rows)
     with pytest.raises(DataError, match="data.train_files: train.jsonl: line 3: column 'prompt' is null") as info:
         PromptDataset.load(DataConfig(train_files=[str(path)]), [path], bpe[0])
-    assert _is_bad_input(info.value) and _is_bad_input(RewardSpecError("reward: x"))
+    assert _is_one_of(info.value, _BAD_INPUT) and _is_one_of(RewardSpecError("reward: x"), _BAD_INPUT)

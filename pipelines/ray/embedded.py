@@ -62,6 +62,10 @@ _at_exit = False  # end_sessions registered
 SESSION_EXIT_WAIT_SECONDS = 5.0  # at exit, how long the session's processes get to end before removal
 
 
+class RayStartError(RuntimeError):
+    """The embedded Ray did not come up; the message is one line."""
+
+
 @contextmanager
 def _env(**values: str):
     previous = {k: os.environ.get(k) for k in values}
@@ -256,8 +260,14 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: 
         loader = _import_in_background(imports)
         with _env(**{MARKER_ENV: marker}), ray_patches.lean_head(log_monitor=log_to_driver):
             # address="local": a new Ray even if `ray start` left a cluster address file in /tmp/ray
-            context = ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1",
-                               **init_kwargs)
+            try:
+                context = ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                                   **init_kwargs)
+            except Exception as e:  # Ray raises a bare Exception when its raylet never registers
+                if "timed out during startup" not in str(e):
+                    raise
+                raise RayStartError(f"the embedded Ray did not start: its raylet did not register within "
+                                    f"{ray_patches.RAYLET_REGISTER_SECONDS:.0f} s (is the machine overloaded?)") from e
     session = Path(context.address_info["session_dir"])
     _sessions.append(session)
     _tell_watchdog(f"session {session}")
