@@ -84,6 +84,7 @@ def test_on_another_ray_simulated_nothing_is_patched_and_one_line_says_so(ray_se
             with ray_patches.lean_head(log_monitor=False):
                 assert (node.Node.__init__, node.Node.start_api_server) == shipped_node
                 assert services.get_node is shipped_get_node
+            assert ray_patches.raylet_register_seconds() == 30.0  # Ray's own wait, as RayStartError says
             worker_output.to(tmp_path / "workers.log")
             assert not worker_output.active() and not (tmp_path / "workers.log").exists()
             refused = (r"^Ray 2\.61\.0 would listen beyond "
@@ -140,6 +141,7 @@ def _registers_after(clock: _Clock, seconds: float):
 def test_the_embedded_raylet_gets_its_registration_budget_not_rays_30_seconds():
     """A raylet that registers 45 s after the first poll (Ray gives up at 30) is found by the
     first poll; one that never registers: Ray's own error once the budget is spent."""
+    assert ray_patches.raylet_register_seconds() == 120.0
     clock = _Clock()
     wait = ray_patches.patient(_registers_after(clock, 45.0), 120.0, poll_seconds=0.5, clock=lambda: clock.now,
                                sleep=clock.sleep)

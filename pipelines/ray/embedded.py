@@ -267,7 +267,7 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: 
                 if "timed out during startup" not in str(e):
                     raise
                 raise RayStartError(f"the embedded Ray did not start: its raylet did not register within "
-                                    f"{ray_patches.RAYLET_REGISTER_SECONDS:.0f} s (is the machine overloaded?)") from e
+                                    f"{ray_patches.raylet_register_seconds():.0f} s (is the machine overloaded?)") from e
     session = Path(context.address_info["session_dir"])
     _sessions.append(session)
     _tell_watchdog(f"session {session}")

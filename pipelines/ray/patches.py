@@ -129,7 +129,8 @@ import ray
 log = logging.getLogger("trajflow")
 
 RAY_SERIES = "2.60"  # the Ray minor series these patches were read against; pyproject.toml pins it
-RAYLET_REGISTER_SECONDS = 120.0  # the embedded raylet's time to register with the GCS (Ray: 30 s)
+RAYLET_REGISTER_SECONDS = 120.0  # the embedded raylet's time to register with the GCS
+RAY_REGISTER_SECONDS = 30.0  # Ray's own (node.py), on a Ray outside the series
 REPEAT_PACE_S = 0.005  # how long the executor waits for new news while an already-seen task stays ready
 
 _told: set[str] = set()  # Ray versions the user was told about (once per process)
@@ -216,6 +217,11 @@ def lean_head(*, log_monitor: bool) -> Iterator[None]:
     finally:
         node.Node.__init__, node.Node.start_api_server = original_init, original_api_server
         services.get_node = original_get_node
+
+
+def raylet_register_seconds() -> float:
+    """How long the embedded start waits for its raylet to register: ours in the series, Ray's outside."""
+    return RAYLET_REGISTER_SECONDS if ray_in_series() else RAY_REGISTER_SECONDS
 
 
 def patient(get_node: Callable, seconds: float, poll_seconds: float = 0.1,
