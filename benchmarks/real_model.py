@@ -335,7 +335,8 @@ def report() -> str:
                   "thread is 1.9x its 2-thread time, above), so it gets both threads and the other process "
                   "(generation and old log-probs, one after the other: `colocate: auto` below 4 CPUs) 1, "
                   "3 threads on 2 cores.", table(table_rows(d)),
-                  "Per round, async's s/step against TRL's: " + _per_round(d) + ". Issue 32's async goal (<= 0.75x) is not met: 0.76x, from 0.78x with 1 thread per process."]
+                  "Per round, async's s/step against TRL's: " + _per_round(d) + ". Issue 32's async goal "
+                  "(<= 0.75x) is not met: 0.76x, from 0.78x with 1 thread per process."]
     if (d := load("trl_bypass")) is not None:
         from benchmarks.trl_compare_real import table_rows
 

@@ -266,8 +266,9 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: 
             except Exception as e:  # Ray raises a bare Exception when its raylet never registers
                 if "timed out during startup" not in str(e):
                     raise
+                waited = ray_patches.raylet_register_seconds()
                 raise RayStartError(f"the embedded Ray did not start: its raylet did not register within "
-                                    f"{ray_patches.raylet_register_seconds():.0f} s (is the machine overloaded?)") from e
+                                    f"{waited:.0f} s (is the machine overloaded?)") from e
     session = Path(context.address_info["session_dir"])
     _sessions.append(session)
     _tell_watchdog(f"session {session}")
