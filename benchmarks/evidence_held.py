@@ -1,0 +1,164 @@
+"""Issue 45: does exact pi_old beat bypass and the proxies in outcome on the real model?
+
+    python -m benchmarks.evidence_held run --work DIR          # the study (hours; resumable)
+    python -m benchmarks.evidence_held run --work DIR --strategies snapshot --seeds 1 --first-seed 3
+                                                              # one cell, from scratch
+    python -m benchmarks.evidence_held report --work DIR       # tables + plot into results/
+
+The outcome study of benchmarks/evidence.py could not decide on SmolLM2 (few rows trained,
+staleness not held, too short: results/evidence.md). This one is set up so that it can:
+
+- **staleness held**: every run is the in-process loop (pipelines/local.py) with `lag = S`: the
+  rollout of step k is sampled by version max(0, k - S), so from step S on every token is exactly
+  S versions stale, whatever the machine's load (each step's realized staleness is recorded);
+- **most rows train**: the sums and differences of numbers up to 20 of scripts/make_smollm2_arith.py,
+  on which the model's sampled reward starts near 0.4 (measured before the study, and by the runs'
+  own first steps);
+- **the regime where the gap should show**: simulated fp8 inference at S = 2;
+- **deterministic**: one process, fixed threads, seeded sampling: a cell rerun from scratch gives
+  the same accuracy (the study's last check);
+- **resumable**: each run's rows are written as it ends (`DIR/<setting>/<strategy>-seed<k>.parquet`)
+  and a rerun skips them.
+
+The mechanism comes from the same runs (each step's r_d mask kept fraction and the variance split
+of the log-ratio, `split/var_log_rd` / `split/var_log_rs`); in the snapshot runs of the first
+`--gradient-seeds` seeds a probe before the train step also differentiates every strategy's loss
+on the batch about to be trained and compares each gradient with the exact one
+(operators/diagnose.py, `grad/cos_vs_exact`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from benchmarks.evidence import bootstrap_interval, sign_flip_p
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+STRATEGIES = ["snapshot", "behavior", "recompute", "loglinear"]
+SETTINGS = {"fp8": {"inference_dtype": "fp8"}, "bf16": {"inference_dtype": "bfloat16"}}
+# the smollm2 config (jobs/configs/smollm2.yaml) on the one-digit slice; every setting of the
+# study is here, so a cell's command line needs only its strategy, seed and setting
+BASE = {
+    "data.train_files": "[artifacts/smollm2/arith_train.jsonl]",
+    "data.test_files": "[artifacts/smollm2/arith_test.jsonl]",
+    "sampling.max_new_tokens": 48,
+    "prompts_per_step": 8,
+    "group_size": 4,
+    "eval_prompts": 200,
+    "checkpoint_every": 0,
+    "report_to": "[]",
+}
+
+
+def config_for(setting: str, strategy: str, seed: int, staleness: int, steps: int, lr: float, eval_every: int):
+    """The job config of one run of the study."""
+    from trajflow.jobs.config import load_job_config
+
+    overrides = {**BASE, **SETTINGS[setting], "strategy": strategy, "seed": seed, "max_staleness": staleness,
+                 "steps": steps, "optimizer.lr": lr, "eval_every": eval_every}
+    return load_job_config("smollm2", [f"{k}={v}" for k, v in overrides.items()])
+
+
+class GradientProbe:
+    """A stage before the train step (snapshot runs only: its store keeps the window's versions):
+    every strategy's correction and gradient on the batch about to be trained, at the trainer's
+    weights, against the exact one (operators/diagnose.py); the rows go to `out` (a list)."""
+
+    def __init__(self, store, config, model_path: str, out: list) -> None:
+        from trajflow.operators.diagnose import Diagnose
+        from trajflow.operators.strategies.registry import resolve_strategy
+
+        s = config.settings
+        strategies = [resolve_strategy(name).from_config(config, {}) for name in STRATEGIES]
+        self.diagnose = Diagnose(store, model_path, strategies, s.correction, s.kl, s.sampling,
+                                 config.max_staleness, s.numerics, s.trainer.torch_threads, gradients=True)
+        self.out = out
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        self.out.extend(self.diagnose(batch).to_pylist())
+        return batch
+
+
+def run_one(setting: str, strategy: str, seed: int, args, path: Path) -> None:
+    """One run of the study in this process; its per-step rows written to `path` at the end."""
+    from trajflow.engines.models import load_model
+    from trajflow.operators.contracts.stage import Stage
+    from trajflow.pipelines.local import iter_in_process
+    from trajflow.pipelines.policy_store import InProcessStore
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    config = config_for(setting, strategy, seed, args.staleness, args.steps, args.lr, args.eval_every)
+    pipe = RLPipeline(config.pipeline_config(), model_path=config.model_path)
+    store = InProcessStore(config.max_staleness, pipe.strategy.keep_history)
+    store.publish(load_model(pipe.model_path).state_dict(), 0)
+    probes: list[dict] = []
+    if strategy == "snapshot" and seed < args.gradient_seeds:
+        pipe.insert_before("train", Stage("gradient_probe", GradientProbe(store, config.pipeline_config(),
+                                                                          pipe.model_path, probes)))
+    rows, started = [], time.time()
+    for _, row in iter_in_process(pipe, store, range(config.steps), lag=config.max_staleness):
+        row["time/step_end"] = time.time() - started
+        rows.append(row)
+        print(f"  [{setting} {strategy} seed {seed}] step {row['step']:2d}: reward {row['reward/mean']:.3f}, "
+              f"rows {row['rows_trained']}/{row['rows']}, staleness {row.get('staleness/mean', 0):.2f}"
+              + (f", held-out {row['heldout/accuracy']:.3f}" if row.get("heldout/accuracy") is not None else "")
+              + f", {row['time/step_end']:.0f} s", flush=True)
+    frame = pl.from_dicts(rows, infer_schema_length=None).with_columns(
+        pl.lit(setting).alias("setting"), pl.lit(strategy).alias("strategy"), pl.lit(seed).alias("seed"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    frame.write_parquet(tmp)
+    os.replace(tmp, path)
+    if probes:
+        pl.from_dicts(probes, infer_schema_length=None).with_columns(pl.lit(seed).alias("seed")).write_parquet(
+            path.with_name(f"{path.stem}.gradients.parquet"))
+
+
+def run(args) -> None:
+    work = Path(args.work)
+    cells = [(setting, strategy, seed) for setting in args.settings.split(",")
+             for seed in range(args.first_seed, args.first_seed + args.seeds) for strategy in args.strategies.split(",")]
+    started = time.time()
+    for n, (setting, strategy, seed) in enumerate(cells, start=1):
+        path = work / setting / f"{strategy}-seed{seed}.parquet"
+        if path.exists():
+            continue
+        print(f"[evidence_held {n}/{len(cells)}, {time.time() - started:.0f} s, load {os.getloadavg()[0]:.1f}] "
+              f"{setting} {strategy} seed {seed}", flush=True)
+        run_one(setting, strategy, seed, args, path)
+
+
+def load(work: Path) -> pl.DataFrame:
+    files = sorted(p for p in work.glob("*/*.parquet") if not p.name.endswith(".gradients.parquet"))
+    return pl.concat([pl.read_parquet(p) for p in files], how="diagonal_relaxed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--work", required=True)
+    r.add_argument("--settings", default="fp8")
+    r.add_argument("--strategies", default=",".join(STRATEGIES))
+    r.add_argument("--seeds", type=int, default=6)
+    r.add_argument("--first-seed", type=int, default=0)
+    r.add_argument("--staleness", type=int, default=2)
+    r.add_argument("--steps", type=int, default=16)
+    r.add_argument("--lr", type=float, default=3e-5)
+    r.add_argument("--eval-every", type=int, default=8)
+    r.add_argument("--gradient-seeds", type=int, default=2)
+    a = parser.parse_args()
+    if a.command == "run":
+        run(a)
+
+
+if __name__ == "__main__":
+    main()
