@@ -22,7 +22,7 @@ TisLevel = Literal["token", "sequence"]
 ClipLevel = Literal["token", "sequence", "none"]
 Denominator = Literal["kept", "all"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "token-sum-norm", "prompt-mean"]
-Estimator = Literal["grpo", "dr_grpo", "leave_one_out", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+Estimator = Literal["grpo", "dr_grpo", "leave_one_out", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
 GroupStd = Literal["sample", "population"]
 # "+": veRL's straight-through variants (the estimator's value, k2's gradient); k2 is its own
 KLEstimator = Literal["k1", "k2", "k3", "low_var", "abs", "k1+", "k3+", "low_var+", "abs+"]
@@ -191,7 +191,8 @@ class AdvantageConfig:
     estimator: Estimator = setting(
         "grpo", "grpo: (r - group mean) / group std; dr_grpo: r - group mean; leave_one_out: RLOO; "
         "reinforce_plus_plus: r whitened over the batch; reinforce_plus_plus_baseline: r - group mean, "
-        "then whitened over the batch")
+        "then whitened over the batch; gae: per-token GAE on a learned critic's values (needs `critic:`; "
+        "algorithms/gae.py)")
     std: GroupStd = setting(
         "sample", "grpo's std: sample (ddof 1, as veRL and TRL) or population (ddof 0)")
     overlong_buffer: int | None = setting(
@@ -202,13 +203,22 @@ class AdvantageConfig:
     overlong_max_tokens: int | None = setting(
         None, "L_max of the shaping: the response token budget (null in a job: sampling.max_new_tokens)", gt=0)
     gamma: float = setting(
-        1.0, "reinforce_plus_plus: discount of the outcome reward per loss token after a token (veRL's "
-        "algorithm.gamma); below 1 every token gets its own advantage (algorithms/discounted.py)", ge=0.0, le=1.0)
+        1.0, "reinforce_plus_plus and gae: discount per loss token (veRL's algorithm.gamma); below 1 every token "
+        "of reinforce_plus_plus gets its own advantage (algorithms/discounted.py)", ge=0.0, le=1.0)
+    lam: float = setting(
+        1.0, "gae: GAE's lambda (veRL's algorithm.lam); 1: the discounted return minus the value", ge=0.0, le=1.0)
+    whiten: bool = setting(
+        True, "gae: whiten the advantages over the step's loss tokens (mean 0, variance 1), as veRL does")
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.gamma != 1.0 and self.estimator != "reinforce_plus_plus":
-            fail(self, "gamma", f"a per-token discount applies to estimator reinforce_plus_plus, not {self.estimator}")
+        if self.gamma != 1.0 and self.estimator not in ("reinforce_plus_plus", "gae"):
+            fail(self, "gamma", f"a per-token discount applies to estimators reinforce_plus_plus and gae, not "
+                                f"{self.estimator}")
+        if self.lam != 1.0 and self.estimator != "gae":
+            fail(self, "lam", f"GAE's lambda applies to estimator gae, not {self.estimator}")
+        if not self.whiten and self.estimator != "gae":
+            fail(self, "whiten", f"whitening GAE's advantages applies to estimator gae, not {self.estimator}")
         if self.overlong_buffer is not None and self.overlong_max_tokens is not None \
                 and self.overlong_buffer > self.overlong_max_tokens:
             fail(self, "overlong_buffer", f"must be <= overlong_max_tokens ({self.overlong_max_tokens})")

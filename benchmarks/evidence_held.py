@@ -22,9 +22,9 @@ staleness not held, too short: results/evidence.md). This one is set up so that 
 
 The mechanism comes from the same runs (each step's r_d mask kept fraction and the variance split
 of the log-ratio, `split/var_log_rd` / `split/var_log_rs`); in the snapshot runs of the first
-`--gradient-seeds` seeds a probe before the train step also differentiates every strategy's loss
-on the batch about to be trained and compares each gradient with the exact one
-(operators/diagnose.py, `grad/cos_vs_exact`).
+`--gradient-seeds` seeds the train step first differentiates every strategy's loss on the batch
+it is about to train and compares each gradient with the exact one (operators/diagnose.py,
+`grad/cos_vs_exact`).
 """
 
 from __future__ import annotations
@@ -67,24 +67,27 @@ def config_for(setting: str, strategy: str, seed: int, staleness: int, steps: in
     return load_job_config("smollm2", [f"{k}={v}" for k, v in overrides.items()])
 
 
-class GradientProbe:
-    """A stage before the train step (snapshot runs only: its store keeps the window's versions):
-    every strategy's correction and gradient on the batch about to be trained, at the trainer's
-    weights, against the exact one (operators/diagnose.py); the rows go to `out` (a list)."""
+def probed_train_step(config, model_path: str, out: list):
+    """The train step's class with a probe before each step (snapshot runs only: its store keeps
+    the window's versions): every strategy's correction and gradient on the batch about to be
+    trained, at the trainer's weights, against the exact one (operators/diagnose.py); the rows go
+    to `out` (a list)."""
+    from trajflow.operators.diagnose import Diagnose
+    from trajflow.operators.strategies.registry import resolve_strategy
+    from trajflow.operators.train_step import TrainStep
 
-    def __init__(self, store, config, model_path: str, out: list) -> None:
-        from trajflow.operators.diagnose import Diagnose
-        from trajflow.operators.strategies.registry import resolve_strategy
+    s = config.settings
+    strategies = [resolve_strategy(name).from_config(config, {}) for name in STRATEGIES]
 
-        s = config.settings
-        strategies = [resolve_strategy(name).from_config(config, {}) for name in STRATEGIES]
-        self.diagnose = Diagnose(store, model_path, strategies, s.correction, s.kl, s.sampling,
-                                 config.max_staleness, s.numerics, s.trainer.torch_threads, gradients=True)
-        self.out = out
+    class ProbedTrainStep(TrainStep):
+        def __call__(self, batch: pa.Table) -> pa.Table:
+            if not hasattr(self, "probe"):
+                self.probe = Diagnose(self.store, model_path, strategies, s.correction, s.kl, s.sampling,
+                                      config.max_staleness, s.numerics, s.trainer.torch_threads, gradients=True)
+            out.extend(self.probe(batch).to_pylist())
+            return super().__call__(batch)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        self.out.extend(self.diagnose(batch).to_pylist())
-        return batch
+    return ProbedTrainStep
 
 
 def run_one(setting: str, strategy: str, seed: int, args, path: Path) -> None:
@@ -101,8 +104,9 @@ def run_one(setting: str, strategy: str, seed: int, args, path: Path) -> None:
     store.publish(load_model(pipe.model_path).state_dict(), 0)
     probes: list[dict] = []
     if strategy == "snapshot" and seed < args.gradient_seeds:
-        pipe.insert_before("train", Stage("gradient_probe", GradientProbe(store, config.pipeline_config(),
-                                                                          pipe.model_path, probes)))
+        train = pipe.stage("train")
+        pipe.replace("train", Stage("train", probed_train_step(config.pipeline_config(), pipe.model_path, probes),
+                                    train.kwargs, train.resources))
     rows, started = [], time.time()
     for _, row in iter_in_process(pipe, store, range(config.steps), lag=config.max_staleness):
         row["time/step_end"] = time.time() - started
@@ -124,8 +128,9 @@ def run_one(setting: str, strategy: str, seed: int, args, path: Path) -> None:
 
 def run(args) -> None:
     work = Path(args.work)
-    cells = [(setting, strategy, seed) for setting in args.settings.split(",")
-             for seed in range(args.first_seed, args.first_seed + args.seeds) for strategy in args.strategies.split(",")]
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    cells = [(setting, strategy, seed) for setting in args.settings.split(",") for seed in seeds
+             for strategy in args.strategies.split(",")]
     started = time.time()
     for n, (setting, strategy, seed) in enumerate(cells, start=1):
         path = work / setting / f"{strategy}-seed{seed}.parquet"

@@ -51,6 +51,7 @@ from trajflow.jobs.recorder import (
 from trajflow.jobs.summary import record_placement, status_line, summary_table
 from trajflow.jobs.trackers import Trackers, open_trackers, tracked_summary
 from trajflow.operators.trainer.recovery import RESTARTED_PREFIX
+from trajflow.operators.trainer.state import learner_weights
 from trajflow.pipelines.ray.embedded import WORKER_ENV, keep_session_logs, session_logs_to, start_local_ray
 from trajflow.pipelines.ray.quiet import quiet_ray, quiet_run
 
@@ -279,7 +280,7 @@ def _execute(config: JobConfig, paths: RunPaths, pipeline, first_step: int, chec
             )
             recorder.install(pipeline.hooks)  # also the source a trainer that dies is rebuilt from
             pipeline.version_archive = recorder  # and a policy store that dies
-            weights = checkpoint.model_state() if checkpoint is not None else None
+            weights = learner_weights(checkpoint.path, pipeline.learner_names) if checkpoint is not None else None
             pipeline.start_store(initial_version=first_step, initial_weights=weights)
             print(wrap(pipeline.describe()), flush=True)
             print(f"trajflow: run dir {paths.root}", flush=True)

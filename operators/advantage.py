@@ -1,6 +1,12 @@
 """Advantage: advantages from rewards (Ray Data task, Arrow in and out), as one AdvantageConfig
 says (algorithms/advantages.py: the estimators, DAPO's overlong shaping).
 
+With `estimator: gae` the advantages are per token, from a learned critic's values
+(algorithms/gae.py): when they are the values scored at behavior time (`critic.values_at:
+rollout`, the `values` column), here; when they are the trainer's current critic's (`train`),
+in the train step (`gae_columns`, the same function), and this stage leaves the rows to it.
+GAE writes `token_advantages`, `advantage` (their mean over the row's loss tokens) and `returns`.
+
 A group's samples travel in one batch (the generator emits a whole step per block and the
 pipeline keeps step-sized batches), so group statistics, and REINFORCE++'s batch statistics,
 are complete. The shaping reads each row's response length (`response_tokens`); REINFORCE++
@@ -17,18 +23,29 @@ import numpy as np
 import pyarrow as pa
 
 from trajflow.algorithms.advantages import compute_advantages
-from trajflow.algorithms.config import AdvantageConfig
-from trajflow.schemas.columns import (KL_PENALTY_COLUMN, TOKEN_ADVANTAGE_COLUMN, group_codes, list_values, padded,
-                                      replace_column)
+from trajflow.algorithms.config import AdvantageConfig, KLConfig
+from trajflow.schemas.columns import (KL_PENALTY_COLUMN, REFERENCE_COLUMN, RETURNS_COLUMN, TOKEN_ADVANTAGE_COLUMN,
+                                      VALUES_COLUMN, group_codes, list_values, padded, replace_column)
 
 
 class Advantage:
-    def __init__(self, config: AdvantageConfig) -> None:
+    """`gae_values`: where GAE's values are (`values`: the column here; `train`: the train step
+    computes GAE); ignored by the other estimators. `kl`: the KL penalty's settings, which GAE
+    takes per token when it is in the reward."""
+
+    def __init__(self, config: AdvantageConfig, gae_values: str = VALUES_COLUMN, kl: KLConfig = KLConfig()) -> None:
         if not isinstance(config, AdvantageConfig):
             raise TypeError(f"Advantage takes an AdvantageConfig, got {type(config).__name__}")
         self.config = config
+        self.gae_values = gae_values
+        self.kl = kl
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.config.estimator == "gae":
+            if self.gae_values != VALUES_COLUMN:
+                return batch  # the train step's (critic.values_at: train)
+            width = max(1, max((len(r) for r in batch["response_tokens"].to_pylist()), default=1))
+            return gae_columns(batch, padded(batch[VALUES_COLUMN], width, 0.0), self.config, self.kl)
         rewards = batch["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
         if KL_PENALTY_COLUMN in batch.column_names:  # the KL to the reference, in the reward (kl.in: reward)
             rewards = rewards - batch[KL_PENALTY_COLUMN].to_numpy(zero_copy_only=False).astype(np.float64)
@@ -63,3 +80,40 @@ class Advantage:
         nulls = None if scored.all() else ~scored
         batch = replace_column(batch, TOKEN_ADVANTAGE_COLUMN, pa.array(rows, pa.list_(pa.float32()), mask=nulls))
         return replace_column(batch, "advantage", pa.array(mean, pa.float32(), mask=nulls))
+
+
+def gae_columns(batch: pa.Table, values: np.ndarray, config: AdvantageConfig, kl: KLConfig) -> pa.Table:
+    """GAE on every scored row of `batch` with `values` [rows, width] (algorithms/gae.py): the
+    reward on each row's last loss token, minus beta x the per-token KL to the reference (mu
+    against pi_ref) when the KL is in the reward; advantages whitened over the rows' loss tokens
+    (`config.whiten`). Writes `token_advantages`, `advantage` (their mean over the row's loss
+    tokens) and `returns`; null on a row whose reward failed."""
+    import torch
+
+    from trajflow.algorithms.gae import gae, token_rewards, whiten
+    from trajflow.algorithms.kl import kl_estimate
+
+    width = values.shape[1]
+    rewards = batch["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
+    scored = np.isfinite(rewards)
+    mask = torch.from_numpy(padded(batch["loss_mask"], width, False, bool) & scored[:, None])
+    per_token_kl, beta = None, 0.0
+    if kl.in_ == "reward" and kl.beta > 0 and REFERENCE_COLUMN in batch.column_names:
+        mu = torch.from_numpy(padded(batch["inference_logprobs"], width, 0.0))
+        ref = torch.from_numpy(padded(batch[REFERENCE_COLUMN], width, 0.0))
+        ref = torch.where(mask & torch.isfinite(ref), ref, mu)  # outside the reference's support: no KL
+        per_token_kl, beta = kl_estimate(mu, ref, kl.estimator), kl.beta
+    r = token_rewards(torch.from_numpy(np.where(scored, rewards, 0.0)), mask, per_token_kl, beta)
+    advantages, returns = gae(r, torch.from_numpy(values).double(), mask, config.gamma, config.lam)
+    if config.whiten:
+        advantages = whiten(advantages, mask)
+    advantages = torch.where(mask, advantages, 0.0).float().numpy()
+    counts = mask.sum(dim=1).numpy()
+    mean = np.where(counts > 0, advantages.sum(axis=1) / np.maximum(counts, 1), 0.0).astype(np.float32)
+    lengths = [len(r) for r in batch["response_tokens"].to_pylist()]
+    nulls = None if scored.all() else ~scored
+    batch = replace_column(batch, TOKEN_ADVANTAGE_COLUMN, pa.array(
+        [a[:n].tolist() for a, n in zip(advantages, lengths)], pa.list_(pa.float32()), mask=nulls))
+    batch = replace_column(batch, RETURNS_COLUMN, pa.array(
+        [r[:n].tolist() for r, n in zip(returns.float().numpy(), lengths)], pa.list_(pa.float32()), mask=nulls))
+    return replace_column(batch, "advantage", pa.array(mean, pa.float32(), mask=nulls))

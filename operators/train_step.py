@@ -48,9 +48,11 @@ from trajflow.engines.models import load_model
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.reward import FailedRewardSteps
 from trajflow.operators.trainer.accounting import apply_staleness_bound, step_metrics
+from trajflow.operators.contracts.store import CRITIC, POLICY
 from trajflow.operators.trainer.addresses import serving_host
 from trajflow.operators.trainer.collective import Collective, this_node
 from trajflow.operators.trainer.correction import StepBatch, merge_outputs, old_column, step_diagnostics
+from trajflow.operators.trainer.critic import critic_inputs, train_time_columns
 from trajflow.operators.trainer.group import RESUME_HINT, InProcessGroup, Pending, TrainerStateLost, WorkerGroup
 from trajflow.operators.trainer.plan import plan_shards
 from trajflow.operators.trainer.recovery import (
@@ -64,6 +66,7 @@ from trajflow.operators.trainer.recovery import (
 from trajflow.operators.trainer.replica import ShardWork, TrainerReplica
 from trajflow.operators.trainer.services import AfterStep
 from trajflow.operators.trainer.spec import StepHooks, TrainStepConfig
+from trajflow.operators.trainer.state import learner_dir
 from trajflow.operators.trainer.weight_server import WeightServer
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 from trajflow.schemas import conform
@@ -126,7 +129,7 @@ class TrainStep(TrainerReplica):
         if hooks.on_start is not None and self.fault is None:  # a rebuilt trainer's state is the recovery's
             hooks.on_start(self)  # e.g. a resumed job restores every worker's optimizer and strategy state here
         if weight_sync.method == "collective":  # versions go to the readers from here (operators/trainer/weight_sync.py)
-            self.weight_server = WeightServer(store, weight_sync, self.model.state_dict(), reader_dtypes,
+            self.weight_server = WeightServer(store, weight_sync, self.policy.model.state_dict(), reader_dtypes,
                                               device=str(self.numerics.torch_device()), host=serving_host())
             # gathered once in float32 if any reader takes it (each cast from it), else in the one dtype;
             # the version it started from is the store's (readers take it there, not waiting for this process)
@@ -137,40 +140,50 @@ class TrainStep(TrainerReplica):
             # weights; in sync mode the generator shares this process and runs first).
             self.recovered = self._recover()
 
-    def publish(self) -> None:
-        """Make the trainer's current weights version `self.version` in the policy store (the
-        after-step service `PublishWeights` calls it): the full tensors (`full_weights()`,
-        gathered from every worker when sharded) as one float32 copy in the object store; with
-        LoRA, the adapter only. A version the store holds already was published by the process
-        this one replaced (recovery): the same weights, kept.
+    @property
+    def strategy(self):
+        """The policy's correction strategy (worker 0's)."""
+        return self.policy.strategy
 
-        `weight_sync.method: collective`: the full tensors are packed into the weight server's
-        buckets in each reader's dtype and sent to every reader while the next step trains; the
-        store registers the version (its number) once every reader has it."""
+    def publish(self) -> None:
+        """Make every learner's current weights version `self.version` in the policy store (the
+        after-step service `PublishWeights` calls it): the policy's full tensors (`full_weights()`,
+        gathered from every worker when sharded) as one float32 copy in the object store, with
+        LoRA its adapter only; the critic's in the store's `critic` stream. A version the store
+        holds already was published by the process this one replaced (recovery): the same
+        weights, kept.
+
+        `weight_sync.method: collective`: the policy's full tensors are packed into the weight
+        server's buckets in each reader's dtype and sent to every reader while the next step
+        trains; the store registers the version (its number) once every reader has it."""
+        if self.critic is not None and self.store.latest_version(learner=CRITIC) < self.version:
+            self.store.publish(self.version_payload(CRITIC), self.version, learner=CRITIC)
         if self.weight_server is not None:
             self.weight_server.offer(self.version, self.full_weights(self.gather_dtype))
             return
         if self.store.latest_version() >= self.version:
             return
-        payload = self.version_payload() if self.spec.lora.enabled else dict(self.full_weights())
-        self.store.publish(payload, self.version)
+        self.store.publish(self.version_payload(POLICY), self.version)
 
-    def version_payload(self) -> dict[str, Tensor]:
-        """`TrainerReplica.version_payload` on worker 0, with workers 1..N-1 gathering in step
-        when sharded (the adapter's shards are theirs too)."""
+    def version_payload(self, name: str = POLICY) -> dict[str, Tensor]:
+        """Learner `name`'s published payload (Learner.version_payload) on worker 0, with workers
+        1..N-1 gathering in step when sharded."""
+        learner = self.learners[name]
         if self.group is None or not self.sharded:
-            return super().version_payload()
-        return self._on_every_worker(super().version_payload, WorkerGroup.gather_adapter)[0]
+            return learner.version_payload()
+        return self._on_every_worker(learner.version_payload, lambda group: group.payload_of(name))[0]
 
-    def full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
-        """`TrainerReplica.full_weights` on worker 0, with workers 1..N-1 running the same gathers
-        meanwhile when sharded. Iterate to the end: a consumer that stops early still finishes the
-        gathers (the other workers are in them), so the workers stay in step."""
+    def full_weights(self, dtype: torch.dtype | None = None, name: str = POLICY) -> Iterator[tuple[str, Tensor]]:
+        """Learner `name`'s full weights (Learner.full_weights) on worker 0, with workers 1..N-1
+        running the same gathers meanwhile when sharded. Iterate to the end: a consumer that
+        stops early still finishes the gathers (the other workers are in them), so the workers
+        stay in step."""
+        learner = self.learners[name]
         if self.group is None or not self.sharded:
-            yield from super().full_weights(dtype)
+            yield from learner.full_weights(dtype)
             return
-        pending = self.group.gather_weights(dtype)
-        gathered = super().full_weights(dtype)
+        pending = self.group.full_weights_of(name, dtype)
+        gathered = learner.full_weights(dtype)
         try:
             for item in gathered:  # not `yield from`: closing this generator must not close `gathered`
                 yield item
@@ -183,8 +196,12 @@ class TrainStep(TrainerReplica):
 
     def save_version(self, directory: Path) -> Path:
         """Write version `self.version` under `directory` (a run's versions/, engines/checkpoint.py):
-        the full weights as one file, or with LoRA the adapter in PEFT's format, the base weights
-        once beside it. Every worker takes part when sharded."""
+        the policy's full weights as one file, or with LoRA its adapter in PEFT's format, the base
+        weights once beside it; the critic's under `directory/critic/`. Every worker takes part
+        when sharded. Returns the policy's file."""
+        if self.critic is not None:
+            ckpt.save_weights(self.full_weights(name=CRITIC), ckpt.version_file(learner_dir(directory, CRITIC),
+                                                                                self.version))
         if self.spec.lora.enabled:
             return ckpt.save_adapter_version(directory, self.version, self.version_payload(),
                                              lambda: load_model(self.spec.model_path).state_dict().items(),
@@ -196,49 +213,57 @@ class TrainStep(TrainerReplica):
         (held-out evaluation): the model itself when replicated; sharded, a full copy loaded
         from `full_weights()` (every worker takes part in the gathers)."""
         if not self.sharded and not self.spec.lora.enabled:
-            return self.model
+            return self.policy.model
         model = self.numerics.prepare(load_model(self.spec.model_path))  # LoRA: the adapter merged in
         model.load_state_dict(dict(self.full_weights()))
         return model
 
     def save_checkpoint(self, root: Path, meta: dict, export: bool = False) -> ckpt.Checkpoint:
-        """Checkpoint version `self.version` under `root` (engines/checkpoint.py): replicated,
-        this worker writes the weights, optimizer and strategy state; sharded, every worker
-        writes its shards. `export`: the checkpoint is also a plain Hugging Face model directory
-        (full float32 weights, the model's config and tokenizer files)."""
+        """Checkpoint version `self.version` under `root` (engines/checkpoint.py), every learner in
+        its own directory (operators/trainer/state.py): replicated, this worker writes each
+        learner's weights, optimizer and extra state; sharded, every worker writes its shards.
+        `export`: the checkpoint is also a plain Hugging Face model directory of the policy (full
+        float32 weights, the model's config and tokenizer files)."""
         dp = self.trainer
-        meta = {**meta, "sharding": {"method": dp.sharding, "workers": dp.num_workers}}
+        meta = {**meta, "sharding": {"method": dp.sharding, "workers": dp.num_workers}, "learners": list(self.learners)}
         with ckpt.writing_checkpoint(root, self.version, meta) as tmp:
-            if self.sharded:
-                self._on_every_worker(lambda: self.save_shards(str(tmp)), lambda group: group.save_shards(str(tmp)))
-                if self.spec.lora.enabled:  # the adapter whole too: what a resumed run publishes first
-                    ckpt.write_replica(tmp, self.version_payload(), weights_file=ckpt.ADAPTER_FILE)
-            else:
-                state = self.checkpoint_state()
-                if self.spec.lora.enabled:  # the adapter: the base is the model directory's
-                    ckpt.write_replica(tmp, self.version_payload(), state["optimizer"], state["strategy"],
-                                       weights_file=ckpt.ADAPTER_FILE)
+            for name, learner in self.learners.items():
+                directory = learner_dir(tmp, name)
+                directory.mkdir(exist_ok=True)
+                if self.sharded:
+                    self._on_every_worker(lambda: learner.save_shards(str(directory)),
+                                          lambda group: group.save_shards(name, str(tmp)))
+                    if learner.adapter_only:  # the adapter whole too: what a resumed run publishes first
+                        ckpt.write_replica(directory, self.version_payload(name), weights_file=ckpt.ADAPTER_FILE)
                 else:
-                    ckpt.write_replica(tmp, self.policy_state_dict(), state["optimizer"], state["strategy"])
+                    held = learner.version_payload() if learner.adapter_only else learner.state_dict_held()
+                    learner.write_checkpoint(directory, held)
             if export:
                 ckpt.export_model(tmp, self.full_weights(), self.spec.model_path)
         return ckpt.Checkpoint(ckpt.checkpoint_dir(root, self.version), self.version, meta)
 
     def restore(self, path: Path) -> None:
-        """Load checkpoint `path`'s optimizer and strategy state (and, sharded, each worker's
-        shards of the weights) into every worker: a resumed run's state. The weights also came
-        with the store's version, which the trainer started from."""
+        """Load checkpoint `path`'s optimizer and extra state (and, sharded, each worker's shards
+        of the weights) into every learner of every worker: a resumed run's state. The weights
+        also came with the store's versions, which the trainer started from."""
         checkpoint = ckpt.Checkpoint(Path(path), -1)
         if checkpoint.sharded != self.sharded:
             kind = "a sharded" if checkpoint.sharded else "a replicated"
             raise RuntimeError(f"resume: checkpoint {path} was written by {kind} trainer, and trainer.sharding is "
                                f"{self.trainer.sharding}; resume with the sharding the run used")
-        if self.sharded:
-            self._on_every_worker(lambda: self.load_shards(str(path)), lambda group: group.load_shards(str(path)))
-        else:
-            optimizer, strategy = checkpoint.optimizer_state(), checkpoint.strategy_state()
-            self._on_every_worker(lambda: self.load_checkpoint_state(optimizer, strategy),
-                                  lambda group: group.load_checkpoint_state(optimizer, strategy))
+        for name, learner in self.learners.items():
+            directory = learner_dir(path, name)
+            if not directory.is_dir():
+                raise RuntimeError(f"resume: checkpoint {path} holds no state of learner {name!r} (written by a run "
+                                   f"without it); resume with the learners the run had")
+            if self.sharded:
+                self._on_every_worker(lambda: learner.load_shards(str(directory)),
+                                      lambda group: group.load_shards(name, str(path)))
+            else:
+                saved = ckpt.Checkpoint(directory, -1)
+                optimizer, extra = saved.optimizer_state(), saved.strategy_state()
+                self._on_every_worker(lambda: learner.load_checkpoint_state(optimizer, extra),
+                                      lambda group: group.load_checkpoint_state(name, optimizer, extra))
 
     def _on_every_worker(self, mine: Callable[[], object], theirs: Callable[[WorkerGroup], Pending]) -> list:
         """The same call on every worker at once (the collectives inside stay in step): on workers
@@ -327,11 +352,15 @@ class TrainStep(TrainerReplica):
         return self._train(batch, step)
 
     def _train(self, batch: pa.Table, step: int) -> tuple[pa.Table, dict]:
-        """Train one step's rows: the batch as trained (its pi_old column) and the step's metrics."""
+        """Train one step's rows: the batch as trained (its pi_old column; with a critic, the
+        values and GAE the trainer computed) and the step's metrics."""
         trainer_version = self.version
         batch, trained, stale_tokens = apply_staleness_bound(batch, trainer_version, self.max_staleness)
         metrics = step_metrics(batch, trainer_version, step, trained, stale_tokens)
         metrics["strategy"] = self.strategy.name
+        train_policy = self.critic is None or step >= self.spec.critic.warmup_steps
+        if self.critic is not None and len(trained):
+            batch = self._train_time_values(batch, trained)
 
         diagnostics: dict = {}
         # pi_old as the loss used it, under its own name: `old_logprobs` stays what arrived (the
@@ -339,17 +368,35 @@ class TrainStep(TrainerReplica):
         # untrained rows, present on every step so the log has one schema
         old = np.full(batch.num_rows, None, dtype=object)
         if len(trained):
-            diagnostics, old_used, parallel = self._train_rows(batch.take(pa.array(trained)), trainer_version)
+            diagnostics, old_used, parallel = self._train_rows(batch.take(pa.array(trained)), trainer_version,
+                                                               train_policy)
             metrics.update(diagnostics)
             metrics.update(parallel)
-            old[trained] = old_used
+            if old_used is not None:
+                old[trained] = old_used
         batch = replace_column(batch, PROXIMAL_COLUMN, pa.array(old.tolist(), pa.list_(pa.float32())))
-        metrics.update(self._finish_step(diagnostics))
+        metrics.update(self._finish_step(diagnostics, train_policy))
         metrics["version"] = self.version
-        metrics["optimizer_steps"] = self.optimizer_steps
+        metrics["optimizer_steps"] = self.policy.optimizer_steps
         metrics["trainer/num_workers"] = self.trainer.num_workers
         metrics["trainer/nodes"] = ",".join(self.nodes)
         return batch, metrics
+
+    def _train_time_values(self, batch: pa.Table, trained: np.ndarray) -> pa.Table:
+        """The trained rows' values under the trainer's current critic, when GAE or the value
+        clip takes them (`train_values`; `critic.values_at: train` also computes GAE here)."""
+        settings = self.spec.critic
+        if "train" not in (settings.values_at, settings.anchor):
+            return batch
+        rows = batch.take(pa.array(trained))
+        prompts, responses = rows["prompt_tokens"].to_pylist(), rows["response_tokens"].to_pylist()
+        width = max(len(r) for r in responses)
+        if self.sharded:  # each forward of a sharded critic is a collective: every worker runs it
+            values = self._on_every_worker(lambda: self.critic_values(prompts, responses, width),
+                                           lambda group: group.critic_values(prompts, responses, width))[0]
+        else:
+            values = self.critic_values(prompts, responses, width)
+        return train_time_columns(batch, trained, values.numpy(), settings, self.spec.advantage, self.spec.kl)
 
     # -- recovery (operators/trainer/recovery.py) ---------------------------------------------------------
     def _rebuild_group(self, lost: TrainerStateLost) -> None:
@@ -391,38 +438,59 @@ class TrainStep(TrainerReplica):
         # `self.version`: the step the run goes on from (past `step` when it retrained later logged steps)
         return event_metrics(fault, self.version, version, len(batches), time.time() - fault.noticed, self.restarts)
 
-    def _finish_step(self, diagnostics: dict) -> dict:
-        """Every worker's strategy after-step hook on the same (global) diagnostics."""
+    def _finish_step(self, diagnostics: dict, trained_policy: bool) -> dict:
+        """Every worker's policy strategy after-step hook on the same (global) diagnostics."""
         if not diagnostics:  # nothing trained: no update, the version still advances
             self._on_every_worker(self.advance_version, WorkerGroup.advance_version)
             return {}
-        return self._on_every_worker(lambda: self.finish_step(diagnostics), lambda group: group.finish_step(diagnostics))[0]
+        return self._on_every_worker(lambda: self.finish_step(diagnostics, trained_policy),
+                                     lambda group: group.finish_step(diagnostics, trained_policy))[0]
 
-    def _train_rows(self, table: pa.Table, trainer_version: int) -> tuple[dict, list, dict]:
-        """Plan the step's shards, train them on every worker, and gather the step's diagnostics:
-        (diagnostics, pi_old as used per row, the data-parallel metrics)."""
+    def _train_rows(self, table: pa.Table, trainer_version: int, train_policy: bool) -> tuple[dict, list | None, dict]:
+        """Plan the step's shards, train every learner on every worker, and gather the step's
+        diagnostics: (diagnostics, pi_old as used per row or None without a policy update, the
+        data-parallel metrics)."""
         batch = StepBatch.from_table(table, trainer_version)
         lengths = np.array([len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)])
         dp = self.trainer
-        plan = plan_shards(lengths, self.minibatches_per_step, dp.num_workers, dp.max_tokens_per_microbatch,
+        plan = plan_shards(lengths, self.policy.minibatches_per_step, dp.num_workers, dp.max_tokens_per_microbatch,
                            lockstep=self.sharded)
+        critic_plan = critic = None
+        if self.critic is not None:
+            critic = critic_inputs(table, batch.width, self.spec.critic)
+            critic_plan = plan_shards(lengths, self.spec.critic.optimizer.minibatches_per_step, dp.num_workers,
+                                      dp.max_tokens_per_microbatch, lockstep=self.sharded)
         work = [ShardWork(table.take(pa.array(plan.rows(rank), pa.int64())), plan.rows(rank), plan.microbatches[rank],
-                          trainer_version, batch.width) for rank in range(dp.num_workers)]
+                          trainer_version, batch.width, critic=critic.shard(critic_plan, rank) if critic else None,
+                          train_policy=train_policy) for rank in range(dp.num_workers)]
         results = self._on_every_worker(lambda: self.update(work[0]), lambda group: group.update(work[1:]))
+        diagnostics: dict = {}
+        old = None
+        if train_policy:
+            diagnostics, old = self._policy_diagnostics([r.policy for r in results], batch, trainer_version)
+        if critic is not None:
+            diagnostics.update(critic.diagnostics([r.critic for r in results], trainer_version))
+        parallel = self._parallel_metrics([r.policy or r.critic for r in results])
+        return diagnostics, old, parallel
 
+    def _policy_diagnostics(self, results: list, batch: StepBatch, trainer_version: int) -> tuple[dict, list]:
+        """The policy's step diagnostics from every worker's update, and pi_old as used per row."""
         parts = [part for r in results for part in r.parts]
         merged = merge_outputs(parts, batch.loss_mask.shape, loss=float(np.mean(results[0].losses)))
         olds = torch.zeros_like(batch.inference)
         for rows, old in (o for r in results for o in r.olds):
             olds[rows] = old
         outside = sum(r.outside_support for r in results)
-        diagnostics = step_diagnostics(merged, batch, trainer_version, outside, self.strategy, self.correction)
+        diagnostics = step_diagnostics(merged, batch, trainer_version, outside, self.strategy, self.policy.correction)
         diagnostics["grad/norm"] = float(np.mean(results[0].norms)) if results[0].norms else None
         diagnostics["grad/nonfinite_skipped"] = float(results[0].skipped)
         diagnostics["optimizer/lr"] = results[0].lr
-        parallel = {"trainer/microbatches": sum(r.microbatches for r in results),
-                    "trainer/allreduce_seconds": max(r.allreduce_seconds for r in results),
-                    **({"trainer/dummy_passes": sum(r.dummy_passes for r in results)} if self.sharded else {}),
-                    **{f"trainer/{kind}_bytes": max(r.state_bytes.get(kind, 0) for r in results)
-                       for kind in ("parameter", "gradient", "optimizer") if results[0].state_bytes}}
-        return diagnostics, old_column(olds, [len(r) for r in batch.responses]), parallel
+        return diagnostics, old_column(olds, [len(r) for r in batch.responses])
+
+    def _parallel_metrics(self, results: list) -> dict:
+        """The data-parallel metrics of the step (the policy's update; the critic's in its warm-up)."""
+        return {"trainer/microbatches": sum(r.microbatches for r in results),
+                "trainer/allreduce_seconds": max(r.allreduce_seconds for r in results),
+                **({"trainer/dummy_passes": sum(r.dummy_passes for r in results)} if self.sharded else {}),
+                **{f"trainer/{kind}_bytes": max(r.state_bytes.get(kind, 0) for r in results)
+                   for kind in ("parameter", "gradient", "optimizer") if results[0].state_bytes}}

@@ -9,7 +9,10 @@ so every step is on-policy in time (tokens of version k are trained at version k
 `lag=S` (at most max_staleness) instead generates each step's rollout S steps ahead: step k's
 tokens come from version max(0, k - S), the steady state of the asynchronous pipeline when
 generation outpaces training, with a staleness fixed by construction rather than by the
-machine's load (staleness studies that repeat exactly).
+machine's load (staleness studies that repeat exactly). Every stage before the train step runs
+when its rollout is generated, as in the pipeline, where they follow generation: what they
+read of the store is what it holds then (the critic's values come from the critic of that
+time, `value_versions` S behind the trainer's).
 
 Read it as the algorithm: per train step k,
 
@@ -35,7 +38,6 @@ from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
-from trajflow.engines.models import load_model
 from trajflow.operators.contracts.stage import Stage
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.trainer.group import InProcessGroup, WorkerGroup
@@ -59,7 +61,7 @@ def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: rang
         raise ValueError(f"lag: {lag} must be in [0, max_staleness = {pipe.config.max_staleness}]")
     if store is None:
         store = InProcessStore(pipe.config.max_staleness, pipe.strategy.keep_history)
-        store.publish(load_model(pipe.model_path).state_dict(), steps.start)  # the model at model_path
+        pipe.publish_start(store, steps.start)  # the model at model_path (and a critic's start)
     rows = [row for _, row in iter_in_process(pipe, store, steps, workers, lag)]
     metrics = pl.from_dicts(rows, infer_schema_length=None)
     if not final_weights:
@@ -73,17 +75,18 @@ def iter_in_process(pipe: RLPipeline, store: PolicyStoreClient, steps: range,
     row; `lag`: each rollout generated that many steps ahead (module docstring). Needs neither Ray
     nor polars (scripts/gpu_check.sh runs it where neither is installed)."""
     operators = [build(stage, store, workers) for stage in pipe.stages]
-    generate, rest = operators[0], operators[1:]
+    rollout, train = operators[:-1], operators[-1]
     rollouts: deque = deque()  # generated, not yet trained (lag > 0: up to `lag` steps ahead)
     try:
         for step in steps:
             while len(rollouts) <= lag and step + len(rollouts) < steps.stop:
                 # sampled with the newest version: the trainer's, `len(rollouts)` steps before its step
-                rollouts.append(generate(pipe.prompts.step_rows(step + len(rollouts))))
+                batch = pipe.prompts.step_rows(step + len(rollouts))
+                for operator in rollout:  # generate -> reward -> ... : one Arrow table to the next
+                    batch = operator(batch)
+                rollouts.append(batch)
             batch = rollouts.popleft()
-            for operator in rest[:-1]:  # reward -> ... : one Arrow table to the next
-                batch = operator(batch)
-            for row in rest[-1](batch).to_pylist():  # the train step's metrics row (none: nothing trained)
+            for row in train(batch).to_pylist():  # the train step's metrics row (none: nothing trained)
                 yield batch, row
     finally:
         for operator in operators:  # a train step with data-parallel workers ends them

@@ -11,7 +11,10 @@ trainer publishes each new version; generators take the newest one. The store al
   the trainer has published version b - max_staleness, so it runs at most max_staleness versions
   ahead. `max_staleness: 0` is the synchronous on-policy mode;
 - collects timing counters from the actors (seconds generating, scoring, waiting) so that each
-  train step can report them.
+  train step can report them;
+- keeps the newest version of every other learner (the critic: operators/trainer/critic.py) in
+  a stream of its own, addressed by the learner's name; snapshots, pins, the staleness bound and
+  admission are the policy's.
 
 Three pieces (operators see only the `operators.contracts.store.PolicyStoreClient` protocol):
 
@@ -40,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from trajflow.operators.contracts.store import StoreStats, VersionNotHeld
+from trajflow.operators.contracts.store import POLICY, StoreStats, VersionNotHeld
 
 if TYPE_CHECKING:
     import ray
@@ -81,9 +84,13 @@ class PolicyStore:
         self.trainers_started = 0
         self.server: tuple[str, int] | None = None  # weight_sync collective: the trainer's version server
         self.servers_started = 0  # its generation: a rebuilt trainer's server is the next one
+        self.others: dict[str, tuple[int, Any]] = {}  # every other learner's newest (version, payload)
 
-    def put(self, payload: Any, nbytes: int, version: int | None = None, restored: bool = False) -> int:
-        """Register a payload as `version` (default latest + 1); returns the version."""
+    def put(self, payload: Any, nbytes: int, version: int | None = None, restored: bool = False,
+            learner: str = POLICY) -> int:
+        """Register a payload of `learner` as `version` (default latest + 1); returns the version."""
+        if learner != POLICY:
+            return self._put_other(learner, payload, version)
         with self.changed:
             version = self.latest + 1 if version is None else version
             if version <= self.latest:
@@ -91,6 +98,17 @@ class PolicyStore:
             self.versions[version] = _Version(payload, nbytes, restored=restored)
             self.latest = version
             self._evict()
+            self.changed.notify_all()
+        return version
+
+    def _put_other(self, learner: str, payload: Any, version: int | None) -> int:
+        """Another learner's new newest version (the previous one is freed)."""
+        with self.changed:
+            latest = self.others.get(learner, (-1, None))[0]
+            version = latest + 1 if version is None else version
+            if version <= latest:
+                raise ValueError(f"{learner} version {version} is not newer than the latest published {latest}")
+            self.others[learner] = (version, payload)
             self.changed.notify_all()
         return version
 
@@ -131,10 +149,10 @@ class PolicyStore:
     def _bytes(self) -> int:
         return sum(entry.nbytes for entry in self.versions.values())
 
-    def wait_for_version(self, version: int) -> int:
+    def wait_for_version(self, version: int, learner: str = POLICY) -> int:
         with self.changed:
-            self.changed.wait_for(lambda: self.latest >= version)
-            return self.latest
+            self.changed.wait_for(lambda: self.latest_version(learner) >= version)
+            return self.latest_version(learner)
 
     def admit(self, step: int) -> int:
         return self.wait_for_version(step - self.max_staleness)
@@ -144,11 +162,19 @@ class PolicyStore:
             self.trainers_started += 1
             return self.trainers_started - 1
 
-    def latest_version(self) -> int:
-        return self.latest
+    def latest_version(self, learner: str = POLICY) -> int:
+        return self.latest if learner == POLICY else self.others.get(learner, (-1, None))[0]
 
-    def get(self, version: int | None = None, pin: bool = False) -> tuple[int, Any]:
-        """(version, payload) of `version` (default: newest). `pin` keeps it until released."""
+    def get(self, version: int | None = None, pin: bool = False, learner: str = POLICY) -> tuple[int, Any]:
+        """(version, payload) of `learner`'s `version` (default: newest). `pin` keeps a policy
+        version until released."""
+        if learner != POLICY:
+            with self.changed:
+                held, payload = self.others.get(learner, (-1, None))
+                if held < 0 or version not in (None, held):
+                    raise VersionNotHeld(f"{learner} weights of version {version} are not held by the policy store "
+                                         f"(it keeps the newest: {held if held >= 0 else 'none yet'})")
+                return held, payload
         with self.changed:
             version = self.latest if version is None else version
             if version not in self.versions:
@@ -188,12 +214,13 @@ class PolicyStore:
 class InProcessStore(PolicyStore):
     """A PolicyStoreClient in this process: each version is a clone of the published tensors."""
 
-    def publish(self, weights: Mapping[str, Tensor], version: int | None = None) -> int:
+    def publish(self, weights: Mapping[str, Tensor], version: int | None = None, *, learner: str = POLICY) -> int:
         state = {name: t.detach().clone() for name, t in weights.items()}
-        return self.put(state, sum(t.numel() * t.element_size() for t in state.values()), version)
+        return self.put(state, sum(t.numel() * t.element_size() for t in state.values()), version, learner=learner)
 
-    def weights(self, version: int | None = None, *, pin: bool = False) -> tuple[int, Mapping[str, Tensor]]:
-        return self.get(version, pin)
+    def weights(self, version: int | None = None, *, pin: bool = False,
+                learner: str = POLICY) -> tuple[int, Mapping[str, Tensor]]:
+        return self.get(version, pin, learner)
 
 
 class PolicyStoreActor(PolicyStore):
@@ -214,16 +241,17 @@ class PolicyStoreActor(PolicyStore):
         self.trainers_started = trainers_started
         self.counters.update(counters or {})
 
-    def put(self, wrapped_ref: list, nbytes: int, version: int | None = None) -> int:
+    def put(self, wrapped_ref: list, nbytes: int, version: int | None = None, learner: str = POLICY) -> int:
         import ray
 
         ref = wrapped_ref[0]
-        if self.final_version is None or (self.latest + 1 if version is None else version) >= self.final_version:
+        number = (self.latest_version(learner) + 1) if version is None else version
+        if self.final_version is None or number >= self.final_version:
             ref = ray.put(ray.get(ref))  # raw buffers: this process never imports torch
-        return super().put(ref, nbytes, version)
+        return super().put(ref, nbytes, version, learner=learner)
 
-    def get(self, version: int | None = None, pin: bool = False) -> tuple[int, list]:
-        version, ref = super().get(version, pin)
+    def get(self, version: int | None = None, pin: bool = False, learner: str = POLICY) -> tuple[int, list]:
+        version, ref = super().get(version, pin, learner)
         return version, [ref]
 
 
@@ -273,7 +301,7 @@ class RayStore:
         ).remote(max_staleness, keep_history, final_version, list(restored), trainers_started, dict(counters or {}))
         return cls(actor, name, reconnect_seconds, generation)
 
-    def publish(self, weights: Mapping[str, Tensor], version: int | None = None) -> int:
+    def publish(self, weights: Mapping[str, Tensor], version: int | None = None, *, learner: str = POLICY) -> int:
         import ray
 
         from trajflow.schemas.weights import SharedStateDict
@@ -281,29 +309,41 @@ class RayStore:
         state = weights if isinstance(weights, SharedStateDict) else SharedStateDict.of(weights)
         ref = ray.put(state)
         try:
-            return ray.get(self.actor.put.remote([ref], state.nbytes, version))
+            return ray.get(self.actor.put.remote([ref], state.nbytes, version, learner))
         except ray.exceptions.ActorDiedError as died:
             self._reconnect(died)
-            if version is not None and self._call("latest_version") >= version:
+            if version is not None and self._call("latest_version", learner) >= version:
                 return version  # the rebuilt store read this version back from disk
-            return self._call("put", [ref], state.nbytes, version)
+            return self._call("put", [ref], state.nbytes, version, learner)
 
-    def weights(self, version: int | None = None, *, pin: bool = False) -> tuple[int, Mapping[str, Tensor]]:
+    def weights(self, version: int | None = None, *, pin: bool = False,
+                learner: str = POLICY) -> tuple[int, Mapping[str, Tensor]]:
         import ray
 
         try:
-            version, (ref,) = self._call("get", version, pin)
+            version, (ref,) = self._call("get", version, pin, learner)
             try:
                 return version, ray.get(ref)
             except ray.exceptions.OwnerDiedError as died:  # the store died after handing the ref out
                 self._reconnect(died)
-                version, (ref,) = self._call("get", version, pin)
+                version, (ref,) = self._call("get", version, pin, learner)
                 return version, ray.get(ref)
         except VersionNotHeld as e:  # Ray raises the actor's exception as a subclass of it
             raise VersionNotHeld(str(getattr(e, "cause", None) or e)) from None
 
-    def latest_version(self) -> int:
-        return self._call("latest_version")
+    def latest_version(self, *, learner: str = POLICY) -> int:
+        return self._call("latest_version", learner)
+
+    def _put_other(self, learner: str, payload: Any, version: int | None) -> int:
+        """Another learner's new newest version (the previous one is freed)."""
+        with self.changed:
+            latest = self.others.get(learner, (-1, None))[0]
+            version = latest + 1 if version is None else version
+            if version <= latest:
+                raise ValueError(f"{learner} version {version} is not newer than the latest published {latest}")
+            self.others[learner] = (version, payload)
+            self.changed.notify_all()
+        return version
 
     def register(self, version: int) -> int:
         return self._call("register", version)
@@ -314,8 +354,8 @@ class RayStore:
     def weight_server(self) -> ServerAddress | None:
         return self._call("weight_server")
 
-    def wait_for_version(self, version: int) -> int:
-        return self._call("wait_for_version", version)
+    def wait_for_version(self, version: int, *, learner: str = POLICY) -> int:
+        return self._call("wait_for_version", version, learner)
 
     def admit(self, step: int) -> int:
         return self._call("admit", step)

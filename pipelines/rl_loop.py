@@ -1,6 +1,6 @@
 """The asynchronous RL loop as one Ray Data pipeline whose output stream is metrics rows.
 
-  prompts ─▶ generate ─▶ [dedicated old log-probs] ─▶ reward ─▶ advantage ─▶ filter
+  prompts ─▶ generate ─▶ [values] ─▶ [dedicated old log-probs] ─▶ reward ─▶ advantage ─▶ filter
           ─▶ [snapshot old log-probs] ─▶ [reference] ─▶ [teacher] ─▶ train step ─▶ metrics
                  ▲                                       │
                  └──────── policy store (versions) ◀─────┘
@@ -39,7 +39,7 @@ from trajflow.engines.tokenizer import TokenIds
 from trajflow.engines.training_numerics import checkpoint_dropout
 from trajflow.operators.advantage import Advantage
 from trajflow.operators.contracts.stage import Placement, Stage, place, stage_index
-from trajflow.operators.contracts.store import PolicyStoreClient
+from trajflow.operators.contracts.store import CRITIC, POLICY, PolicyStoreClient
 from trajflow.operators.filter import Filter
 from trajflow.operators.generate import EngineConfig, Generate, RolloutConfig
 from trajflow.operators.reference import ReferenceLogprobs
@@ -47,6 +47,7 @@ from trajflow.operators.reward import FailedRewardSteps, Reward
 from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
 from trajflow.operators.teacher import TeacherLogprobs
 from trajflow.operators.train_step import TrainStep
+from trajflow.operators.values import CriticValues
 from trajflow.operators.trainer.services import HeldoutEvaluation, PublishWeights, StoreStatistics
 from trajflow.operators.trainer.spec import StepHooks, TrainStepConfig
 from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups, rollout_colocated
@@ -55,6 +56,7 @@ from trajflow.pipelines.policy_store import RayStore
 from trajflow.pipelines.ray.embedded import cluster_cpus, start_local_ray
 from trajflow.pipelines.ray.quiet import quiet_run
 from trajflow.pipelines.ray.trainer_group import RayWorkerGroup, remove_placement_group_named
+from trajflow.schemas.columns import VALUES_COLUMN
 from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreConfig, StoreGuard, StoreLost, VersionArchive
 from trajflow.tasks.workload import PromptSource
 
@@ -200,7 +202,8 @@ class RLPipeline:
         spec = TrainStepConfig(model_path=self.model_path, strategy=strategy, correction=s.correction, kl=s.kl,
                                optimizer=s.optimizer, sampling=self.sampling, numerics=s.numerics, trainer=s.trainer,
                                total_updates=c.steps * c.optimizer.minibatches_per_step, lora=s.lora,
-                               group_name=self.trainer_group_name, distill=s.distill)
+                               group_name=self.trainer_group_name, distill=s.distill, critic=s.critic,
+                               advantage=s.advantage)
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
                      recovery=s.recovery, failed_rewards=self.failed_reward_steps(), weight_sync=s.weight_sync,
                      reader_dtypes=c.reader_dtypes(strategy), workers=RayWorkerGroup)
@@ -219,15 +222,19 @@ class RLPipeline:
                          dict(model_path=self.model_path, workload=self.workload, rollout=rollout, engine=engine,
                               numerics=s.numerics, weight_sync=s.weight_sync, torch_threads=s.generator.torch_threads),
                          s.generator, pool_size=c.num_generators)
+        critic = s.critic
+        gae_values = "train" if critic is not None and critic.values_at == "train" else VALUES_COLUMN
         stages = [
             generate,
             Stage("reward", Reward(self.model_path, self.workload, self.sampling.stop)),
-            Stage("advantage", Advantage(s.advantage)),
+            Stage("advantage", Advantage(s.advantage, gae_values, s.kl)),
             Stage("filter", Filter(c.drop_zero_variance_groups)),
             self.train_stage(strategy),
         ]
         for placement in strategy.stages(self.stage_context()):
             place(stages, placement)
+        if critic is not None and critic.needs_values_stage:  # V(s_t) at behavior time, from the critic's newest
+            place(stages, Placement(self.values_stage(), after="generate"))
         if c.kl.beta > 0:  # a frozen reference model, scored like an old log-prob (beta 0 builds none)
             place(stages, self.reference_stage())
         if c.teacher is not None:  # distillation: a second model scores the student's tokens
@@ -249,6 +256,46 @@ class RLPipeline:
         stage = Stage("reference", ReferenceLogprobs, kwargs, s.scorer)
         return Placement(stage, before="advantage") if in_reward else Placement(stage, before="train")
 
+    def values_stage(self) -> Stage:
+        """The critic's values of every row right after generation (operators/values.py), on a
+        scorer's resources."""
+        s = self.settings
+        kwargs = dict(model_path=self.critic_model_path, numerics=s.numerics, torch_threads=s.scorer.torch_threads)
+        return Stage("values", CriticValues, kwargs, s.scorer)
+
+    @property
+    def learner_names(self) -> list[str]:
+        """The run's learners (operators/trainer/learner.py): the policy, and the critic if any."""
+        return [POLICY, *([CRITIC] if self.settings.critic is not None else [])]
+
+    @property
+    def critic_model_path(self) -> str:
+        """The critic's model directory: `critic.model`, else the policy's."""
+        return self.settings.critic.model or self.model_path
+
+    def publish_start(self, store: PolicyStoreClient, version: int, weights: dict[str, dict] | None = None) -> None:
+        """Publish the run's starting version of every learner: `weights` by learner name (a
+        resumed run's checkpoint; a LoRA policy's: its adapter), else the model directories'
+        (the critic: the policy's trunk with a zero value head)."""
+        from trajflow.engines.lora import is_adapter
+        from trajflow.engines.models import load_model
+
+        weights = weights or {}
+        policy = weights.get(POLICY)
+        if policy is not None and is_adapter(policy):  # a LoRA run's version: its adapter
+            store.publish(policy, version)
+        else:
+            model = load_model(self.model_path)
+            if policy is not None:
+                model.load_state_dict(policy)
+            store.publish(model.state_dict(), version)
+        if self.settings.critic is not None:
+            from trajflow.engines.value_model import load_value_model
+
+            critic = weights.get(CRITIC)
+            store.publish(critic if critic is not None else load_value_model(self.critic_model_path).state_dict(),
+                          version, learner=CRITIC)
+
     def teacher_stage(self) -> Placement:
         """The teacher's log-probs (operators/teacher.py), right before the train step on the rows
         it trains, on a scorer's resources."""
@@ -259,11 +306,9 @@ class RLPipeline:
         return Placement(Stage("teacher", TeacherLogprobs, kwargs, s.scorer), before="train")
 
     # -- building and running --------------------------------------------------------------------
-    def start_store(self, initial_version: int = 0, initial_weights: dict | None = None) -> RayStore:
-        """Create this run's policy store actor and publish the starting weights as `initial_version`."""
-        from trajflow.engines.lora import is_adapter
-        from trajflow.engines.models import load_model
-
+    def start_store(self, initial_version: int = 0, initial_weights: dict[str, dict] | None = None) -> RayStore:
+        """Create this run's policy store actor and publish every learner's starting weights as
+        `initial_version` (`publish_start`)."""
         start_local_ray()
         c = self.config
         # a trainer that may be rebuilt (recovery) dies with the versions it put: the store owns them all
@@ -274,13 +319,7 @@ class RLPipeline:
                    and c.weight_sync.method != "collective")
         self.store = RayStore.start(c.max_staleness, self.strategy.keep_history, final_version=final,
                                     reconnect_seconds=RECONNECT_SECONDS if rebuilt else 0.0)
-        if initial_weights is not None and is_adapter(initial_weights):  # a LoRA run's version: its adapter
-            self.store.publish(initial_weights, initial_version)
-        else:
-            model = load_model(self.model_path)
-            if initial_weights is not None:
-                model.load_state_dict(initial_weights)
-            self.store.publish(model.state_dict(), initial_version)
+        self.publish_start(self.store, initial_version, initial_weights)
         if rebuilt:
             spec = StoreConfig(c.max_staleness, self.strategy.keep_history, c.recovery.max_restarts, c.lora.r > 0)
             self.store_guard = StoreGuard(self.store, self.version_archive, spec, lambda: self.restarts,

@@ -17,8 +17,14 @@ PROXIMAL_COLUMN = "proximal_logprobs"
 # `kl.in: reward` the per-row penalty the advantage subtracts from the reward
 REFERENCE_COLUMN = "reference_logprobs"
 KL_PENALTY_COLUMN = "kl_penalty"
-# per-token advantages (REINFORCE++ with advantage.gamma < 1); `advantage` is then their mean
+# per-token advantages (REINFORCE++ with advantage.gamma < 1, GAE); `advantage` is then their mean
 TOKEN_ADVANTAGE_COLUMN = "token_advantages"
+# the critic's (operators/values.py, operators/trainer/critic.py): V(s_t) per token at behavior
+# time and the critic version of each, the trainer's current critic's values, GAE's returns
+VALUES_COLUMN = "values"
+VALUE_VERSIONS_COLUMN = "value_versions"
+TRAIN_VALUES_COLUMN = "train_values"
+RETURNS_COLUMN = "returns"
 
 
 def replace_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:

@@ -53,7 +53,16 @@ _OPTIONAL: dict[str, pa.DataType] = {
     "top_k_old_logprobs": _FLOAT_LISTS,         # the exact strategies: pi_old on them at each token's version
     "top_k_teacher_logprobs": _FLOAT_LISTS,     # the teacher (distillation) on them
     "teacher_logprobs": _FLOAT_LIST,            # the teacher's log-prob of each sampled token
+    # PPO with a critic (`critic:`): per response token V(s_t) scored by the values stage and the
+    # critic version that scored it; the trainer's current critic's values when it recomputes them
+    # (`critic.values_at: train`, or a clip anchored at train time); GAE's returns. A row may be null.
+    "values": _FLOAT_LIST,
+    "value_versions": pa.list_(pa.int32()),
+    "train_values": _FLOAT_LIST,
+    "returns": _FLOAT_LIST,
 }
+# the critic's per-token columns (finite floats; versions >= 0)
+VALUE_COLUMNS: tuple[str, ...] = ("values", "value_versions", "train_values", "returns")
 
 COLUMNS: list[str] = list(_V1)
 OPTIONAL_COLUMNS: tuple[str, ...] = tuple(_OPTIONAL)
@@ -224,6 +233,7 @@ def validate(table: pa.Table, *, allow_nonfinite: bool = False) -> None:
             raise _error(name, None, f"type {table.schema.field(name).type} != {expected}; call "
                          "trajflow.schemas.conform() to cast")
     _validate_distributions(table, allow_nonfinite)
+    _validate_values(table, allow_nonfinite)
 
     n_resp = pc.list_value_length(table.column("response_tokens"))
     for name in PER_TOKEN_COLUMNS:
@@ -316,6 +326,27 @@ def _validate_distributions(table: pa.Table, allow_nonfinite: bool) -> None:
                              "(-inf is allowed: an id outside the support)")
 
 
+def _validate_values(table: pa.Table, allow_nonfinite: bool) -> None:
+    """The critic's columns, when present: per non-null row one entry per response token, no
+    NaN or inf (a value is a prediction, never -inf), versions >= 0."""
+    n_resp = pc.list_value_length(table.column("response_tokens"))
+    for name in (c for c in VALUE_COLUMNS if c in table.column_names):
+        _check_row_lengths(table, name, n_resp)
+        col = table.column(name)
+        flat = pc.list_flatten(col)
+        if name == "value_versions":
+            bad = _first_true(pc.less(flat, 0))
+            what = "a negative version"
+        elif allow_nonfinite:
+            continue
+        else:
+            bad = _first_true(pc.invert(pc.is_finite(flat)))
+            what = "a non-finite value"
+        if bad is not None:
+            row, position = _row_of(col, bad)
+            raise _error(name, row, f"{what} {flat[bad].as_py()} at token {position}")
+
+
 def _check_row_lengths(table: pa.Table, name: str, n_resp: pa.Array) -> None:
     """Each non-null row of per-token column `name` has one entry per response token."""
     n = pc.list_value_length(table.column(name))
@@ -325,10 +356,11 @@ def _check_row_lengths(table: pa.Table, name: str, n_resp: pa.Array) -> None:
 
 
 def nonfinite_rows(table: pa.Table) -> np.ndarray:
-    """Bool mask of rows with NaN/inf in inference_logprobs or old_logprobs, or NaN/+inf in the
-    distribution columns (-inf is valid in old_logprobs and those: an id outside the support)."""
+    """Bool mask of rows with NaN/inf in inference_logprobs or old_logprobs or the critic's float
+    columns, or NaN/+inf in the distribution columns (-inf is valid in old_logprobs and those: an
+    id outside the support)."""
     out = np.zeros(table.num_rows, dtype=bool)
-    for name in (*LOGPROB_COLUMNS, *DISTRIBUTION_LOGPROB_COLUMNS):
+    for name in (*LOGPROB_COLUMNS, *DISTRIBUTION_LOGPROB_COLUMNS, *(c for c in VALUE_COLUMNS if c != "value_versions")):
         if name not in table.column_names:
             continue
         col = table.column(name)

@@ -133,7 +133,8 @@ def run_with_final_weights(config: PipelineConfig, steps: range | None = None, r
         hooks = pipe.hooks
         hooks.on_start, hooks.on_rows, hooks.on_step = recorder.on_start, recorder.on_rows, recorder.on_step
     try:
-        store = pipe.start_store(initial_version=steps.start, initial_weights=initial_weights)
+        store = pipe.start_store(initial_version=steps.start,
+                                 initial_weights=None if initial_weights is None else {"policy": initial_weights})
         return run_in_process(pipe, final_weights=True, steps=steps, store=store, workers=RayWorkerGroup)
     finally:
         pipe.shutdown()

@@ -73,7 +73,7 @@ def _run(config: PipelineConfig, steps: range | None = None, recorder=None, init
         @staticmethod
         def on_step(trainstep, batch, metrics) -> None:
             seen.append(batch)
-            state.update(base={k: v.clone() for k, v in lora.base_weights(trainstep.model)},
+            state.update(base={k: v.clone() for k, v in lora.base_weights(trainstep.policy.model)},
                          payload=trainstep.version_payload())
             if recorder is not None:
                 recorder.on_step(trainstep, batch, metrics)

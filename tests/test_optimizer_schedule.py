@@ -87,7 +87,7 @@ def _entropy(model: torch.nn.Module, prompts: list, responses: list, width: int)
 
 
 def test_adam_gets_the_configured_betas_and_eps(one_torch_thread):
-    group = _replica(0.0, betas=[0.8, 0.95], eps=1e-6).optimizer.param_groups[0]
+    group = _replica(0.0, betas=[0.8, 0.95], eps=1e-6).policy.optimizer.param_groups[0]
     assert group["betas"] == (0.8, 0.95) and group["eps"] == 1e-6
 
 
@@ -98,7 +98,7 @@ def test_entropy_term_changes_the_step_loss_and_gradient_by_hand(one_torch_threa
     table = step_rows(rows=4)
     batch = StepBatch.from_table(table, 0)
     positions = list(range(table.num_rows))
-    plain, with_entropy = _replica(0.0), _replica(coef)
+    plain, with_entropy = _replica(0.0).policy, _replica(coef).policy
     h = _entropy(plain.model, batch.prompts, batch.responses, batch.width)
     counted = batch.loss_mask & torch.isfinite(batch.inference)
     h_mean = (h * counted).sum() / counted.sum()
@@ -127,8 +127,8 @@ def test_entropy_term_changes_the_step_loss_and_gradient_by_hand(one_torch_threa
     # the train step's own update applies the term: its loss is lower by coef x mean H
     from trajflow.operators.trainer.replica import ShardWork
 
-    (one,) = [plain.update(ShardWork(table, positions, [[positions]], 0, batch.width))]
-    (two,) = [with_entropy.update(ShardWork(table, positions, [[positions]], 0, batch.width))]
+    workers = [_replica(0.0), _replica(coef)]
+    one, two = (w.update(ShardWork(table, positions, [[positions]], 0, batch.width)).policy for w in workers)
     assert two.losses[0] - one.losses[0] == pytest.approx(-coef * h_mean.item(), abs=1e-5)
     assert math.isfinite(two.lr) and two.lr == one.lr == plain.spec.optimizer.lr
     assert np.isfinite(two.norms).all()

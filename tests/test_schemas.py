@@ -110,9 +110,11 @@ def test_extra_columns_pass_through():
 def test_reward_error_is_an_optional_string_column(tmp_path):
     """`reward_error` (why a row's reward failed): typed when present, after the v1 columns; a log
     written before it existed (no such column) still reads back."""
-    # the others: tests/test_verl_knobs.py (token_advantages), tests/test_distributions.py (the top-k)
+    # the others: tests/test_verl_knobs.py (token_advantages), tests/test_distributions.py (the top-k),
+    # test_the_critics_columns_are_validated_by_name below
     assert OPTIONAL_COLUMNS == ("reward_error", "token_advantages", "top_k_ids", "top_k_inference_logprobs",
-                                "top_k_old_logprobs", "top_k_teacher_logprobs", "teacher_logprobs")
+                                "top_k_old_logprobs", "top_k_teacher_logprobs", "teacher_logprobs", "values",
+                                "value_versions", "train_values", "returns")
     errors = [None, "ValueError: bad answer", None, "TimeoutError: too slow"]
     t = from_rows([{"answer": str(i), **r, "reward_error": e} for i, (r, e) in enumerate(zip(rows(), errors))])
     assert t.column_names == COLUMNS + ["answer", "reward_error"]
@@ -129,6 +131,29 @@ def test_reward_error_is_an_optional_string_column(tmp_path):
         validate(wrong)
     with pytest.raises(SchemaError, match="reward_error"):
         conform(wrong)
+
+
+def test_the_critics_columns_are_validated_by_name(tmp_path):
+    """`values`, `value_versions`, `train_values`, `returns` (PPO with a critic): one entry per
+    response token, finite, versions >= 0; a NaN quarantines the row; they read back."""
+    from trajflow.schemas import nonfinite_rows
+
+    base = rows()
+    good = from_rows([{**r, "values": [0.5] * len(r["response_tokens"]),
+                       "value_versions": [3] * len(r["response_tokens"]),
+                       "returns": [1.0] * len(r["response_tokens"])} for r in base])
+    validate(good)
+    back = read_parquet(write_parquet(good, tmp_path / "critic.parquet"))
+    assert back["value_versions"].to_pylist() == good["value_versions"].to_pylist()
+    with pytest.raises(SchemaError, match="column 'values' row 0: length 1 != len\\(response_tokens\\)"):
+        validate(from_rows([{**r, "values": [0.5]} for r in base]))
+    nan = from_rows([{**r, "returns": [float("nan")] * len(r["response_tokens"])} if i == 2 else r
+                     for i, r in enumerate(base)], check=False)
+    with pytest.raises(SchemaError, match="column 'returns' row 2: a non-finite value nan at token 0"):
+        validate(nan)
+    assert nonfinite_rows(nan).tolist() == [False, False, True, False]
+    with pytest.raises(SchemaError, match="column 'value_versions' row 0: a negative version -1"):
+        validate(from_rows([{**r, "value_versions": [-1] * len(r["response_tokens"])} for r in base]))
 
 
 def test_missing_metadata_is_allowed(table, tmp_path):

@@ -28,7 +28,7 @@ SMALL = dict(prompts_per_step=8, group_size=4, drop_zero_variance_groups=False, 
 def record_weights_and_old(trainstep, batch, metrics) -> None:
     """A job-style hook: are the new weights finite, and how many trained loss tokens had a pi_old
     of -inf (outside the support under training numerics) in the loss (`proximal_logprobs`)."""
-    metrics["test/weights_finite"] = all(bool(torch.isfinite(v).all()) for v in trainstep.policy_state_dict().values())
+    metrics["test/weights_finite"] = all(bool(torch.isfinite(v).all()) for v in trainstep.policy.policy_state_dict().values())
     trained = pc.is_null(batch["filter_reason"])
     old = batch.filter(trained)
     flat_old = pc.list_flatten(old["proximal_logprobs"]).to_numpy(zero_copy_only=False)

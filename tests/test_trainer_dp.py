@@ -157,10 +157,10 @@ def _replicas_update(store, table, world_size: int, strategy_name: str, aggregat
     def work(rank: int) -> None:
         try:
             replica = replicas[rank]
-            replica.collective = Collective(rank, world_size, port=port,
-                                            listen=listen if rank == 0 else None, timeout_seconds=60)
+            replica.join_group(Collective(rank, world_size, port=port, listen=listen if rank == 0 else None,
+                                          timeout_seconds=60))
             rows = plan.rows(rank)
-            results[rank] = replica.update(ShardWork(table.take(rows), rows, plan.microbatches[rank], 0, width))
+            results[rank] = replica.update(ShardWork(table.take(rows), rows, plan.microbatches[rank], 0, width)).policy
         except BaseException as e:  # surfaced below: a failed thread must fail the test
             errors.append(e)
 
@@ -171,7 +171,7 @@ def _replicas_update(store, table, world_size: int, strategy_name: str, aggregat
         t.join(timeout=120)
     assert not errors, errors
     metrics = replicas[0].finish_step({"active_frac": 1.0})
-    return results, replicas[0].policy_state_dict(), metrics
+    return results, replicas[0].policy.policy_state_dict(), metrics
 
 
 @pytest.mark.timeout(180)
@@ -216,7 +216,7 @@ def test_one_update_on_two_workers_equals_one_worker(one_torch_thread, strategy,
 def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradient():
     from trajflow.engines.models import WARM_START_DIR, load_model
     from trajflow.engines.sampling import SamplingConfig
-    from trajflow.operators.trainer.replica import enable_gradient_checkpointing
+    from trajflow.operators.trainer.learner import enable_gradient_checkpointing
 
     numerics, grads = TrainingNumerics(), []
     for checkpointing in (False, True):

@@ -89,7 +89,7 @@ def test_gradient_checkpointing_recomputes_sharded_layers(one_torch_thread):
     from trajflow.engines.models import WARM_START_DIR, load_model
     from trajflow.engines.sampling import SamplingConfig
     from trajflow.operators.trainer.fsdp import full, shard_model
-    from trajflow.operators.trainer.replica import enable_gradient_checkpointing
+    from trajflow.operators.trainer.learner import enable_gradient_checkpointing
 
     numerics, grads = TrainingNumerics(), []
     collective = Collective(default_group=True)
@@ -224,7 +224,7 @@ def test_full_weights_gathers_on_every_worker_in_step(ray_session):
     trainstep = stage.fn(store=store, **stage.kwargs)
     try:
         start = load_model(WARM_START_DIR).state_dict()
-        shard = dict(trainstep.model.state_dict())["model.layers.0.mlp.up_proj.weight"]
+        shard = dict(trainstep.policy.model.state_dict())["model.layers.0.mlp.up_proj.weight"]
         assert shard.to_local().shape[0] == start["model.layers.0.mlp.up_proj.weight"].shape[0] // 2
         full = dict(trainstep.full_weights())
         assert list(full) == list(start) and max_abs_difference(full, start) == 0.0

@@ -5,6 +5,10 @@ by name over Ray: they are handed a client, so each runs in one process on an in
 its tests (`pipelines.policy_store.InProcessStore`) and on the store's Ray actor in a pipeline
 (`pipelines.policy_store.RayStore`). Version v means "the weights after v optimizer updates"
 (v = 0: the initial model); see pipelines/policy_store.py for what the store keeps and when.
+
+Every learner of the train step (operators/trainer/learner.py) has its own stream of versions,
+addressed by its name (`learner=`): the policy's (the default: snapshots, the staleness bound,
+admission) and the critic's (the newest version only, read by the values stage).
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from trajflow.operators.trainer.weight_sync import ServerAddress
+
+
+POLICY = "policy"  # the learners' names: the store's streams, a checkpoint's directories
+CRITIC = "critic"
 
 
 class VersionNotHeld(KeyError):
@@ -44,8 +52,8 @@ class StoreStats:
 class PolicyStoreClient(Protocol):
     """The policy store as operators see it (every call is synchronous unless it says so)."""
 
-    def publish(self, weights: Mapping[str, Tensor], version: int | None = None) -> int:
-        """Register new weights as `version` (default: latest + 1); returns the version."""
+    def publish(self, weights: Mapping[str, Tensor], version: int | None = None, *, learner: str = POLICY) -> int:
+        """Register new weights of `learner` as `version` (default: latest + 1); returns the version."""
 
     def register(self, version: int) -> int:
         """Register `version` without its tensors (`weight_sync.method: collective`: the trainer
@@ -59,16 +67,17 @@ class PolicyStoreClient(Protocol):
     def weight_server(self) -> ServerAddress | None:
         """The trainer's version server and the staleness bound, or None before it started."""
 
-    def weights(self, version: int | None = None, *, pin: bool = False) -> tuple[int, Mapping[str, Tensor]]:
-        """(version, weights) of `version` (default: the newest). The tensors are read-only:
-        load them into a model, never write into them. `pin` keeps the version until released.
-        VersionNotHeld if the store does not hold it."""
+    def weights(self, version: int | None = None, *, pin: bool = False,
+                learner: str = POLICY) -> tuple[int, Mapping[str, Tensor]]:
+        """(version, weights) of `learner`'s `version` (default: the newest). The tensors are
+        read-only: load them into a model, never write into them. `pin` keeps a policy version
+        until released. VersionNotHeld if the store does not hold it."""
 
-    def latest_version(self) -> int:
-        """The newest published version (-1 before the first)."""
+    def latest_version(self, *, learner: str = POLICY) -> int:
+        """`learner`'s newest published version (-1 before the first)."""
 
-    def wait_for_version(self, version: int) -> int:
-        """Block until `version` or a newer one is published; returns the newest."""
+    def wait_for_version(self, version: int, *, learner: str = POLICY) -> int:
+        """Block until `learner`'s `version` or a newer one is published; returns the newest."""
 
     def admit(self, step: int) -> int:
         """The admission permit of the rollout of train step `step`: blocks until version

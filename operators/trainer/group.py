@@ -1,7 +1,7 @@
 """Workers 1..N-1 of a data-parallel train step as worker 0 sees them: the `WorkerGroup`.
 
 Worker 0 (the train step, operators/train_step.py) reaches every other worker through typed
-methods — `update`, `gather_weights`, `save_shards`, ... — each of which starts the method of the
+methods — `update`, `full_weights_of`, `save_shards`, ... — each of which starts the method of the
 same name of `TrainerRank` on workers 1..N-1 and returns at once (the collectives inside need
 every worker at the same time, worker 0 included); `results()` waits for their values. Two
 implementations, chosen by the pipeline (the train stage's `workers=`), so the train step never
@@ -61,26 +61,29 @@ class WorkerGroup(ABC):
         """Each worker trains its share of the step (`work[i]`: worker i + 1's)."""
         return self._start(TrainerRank.update, [(w,) for w in work])
 
-    def gather_weights(self, dtype: torch.dtype | None) -> Pending:
-        return self._on_each(TrainerRank.gather_weights, dtype)
+    def critic_values(self, prompts: list, responses: list, width: int) -> Pending:
+        return self._on_each(TrainerRank.critic_values, prompts, responses, width)
 
-    def gather_adapter(self) -> Pending:
-        return self._on_each(TrainerRank.gather_adapter)
+    def full_weights_of(self, name: str, dtype: torch.dtype | None) -> Pending:
+        return self._on_each(TrainerRank.full_weights_of, name, dtype)
 
-    def save_shards(self, directory: str) -> Pending:
-        return self._on_each(TrainerRank.save_shards, directory)
+    def payload_of(self, name: str) -> Pending:
+        return self._on_each(TrainerRank.payload_of, name)
 
-    def load_shards(self, directory: str) -> Pending:
-        return self._on_each(TrainerRank.load_shards, directory)
+    def save_shards(self, name: str, directory: str) -> Pending:
+        return self._on_each(TrainerRank.save_shards, name, directory)
 
-    def load_checkpoint_state(self, optimizer: dict | None, strategy: dict | None) -> Pending:
-        return self._on_each(TrainerRank.load_checkpoint_state, optimizer, strategy)
+    def load_shards(self, name: str, directory: str) -> Pending:
+        return self._on_each(TrainerRank.load_shards, name, directory)
+
+    def load_checkpoint_state(self, name: str, optimizer: dict | None, extra: dict | None) -> Pending:
+        return self._on_each(TrainerRank.load_checkpoint_state, name, optimizer, extra)
 
     def load_checkpoint(self, directory: str, version: int) -> Pending:
         return self._on_each(TrainerRank.load_checkpoint, directory, version)
 
-    def finish_step(self, diagnostics: dict) -> Pending:
-        return self._on_each(TrainerRank.finish_step, diagnostics)
+    def finish_step(self, diagnostics: dict, trained_policy: bool) -> Pending:
+        return self._on_each(TrainerRank.finish_step, diagnostics, trained_policy)
 
     def advance_version(self) -> Pending:
         return self._on_each(TrainerRank.advance_version)

@@ -58,7 +58,7 @@ class HeldoutEvaluation:
         if self._tokenizer is None:  # this trainer's first step
             self._tokenizer = load_tokenizer(self.model_path)
             if trainstep.version == 1:  # it started from version 0 (a resumed run starts later)
-                device = next(trainstep.policy().parameters()).device
+                device = next(trainstep.policy.model.parameters()).device
                 key, value = self._score(load_model(self.model_path).to(device))
                 metrics[f"{key}_start"] = value
         if trainstep.version % self.every == 0:

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from trajflow.algorithms.config import CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig
+from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig
 from trajflow.engines import lora
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.strategies.base import Strategy
+from trajflow.operators.trainer.critic_config import CriticConfig
 from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.recovery import TrainerSource
 
@@ -38,6 +39,13 @@ class TrainStepConfig:
     lora: lora.LoraConfig = lora.LoraConfig()  # r > 0: train and publish an adapter (engines/lora.py)
     group_name: str = ""  # the placement group of workers 1..N-1 (Ray): the pipeline removes it at the end
     distill: DistillConfig | None = None  # on-policy distillation's terms (a teacher scores the rows); None: off
+    critic: CriticConfig | None = None  # PPO's value function, the second learner (operators/trainer/critic.py)
+    critic_model_path: str = ""  # the critic's model directory (critic.model, else model_path)
+    advantage: AdvantageConfig = AdvantageConfig()  # GAE's settings, when the critic's values are the trainer's
+
+    def __post_init__(self) -> None:
+        if self.critic is not None and not self.critic_model_path:
+            object.__setattr__(self, "critic_model_path", self.critic.model or self.model_path)
 
 
 @dataclass

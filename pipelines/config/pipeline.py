@@ -22,6 +22,7 @@ from trajflow.pipelines.config.deprecations import migrate_deprecated_keys
 from trajflow.pipelines.config.sections import (
     AdvantageSection,
     CorrectionSection,
+    CriticSection,
     DataSection,
     DistillSection,
     KLSection,
@@ -110,6 +111,9 @@ class PipelineConfig(_Strict):
     advantage: AdvantageSection = Field(default_factory=AdvantageSection, description="the advantage estimator "
                                         "(a name alone is accepted: `advantage: rloo`)")
     kl: KLSection = Field(default_factory=KLSection, description="a KL penalty to a frozen reference model")
+    critic: CriticSection | None = Field(
+        None, description="PPO with a learned value function: a second learner trained beside the policy, whose "
+        "values GAE turns into per-token advantages (with `advantage: gae`); null = no critic")
     top_k_logprobs: int = Field(
         0, ge=0, description="record per response token the K most likely ids of the distribution it was sampled "
         "from and their log-probs (mu), and on them pi_old at the token's version (exact strategies) and the "
@@ -215,6 +219,7 @@ class PipelineConfig(_Strict):
         if self.engine != "vllm" and self.vllm != VllmSection():
             raise ValueError("vllm: settings given but engine is not vllm")
         self._check_distributions()
+        self._check_critic()
         try:
             strategy = self.build_strategy()
         except (TypeError, ValueError) as e:  # the constructor refused strategy_options
@@ -227,6 +232,24 @@ class PipelineConfig(_Strict):
                 f"the {rows} rows of a step"
             )
         return self
+
+    def _check_critic(self) -> None:
+        """A critic and GAE go together; what the critic does not cover (yet) is refused by key."""
+        gae = self.advantage.estimator == "gae"
+        if gae and self.critic is None:
+            raise ValueError("advantage.estimator: gae needs a critic's values; add a `critic:` section "
+                             "(e.g. critic: {} for the policy's model with a value head)")
+        if self.critic is None:
+            return
+        if not gae:
+            raise ValueError(f"critic: its values are GAE's (advantage.estimator: gae), advantage is "
+                             f"{self.advantage.estimator}")
+        if self.weight_sync.method == "collective":
+            raise ValueError("critic: its versions travel through the policy store; use weight_sync.method: "
+                             "object_store")
+        if self.env is not None:
+            raise ValueError("critic: multi-turn episodes (env) are not scored by the values stage yet; use a task or "
+                             "data")
 
     def _check_distributions(self) -> None:
         """What the top-k record, the distribution-level mask and distillation need, refused by key
@@ -363,6 +386,17 @@ class RunSettings:
         return self._config.distill.spec() if self._config.teacher is not None else None
 
     @property
+    def critic(self):
+        """The critic's settings (its model directory resolved as `model` is), or None without one."""
+        if self._config.critic is None:
+            return None
+        spec = self._config.critic.spec()
+        if spec.model is None:
+            return spec
+        model = PipelineConfig._resolve_model(Path(spec.model))
+        return dataclasses.replace(spec, model=str(model.resolve()))
+
+    @property
     def numerics(self):
         """The numerics pi_theta and every pi_old are computed in (engines/training_numerics.py)."""
         from trajflow.engines.training_numerics import TrainingNumerics
@@ -372,4 +406,4 @@ class RunSettings:
 
 # the sections `settings` reads back (the YAML keys whose value is a section)
 SECTIONS = ("sampling", "correction", "advantage", "kl", "distill", "optimizer", "lora", "vllm", "data", "generator",
-            "scorer", "trainer", "recovery", "weight_sync")
+            "scorer", "trainer", "recovery", "weight_sync", "critic")

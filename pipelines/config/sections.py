@@ -7,6 +7,7 @@ library argument share one declaration. Every section of the config is built thi
     correction   CorrectionConfig    algorithms/config.py
     advantage    AdvantageConfig     algorithms/config.py
     kl           KLConfig            algorithms/config.py
+    distill      DistillConfig       algorithms/config.py
     optimizer    OptimizerConfig     algorithms/config.py
     lora         LoraConfig          engines/lora.py
     vllm         VllmConfig          engines/factory.py
@@ -15,6 +16,7 @@ library argument share one declaration. Every section of the config is built thi
     trainer      TrainerConfig       operators/trainer/plan.py
     recovery     RecoveryConfig      operators/trainer/recovery.py
     weight_sync  WeightSyncConfig    operators/trainer/weight_sync.py
+    critic       CriticConfig        operators/trainer/critic_config.py
 
 A section reads back as its dataclass (`section.spec()`); the pipeline reads them all through
 `PipelineConfig.settings` (derived defaults filled in).
@@ -35,6 +37,7 @@ from trajflow.engines.factory import VllmConfig
 from trajflow.engines.lora import LoraConfig
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.operators.contracts.stage import ResourceConfig
+from trajflow.operators.trainer.critic_config import CriticConfig
 from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.recovery import RecoveryConfig
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
@@ -99,6 +102,8 @@ class _Section(_Strict):
     @field_validator("*", mode="before")
     @classmethod
     def _checked(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, dict) and dataclasses.is_dataclass(field_types(cls.settings)[info.field_name]):
+            return value  # a nested section: its own model checks each of its keys
         if isinstance(value, str) and _accepts_float(field_types(cls.settings)[info.field_name]):
             try:  # YAML 1.1 reads `1e-3` (no dot) as a string; any other string stays one
                 value = float(value)
@@ -112,7 +117,17 @@ class _Section(_Strict):
         return self
 
     def spec(self) -> Any:
-        return self.settings(**{name: getattr(self, name) for name in type(self).model_fields})
+        values = {name: getattr(self, name) for name in type(self).model_fields}
+        return self.settings(**{k: v.spec() if isinstance(v, _Section) else v for k, v in values.items()})
+
+
+def _section_of(section: type[_Section], factory: Any) -> Any:
+    """A factory of `section` holding what the settings dataclass factory `factory` makes."""
+    def make() -> _Section:
+        made = factory()
+        return section(**{f.name: getattr(made, f.name) for f in dataclasses.fields(made)})
+
+    return make
 
 
 def _accepts_float(annotation: Any) -> bool:
@@ -120,15 +135,20 @@ def _accepts_float(annotation: Any) -> bool:
 
 
 def settings_section(settings: type, name: str) -> type[_Section]:
-    """The pydantic model of a YAML section whose keys are the fields of `settings`."""
+    """The pydantic model of a YAML section whose keys are the fields of `settings`; a field that
+    is a settings dataclass itself (the critic's `optimizer`) is a section nested in it."""
     hints = field_types(settings)
     fields = {}
     for f in dataclasses.fields(settings):
         key = f.metadata.get("key")  # a field named like a Python keyword (`in_`) is `in` in YAML
+        hint = hints[f.name]
         default = ({"default_factory": f.default_factory} if f.default_factory is not dataclasses.MISSING
                    else {"default": ...} if f.default is dataclasses.MISSING else {"default": f.default})
-        fields[f.name] = (hints[f.name], Field(**default, description=f.metadata.get("doc") or None,
-                                              **({"alias": key} if key else {})))
+        if dataclasses.is_dataclass(hint):
+            hint = settings_section(hint, hint.__name__.removesuffix("Config") + "Section")
+            default = {"default_factory": _section_of(hint, f.default_factory)}
+        fields[f.name] = (hint, Field(**default, description=f.metadata.get("doc") or None,
+                                      **({"alias": key} if key else {})))
     model = create_model(name, __base__=_Section, __doc__=settings.__doc__, **fields)
     model.settings = settings
     return model
@@ -136,7 +156,8 @@ def settings_section(settings: type, name: str) -> type[_Section]:
 
 # the YAML model of each section, named after its dataclass (CorrectionConfig -> CorrectionSection)
 (SamplingSection, CorrectionSection, AdvantageSection, KLSection, DistillSection, OptimizerSection, VllmSection,
- RecoverySection, LoraSection, WeightSyncSection, DataSection, ResourceSection, TrainerSection) = (
+ RecoverySection, LoraSection, WeightSyncSection, DataSection, ResourceSection, TrainerSection, CriticSection) = (
     settings_section(settings, settings.__name__.removesuffix("Config") + "Section")
     for settings in (SamplingConfig, CorrectionConfig, AdvantageConfig, KLConfig, DistillConfig, OptimizerConfig,
-                     VllmConfig, RecoveryConfig, LoraConfig, WeightSyncConfig, DataConfig, ResourceConfig, TrainerConfig))
+                     VllmConfig, RecoveryConfig, LoraConfig, WeightSyncConfig, DataConfig, ResourceConfig,
+                     TrainerConfig, CriticConfig))
