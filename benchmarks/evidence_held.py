@@ -11,9 +11,9 @@ staleness not held, too short: results/evidence.md). This one is set up so that 
 - **staleness held**: every run is the in-process loop (pipelines/local.py) with `lag = S`: the
   rollout of step k is sampled by version max(0, k - S), so from step S on every token is exactly
   S versions stale, whatever the machine's load (each step's realized staleness is recorded);
-- **most rows train**: the sums and differences of numbers up to 20 of scripts/make_smollm2_arith.py,
-  on which the model's sampled reward starts near 0.4 (measured before the study, and by the runs'
-  own first steps);
+- **most rows train**: the one-digit sums and differences of scripts/make_smollm2_arith.py, on
+  which the model's sampled reward starts near 0.4 (measured before the study, and by the runs'
+  own first steps), in groups of 8 samples;
 - **the regime where the gap should show**: simulated fp8 inference at S = 2;
 - **deterministic**: one process, fixed threads, seeded sampling: a cell rerun from scratch gives
   the same accuracy (the study's last check);
@@ -50,8 +50,8 @@ BASE = {
     "data.train_files": "[artifacts/smollm2/arith_train.jsonl]",
     "data.test_files": "[artifacts/smollm2/arith_test.jsonl]",
     "sampling.max_new_tokens": 48,
-    "prompts_per_step": 8,
-    "group_size": 4,
+    "prompts_per_step": 4,
+    "group_size": 8,
     "eval_prompts": 200,
     "checkpoint_every": 0,
     "report_to": "[]",
@@ -156,9 +156,9 @@ def main() -> None:
     r.add_argument("--seeds", type=int, default=6)
     r.add_argument("--first-seed", type=int, default=0)
     r.add_argument("--staleness", type=int, default=2)
-    r.add_argument("--steps", type=int, default=16)
+    r.add_argument("--steps", type=int, default=12)
     r.add_argument("--lr", type=float, default=3e-5)
-    r.add_argument("--eval-every", type=int, default=8)
+    r.add_argument("--eval-every", type=int, default=6)
     r.add_argument("--gradient-seeds", type=int, default=2)
     a = parser.parse_args()
     if a.command == "run":

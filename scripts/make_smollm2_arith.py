@@ -1,16 +1,17 @@
-"""Make the evidence study's slice of the real-model workload: small sums and differences.
+"""Make the evidence study's slice of the real-model workload: one-digit sums and differences.
 
     python scripts/make_smollm2_arith.py       # writes artifacts/smollm2/arith_{train,test}.jsonl
 
 SmolLM2-135M-Instruct samples the right answer to 3-7 % of the bundled word problems
 (artifacts/smollm2/), so most groups of 4 samples have no reward variance and most rows are not
-trained. Asked additions and subtractions of numbers up to 20 after two worked examples (a prior
-exchange in the chat), it samples the right answer about 40 % of the time (measured before the
-study: benchmarks/results/evidence.md, "Deciding it on the real model"), so most groups train,
-and its arithmetic, not the answer's format, limits what it learns. Every problem is one of 672
-operand pairs (a + b, and a - b with a >= b, operands 0-20) in one of four phrasings, with the
-smollm2 workload's system prompt; the test file's pairs are never in the train file in any
-phrasing, nor in the worked examples. Deterministic.
+trained. Asked additions and subtractions of one-digit numbers after two worked examples (a
+prior exchange in the chat), it samples the right answer about 40 % of the time under simulated
+fp8 inference (measured before the study: benchmarks/results/evidence.md, "Deciding it on the
+real model"), so most groups train, and it learns it within a dozen steps (with operands up to
+20, `--largest 20`, it did not learn in 16 steps). Every problem is one of 155 operand pairs
+(a + b, and a - b with a >= b, operands 0-9) in one of four phrasings, with the smollm2
+workload's system prompt; the test file's pairs are never in the train file in any phrasing, nor
+in the worked examples. Deterministic.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--test-pairs", type=int, default=50, help="operand pairs held out (x4 phrasings)")
-    parser.add_argument("--largest", type=int, default=20, help="the largest operand")
+    parser.add_argument("--largest", type=int, default=9, help="the largest operand")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     everything = pairs(args.largest)

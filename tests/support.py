@@ -121,8 +121,9 @@ def run_with_final_weights(config: PipelineConfig, steps: range | None = None, r
     """A synchronous pipeline's own stages run in this process (pipelines/local.py) on the
     session's Ray: the real policy store actor, the train step's workers 1..N-1 as Ray actors
     (the sharded ones need a process each), no Ray Data start-up per run. `steps` (default: all)
-    may start later, from `initial_weights`, with a job's `recorder` as the train step's hooks (a
-    resumed run). Returns the metrics and the final version's weights."""
+    may start later, from `initial_weights` (the policy's, or every learner's by name), with a
+    job's `recorder` as the train step's hooks (a resumed run). Returns the metrics and the final
+    version's policy weights."""
     from trajflow.pipelines.local import run_in_process
     from trajflow.pipelines.ray.trainer_group import RayWorkerGroup
     from trajflow.pipelines.rl_loop import RLPipeline
@@ -133,8 +134,9 @@ def run_with_final_weights(config: PipelineConfig, steps: range | None = None, r
         hooks = pipe.hooks
         hooks.on_start, hooks.on_rows, hooks.on_step = recorder.on_start, recorder.on_rows, recorder.on_step
     try:
-        store = pipe.start_store(initial_version=steps.start,
-                                 initial_weights=None if initial_weights is None else {"policy": initial_weights})
+        if initial_weights is not None and "policy" not in initial_weights:  # a policy's weights alone
+            initial_weights = {"policy": initial_weights}
+        store = pipe.start_store(initial_version=steps.start, initial_weights=initial_weights)
         return run_in_process(pipe, final_weights=True, steps=steps, store=store, workers=RayWorkerGroup)
     finally:
         pipe.shutdown()

@@ -157,13 +157,16 @@ SLOW_DECODE = ["--set", "simulate_decode_seconds=0.1"]
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("config", ["quickstart", "ppo"])
 def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an_uninterrupted_one(
-        tmp_path, chaos):
+        tmp_path, chaos, config):
     """Sync mode, 2 trainer workers: a trainer worker SIGKILLed at step 4, then the (fused) train
     step's process at step 6; each heals (the last checkpoint, 3 then 6, + the steps since it
     retrained from the log) and the run ends with the uninterrupted run's per-step metrics (1e-6)
     and final weights (1e-5); every step trained once, no trajectory twice. The uninterrupted run
-    goes alongside (its own Ray; the two share no state)."""
+    goes alongside (its own Ray; the two share no state). `ppo`: the workers hold a critic too
+    (a second learner), rebuilt from its own checkpoint the same way: its metrics and final
+    weights match as well."""
     from concurrent.futures import ThreadPoolExecutor
 
     import polars as pl
@@ -171,7 +174,7 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     from trajflow.engines import checkpoint as ckpt
 
     run_dir, uninterrupted = tmp_path / "run", tmp_path / "base"
-    args = ["quickstart", *SYNC, *SLOW_DECODE]
+    args = [config, *SYNC, *SLOW_DECODE]
     with ThreadPoolExecutor(1) as pool:
         base_run = pool.submit(chaos.chaos_run, args, uninterrupted, [], tmp_path / "base.log")
         result = chaos.chaos_run(args, run_dir, SYNC_KILLS, tmp_path / "log")
@@ -203,6 +206,9 @@ def test_killed_trainer_worker_and_train_step_are_rebuilt_and_the_run_matches_an
     final = [ckpt.latest_checkpoint(d / "checkpoints") for d in (uninterrupted, run_dir)]
     assert [c.version for c in final] == [STEPS, STEPS]
     assert _weights_gap(final) <= 1e-5
+    if config == "ppo":
+        assert {"critic/value_loss", "critic/explained_variance"} <= set(base.columns)
+        assert _weights_gap([ckpt.Checkpoint(c.path / "critic", c.version) for c in final]) <= 1e-5
     assert chaos.check_log(run_dir) == {"steps": list(range(STEPS)), "rows": STEPS * 32, "duplicate_ids": 0}
     for kill in result.kills:
         print(f"{kill.kind}: {kill.seconds:.1f} s from the kill to step {kill.step}'s metrics")
