@@ -40,6 +40,12 @@ CURVES = [
     ("staleness/mean", "staleness (mean per token)", "versions behind"),
     ("seconds_per_step", "wall time per step", "seconds"),
 ]
+# a run with a critic (PPO) adds these panels
+CRITIC_CURVES = [
+    ("critic/explained_variance", "critic: explained variance of the returns", "1 - Var(R - V) / Var(R)"),
+    ("critic/value_loss", "critic: value loss (0.5 squared error, clipped)", "loss"),
+    ("critic/value_staleness_mean", "critic: value staleness (mean per token)", "critic versions behind"),
+]
 FINAL_FRACTION = 5  # final_reward: the mean over the last fifth of the steps (at least 1)
 
 
@@ -236,8 +242,9 @@ def _title(runs: dict[str, Run]) -> str:
 
 
 def plot_runs(runs: dict[str, Run | pl.DataFrame], path: str | Path, smooth: int = 1) -> Path:
-    """One panel per curve (CURVES), one line per run (raw values; with smooth > 1 also a dashed
-    rolling mean), one legend for the figure; saved as PNG."""
+    """One panel per curve (CURVES, and CRITIC_CURVES when a run has a critic), one line per run
+    (raw values; with smooth > 1 also a dashed rolling mean), one legend for the figure; saved as
+    PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -246,12 +253,13 @@ def plot_runs(runs: dict[str, Run | pl.DataFrame], path: str | Path, smooth: int
 
     runs = _as_runs(runs)
     data = {label: run.metrics.join(step_seconds(run), on="step", how="left") for label, run in runs.items()}
+    curves = CURVES + (CRITIC_CURVES if any(CRITIC_CURVES[0][0] in m.columns for m in data.values()) else [])
     cols = 3
-    rows = (len(CURVES) + cols - 1) // cols
+    rows = (len(curves) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows + 1.0), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     handles = {}
-    for ax, (column, title, unit) in zip(axes.flat, CURVES):
+    for ax, (column, title, unit) in zip(axes.flat, curves):
         missing = []
         for i, (label, m) in enumerate(data.items()):
             key = (heldout_metric(m) or ("",))[0] if column == HELDOUT else column
@@ -282,7 +290,7 @@ def plot_runs(runs: dict[str, Run | pl.DataFrame], path: str | Path, smooth: int
                     color="0.35")
             ax.set_xticks([])
             ax.set_yticks([])
-    for ax in list(axes.flat)[len(CURVES):]:
+    for ax in list(axes.flat)[len(curves):]:
         ax.axis("off")
     subtitle = "raw per-step values" + (f"; dashed: rolling mean over {smooth} steps" if smooth > 1 else "")
     fig.suptitle(f"{_title(runs)}\n{subtitle}", fontsize=11)

@@ -29,11 +29,13 @@ from trajflow.schemas.columns import (KL_PENALTY_COLUMN, REFERENCE_COLUMN, RETUR
 
 
 class Advantage:
-    """`gae_values`: where GAE's values are (`values`: the column here; `train`: the train step
-    computes GAE); ignored by the other estimators. `kl`: the KL penalty's settings, which GAE
-    takes per token when it is in the reward."""
+    """`gae_values`: the column holding GAE's values (`values`, scored at rollout time; a replay
+    of a `values_at: train` log diagnoses on its `train_values`), or None: the train step computes
+    GAE; ignored by the other estimators. `kl`: the KL penalty's settings, which GAE takes per
+    token when it is in the reward."""
 
-    def __init__(self, config: AdvantageConfig, gae_values: str = VALUES_COLUMN, kl: KLConfig = KLConfig()) -> None:
+    def __init__(self, config: AdvantageConfig, gae_values: str | None = VALUES_COLUMN,
+                 kl: KLConfig = KLConfig()) -> None:
         if not isinstance(config, AdvantageConfig):
             raise TypeError(f"Advantage takes an AdvantageConfig, got {type(config).__name__}")
         self.config = config
@@ -42,10 +44,10 @@ class Advantage:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self.config.estimator == "gae":
-            if self.gae_values != VALUES_COLUMN:
+            if self.gae_values is None:
                 return batch  # the train step's (critic.values_at: train)
             width = max(1, max((len(r) for r in batch["response_tokens"].to_pylist()), default=1))
-            return gae_columns(batch, padded(batch[VALUES_COLUMN], width, 0.0), self.config, self.kl)
+            return gae_columns(batch, padded(batch[self.gae_values], width, 0.0), self.config, self.kl)
         rewards = batch["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
         if KL_PENALTY_COLUMN in batch.column_names:  # the KL to the reference, in the reward (kl.in: reward)
             rewards = rewards - batch[KL_PENALTY_COLUMN].to_numpy(zero_copy_only=False).astype(np.float64)

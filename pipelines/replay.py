@@ -8,6 +8,10 @@ you pass, with the stages you inserted), turned into a replay by one rule:
 
 - `generate` is replaced by the log, one block per logged train step (every step must hold the
   config's rows_per_step rows).
+- `values` (a critic's, scored at rollout time) are the log's too, each token's at its recorded
+  `value_versions`: the values GAE read, which the replay's advantage stage turns into GAE again
+  (a log of `critic.values_at: train` diagnoses on its `train_values`; a `--train` replay's own
+  critic, started from the first step's critic checkpoint, scores and trains as live).
 - `reward` is the log's: the reward as trained, after the verifier or the environment (whose
   reward the generator wrote) and after every live stage that edited it. The reward stage is not
   re-run (an external reward may be slow, paid or not deterministic) and no replayed stage can
@@ -160,19 +164,21 @@ def load_trajectories(path: str | Path, allow_nonfinite: bool = False) -> dict[i
 
 def _prepare(table: pa.Table) -> pa.Table:
     """Drop what the replay recomputes: filter reasons, old, proximal, reference and teacher
-    log-probs (pi_old's and the teacher's on the top-k ids too), the KL penalty, advantages. The
-    sampler's top-k (ids, mu) are the log's, like the tokens."""
+    log-probs (pi_old's and the teacher's on the top-k ids too), the KL penalty, advantages and
+    GAE's returns. The sampler's top-k (ids, mu) and a critic's values are the log's, like the
+    tokens."""
     from trajflow.schemas.columns import (
         FILTER_REASON,
         KL_PENALTY_COLUMN,
         PROXIMAL_COLUMN,
         REFERENCE_COLUMN,
+        RETURNS_COLUMN,
         TOKEN_ADVANTAGE_COLUMN,
         replace_column,
     )
 
     recomputed = (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN, TOKEN_ADVANTAGE_COLUMN,
-                  "top_k_old_logprobs", "teacher_logprobs", "top_k_teacher_logprobs")
+                  RETURNS_COLUMN, "top_k_old_logprobs", "teacher_logprobs", "top_k_teacher_logprobs")
     table = table.drop_columns([c for c in recomputed if c in table.column_names])
     table = replace_column(table, "old_logprobs", pa.nulls(table.num_rows, pa.list_(pa.float32())))
     return replace_column(table, "advantage", pa.nulls(table.num_rows, pa.float32()))
@@ -220,6 +226,16 @@ def version_candidates(checkpoints: Path, version: int) -> list[Path]:
     in_checkpoints = [root / step / name for root in (checkpoints, checkpoints / "checkpoints")
                       for name in ("model.safetensors", ckpt.ADAPTER_FILE)]
     return [p for p in versions if p is not None] + in_checkpoints
+
+
+def critic_candidates(checkpoints: Path, version: int) -> list[Path]:
+    """Where the critic's weights of `version` may be: its version file (versions/critic/), or a
+    checkpoint's critic directory."""
+    from trajflow.operators.contracts.store import CRITIC
+
+    step = ckpt.checkpoint_dir(".", version).name
+    return [ckpt.version_file(root / CRITIC, version) for root in (checkpoints, checkpoints / "versions")] + \
+        [root / step / CRITIC / "model.safetensors" for root in (checkpoints, checkpoints / "checkpoints")]
 
 
 def locate_versions(checkpoints: str | Path, versions: Iterable[int]) -> tuple[dict[int, Path], list[int]]:
@@ -342,6 +358,14 @@ class Replay:
                               f"(prompts_per_step x group_size); steps affected: {format_versions(wrong)}")
         needed = required_versions(self.steps, self.strategies, self.mode)
         self.weights, missing = locate_versions(checkpoints, needed)
+        self.critic_start = None  # a --train replay's critic: the first step's version of it
+        if self.mode == "train" and self.config.critic is not None:
+            first = min(self.steps)
+            self.critic_start = next((p for p in critic_candidates(checkpoints, first) if p.exists()), None)
+            if self.critic_start is None:
+                raise ReplayError(f"the critic's weights of version {first} are missing from {checkpoints} (a "
+                                  "--train replay starts its critic there: a checkpoint of that version, or "
+                                  "save_all_versions: true)")
         if missing:
             names = ",".join(s.name for s in self.strategies)
             raise ReplayError(
@@ -363,7 +387,15 @@ class Replay:
         own = {p.stage.name for p in live.strategy.stages(ctx)}
         # Sentinels where generate and train were, so strategies can place relative to them.
         chain = [Stage("generate", _nothing)]
-        chain += [replayed(s) for s in live.stages if s.name not in {"generate", "reward", "train"} | own]
+        chain += [replayed(s) for s in live.stages if s.name not in {"generate", "reward", "values", "train"} | own]
+        critic = self.config.settings.critic
+        if critic is not None and critic.values_at == "train" and self.mode == "diagnose":  # GAE on the log's
+            from trajflow.operators.advantage import Advantage
+            from trajflow.schemas.columns import TRAIN_VALUES_COLUMN
+
+            s = self.config.settings
+            chain = [replayed(Stage("advantage", Advantage(s.advantage, TRAIN_VALUES_COLUMN, s.kl)))
+                     if stage.name == "advantage" else stage for stage in chain]
         chain.append(Stage("train", _nothing))
         placed: set[str] = set()
         for strategy in self.strategies:
@@ -433,6 +465,10 @@ class Replay:
             # store copies that one (and only that one) into its own ownership.
             stores["trainer"] = RayStore.start(self.config.max_staleness, False, final_version=first + len(self.steps))
             stores["trainer"].publish(ckpt.load_version(self.weights[first]), first)
+            if self.critic_start is not None:
+                from trajflow.operators.contracts.store import CRITIC
+
+                stores["trainer"].publish(ckpt.load_weights(self.critic_start), first, learner=CRITIC)
         try:
             for batch in self.dataset(stores).iter_batches(batch_size=None, batch_format="pyarrow",
                                                            prefetch_batches=0):

@@ -223,7 +223,7 @@ class RLPipeline:
                               numerics=s.numerics, weight_sync=s.weight_sync, torch_threads=s.generator.torch_threads),
                          s.generator, pool_size=c.num_generators)
         critic = s.critic
-        gae_values = "train" if critic is not None and critic.values_at == "train" else VALUES_COLUMN
+        gae_values = None if critic is not None and critic.values_at == "train" else VALUES_COLUMN
         stages = [
             generate,
             Stage("reward", Reward(self.model_path, self.workload, self.sampling.stop)),

@@ -16,11 +16,12 @@ PPO_SYNC = dict(SYNC, advantage={"estimator": "gae", "lam": 0.95},
                 critic={"optimizer": {"lr": 3e-3, "minibatches_per_step": 2}})
 
 
-def _recorder(run_dir, steps: int, resume_from: str | None = None):
+def _recorder(run_dir, steps: int, resume_from: str | None = None, log: bool = False):
+    """The job's recorder; `log`: the trajectory log and every version (both learners'), for a replay."""
     from trajflow.jobs.recorder import RunRecorder
 
     return RunRecorder(run_dir=str(run_dir), steps=steps, checkpoint_every=2, keep_checkpoints=5,
-                       save_all_versions=False, trajectory_log=False, resume_from=resume_from)
+                       save_all_versions=log, trajectory_log=log, resume_from=resume_from)
 
 
 def _critic_state(run_dir) -> tuple[dict, dict | None]:
@@ -39,7 +40,8 @@ def _critic_state(run_dir) -> tuple[dict, dict | None]:
 def one_worker_ppo(ray_session, tmp_path_factory):
     """The PPO pipeline on one worker: (metrics, final policy weights, run dir)."""
     run_dir = tmp_path_factory.mktemp("ppo-one")
-    metrics, weights = run_with_final_weights(PipelineConfig(**PPO_SYNC), recorder=_recorder(run_dir, SYNC["steps"]))
+    metrics, weights = run_with_final_weights(PipelineConfig(**PPO_SYNC),
+                                              recorder=_recorder(run_dir, SYNC["steps"], log=True))
     return metrics, weights, run_dir
 
 
@@ -107,3 +109,28 @@ def _tensors(state) -> list[torch.Tensor]:
     if isinstance(state, (list, tuple)):
         return [t for v in state for t in _tensors(v)]
     return []
+
+
+@pytest.mark.timeout(600)
+def test_a_ppo_log_replays_reading_its_values_and_retraces_both_learners(one_worker_ppo):
+    """--diagnose reads the log's values (each token's at its value version, no critic needed) and
+    recomputes GAE on them; --train starts its critic from the first step's version of it and
+    retraces the run: the policy's and the critic's losses, and the final policy weights. (The
+    run makes 2 updates per step, so a diagnosis, one set of weights per step, has other losses.)"""
+    from trajflow.engines import checkpoint as ckpt
+    from trajflow.pipelines.replay import Replay
+
+    logged, _, run_dir = one_worker_ppo
+    config = PipelineConfig(**PPO_SYNC)
+    assert (run_dir / "versions" / "critic" / "v000003.safetensors").is_file()  # both learners' versions kept
+    diagnosed = Replay(config, run_dir / "trajectories", run_dir / "versions", ["snapshot"], "diagnose").run(
+        progress=False)
+    assert diagnosed["rows_trained"].to_list() == logged["rows_trained"].to_list()
+    assert diagnosed["mask/token_kept_frac"].to_list() == pytest.approx(logged["mask/token_kept_frac"].to_list())
+    trained = Replay(config, run_dir / "trajectories", run_dir, ["snapshot"], "train")
+    metrics = trained.run(progress=False)
+    assert metrics["version"].to_list() == logged["version"].to_list()
+    for key in ("loss", "critic/value_loss", "critic/explained_variance"):
+        assert metrics[key].to_list() == pytest.approx(logged[key].to_list(), rel=1e-5, abs=1e-6), key
+    final = ckpt.load_weights(run_dir / "versions" / f"v{SYNC['steps']:06d}.safetensors")
+    assert max_abs_difference(trained.final_weights, final) < 1e-5
