@@ -121,6 +121,8 @@ def correction_diagnostics(
 ) -> dict[str, float]:
     """Diagnostics of one batch from the loss bookkeeping (see the module docstring for keys).
     `reference`: the loss had reference log-probs (report kl/mean from LossOutput.kl)."""
+    check_number("correction_diagnostics", trainer_version=trainer_version, ewma_age=ewma_age,
+                 ewma_reset_count=ewma_reset_count)
     m = out.loss_mask
     seqs = m.any(dim=-1)
     clipped = out.clipped_low | out.clipped_high | out.dual_clipped

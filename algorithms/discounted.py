@@ -20,9 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from trajflow.settings import check_number
+
 
 def discounted_returns(token_rewards: Any, loss_mask: Any, gamma: float) -> np.ndarray:
     """G [B, T] float64 from token rewards [B, T] and a loss mask [B, T] (module docstring)."""
+    check_number("discounted_returns", gamma=gamma)
     rewards = np.asarray(token_rewards, dtype=np.float64)
     mask = np.asarray(loss_mask, dtype=bool)
     if rewards.shape != mask.shape or rewards.ndim != 2:
@@ -53,6 +56,7 @@ def outcome_token_rewards(rewards: Any, loss_mask: Any) -> np.ndarray:
 def masked_whiten(values: np.ndarray, mask: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     """(values - mean) / sqrt(var + eps) over the masked entries (ddof 1), 0 elsewhere; 0
     everywhere with fewer than two masked entries."""
+    check_number("masked_whiten", eps=eps)
     mask = np.asarray(mask, dtype=bool)
     n = int(mask.sum())
     if n < 2:
@@ -65,6 +69,7 @@ def masked_whiten(values: np.ndarray, mask: np.ndarray, eps: float = 1e-8) -> np
 def reinforce_plus_plus_discounted(rewards: Any, loss_mask: Any, gamma: float) -> np.ndarray:
     """Per-token REINFORCE++ advantages [N, T] float32 from outcome rewards [N] and a loss
     mask [N, T] (module docstring)."""
+    check_number("reinforce_plus_plus_discounted", gamma=gamma)
     mask = np.asarray(loss_mask, dtype=bool)
     returns = discounted_returns(outcome_token_rewards(rewards, mask), mask, gamma)
     return masked_whiten(returns, mask).astype(np.float32)

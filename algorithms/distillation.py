@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trajflow.settings import check_number
+
 from .distributions import support_kl, support_mass
 from .masked import masked_mean
 
@@ -42,6 +44,7 @@ from .masked import masked_mean
 def reverse_kl_advantages(student: Tensor, teacher: Tensor, coef: float) -> Tensor:
     """[B, T] detached: -coef (student - teacher) per sampled token (0 where either is not finite:
     such a token is out of the loss anyway)."""
+    check_number("reverse_kl_advantages", coef=coef)
     finite = torch.isfinite(student) & torch.isfinite(teacher)
     diff = torch.where(finite, student.detach(), 0.0) - torch.where(finite, teacher.detach(), 0.0)
     return (-coef * diff).detach()
@@ -51,6 +54,8 @@ def distillation_advantages(student: Tensor, teacher: Tensor, task: Tensor, reve
                             task_advantage_coef: float) -> Tensor:
     """Per-token advantages [B, T]: the reverse-KL advantage plus task_advantage_coef x the task's
     advantages (`task` [B] or [B, T])."""
+    check_number("distillation_advantages", reverse_kl_coef=reverse_kl_coef,
+                 task_advantage_coef=task_advantage_coef)
     advantages = reverse_kl_advantages(student, teacher, reverse_kl_coef)
     if task_advantage_coef:
         task = task[:, None] if task.dim() == 1 else task

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trajflow.settings import check_number
+
 from .masked import LOG_RATIO_CLAMP, masked_mean
 
 TAIL_FLOOR = 1e-6  # the paper's floor for tail masses (arXiv 2609.20807, appendix A.3)
@@ -83,6 +85,7 @@ def mismatch(p_logprobs: Tensor, q_logprobs: Tensor, metric: str) -> Tensor:
 def distribution_keep(distance: Tensor, loss_mask: Tensor, threshold: float, level: str) -> Tensor:
     """bool [B, T]: the loss tokens the distribution-level mask keeps, distance <= threshold per
     token ("token") or the mean over the sequence's loss tokens ("sequence")."""
+    check_number("distribution_keep", threshold=threshold)
     if level == "token":
         keep = distance <= threshold
     elif level == "sequence":

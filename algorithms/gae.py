@@ -77,6 +77,7 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """(x - mean) / sqrt(var + eps) with the mean and the unbiased variance over the mask's
     tokens (veRL's `masked_whiten`); every position is shifted, the masked ones included. Fewer
     than two tokens: x - mean (nothing to scale by)."""
+    check_number("whiten", eps=eps)
     m = mask.bool()
     n = int(m.sum())
     if n == 0:

@@ -221,6 +221,7 @@ def off_policy_sequence_mask(log_rd: Tensor, log_rs: Tensor, advantages: Tensor,
     DeepSeek-V3.2 (arXiv 2512.02556, eq. 9); TRL `off_policy_mask_threshold`, which measures
     against the sampling (inference) log-probs as here: the whole drift from mu, numerics and
     staleness. `log_rs` per token."""
+    check_number("off_policy_sequence_mask", delta=delta)
     drift = -masked_mean(log_rd + log_rs.detach(), loss_mask, dim=-1)
     return loss_mask & (advantages < 0) & (drift > delta)[:, None]
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trajflow.settings import check_number
+
 from .distributions import TAIL_FLOOR, tail_mass
 
 
@@ -40,6 +42,7 @@ def centering_coefficients(current: Tensor, old: Tensor, sampler: Tensor, tis_ca
     policy, pi_old and the sampler (each [B, T, K], full-vocabulary normalised; -inf: an id outside
     that side's support). `tis_cap`: the token-level TIS cap C on r_d (None: w_d = 1);
     `sequence_weight` [B, T]: the sequence-level TIS weight instead (the same for every candidate)."""
+    check_number("centering_coefficients", tis_cap=tis_cap)
     p_log, o_log, q_log = (x.detach().double() for x in (current, old, sampler))
     p, o, q = p_log.exp(), o_log.exp(), q_log.exp()
     p_tail, o_tail, q_tail = (tail_mass(x).clamp(min=TAIL_FLOOR) for x in (p_log, o_log, q_log))

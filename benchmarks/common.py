@@ -259,3 +259,16 @@ def mean_std(values: list[float], digits: int = 3) -> str:
     if not values:
         return "n/a"
     return f"{np.mean(values):.{digits}f} ± {np.std(values):.{digits}f}"
+
+
+def table(rows: list[dict]) -> str:
+    """Rows of the same keys as a markdown table (floats to 3 decimals)."""
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(k)) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return f"{v:,.3f}" if isinstance(v, float) else "" if v is None else str(v)

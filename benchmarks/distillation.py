@@ -108,7 +108,7 @@ def last_mean(m: pl.DataFrame, column: str, steps: int = 10, first: bool = False
 def report(part: str, suffix: str = "") -> str:
     """Markdown tables of a part's arms from its parquet (one row per arm and seed; with several
     seeds, a summary over them), and its plot (results/distributions_<part>.png)."""
-    from benchmarks.run_all import table
+    from benchmarks.common import table
 
     metrics = pl.read_parquet(OUT / f"distributions_{part}{suffix}.parquet")
     if "seed" not in metrics.columns:

@@ -151,7 +151,7 @@ def measure(extra: tuple[str, ...] = ()) -> dict:
 
 def run(steps: int | None = None) -> str:
     """Markdown: the side-by-side row, then the parts of enter to exit."""
-    from benchmarks.run_all import table
+    from benchmarks.common import table
 
     result = measure(("--set", f"steps={steps}") if steps else ())
     return "\n\n".join([

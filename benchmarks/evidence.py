@@ -250,7 +250,7 @@ def regime_prefix(real: bool) -> str:
 
 def regime_report(metrics: pl.DataFrame, real: bool = False) -> str:
     """The tables of the regime study from its per-step rows (also `regime --report`), and the plot."""
-    from benchmarks.run_all import table
+    from benchmarks.common import table
 
     summary = regime_summary(metrics)
     name = regime_prefix(real)
@@ -458,7 +458,7 @@ def main() -> None:
         print(regime_report(pl.read_parquet(RESULTS / f"{regime_prefix(a.real)}.parquet"), a.real) if a.report
               else run_regime(a.steps, a.quick, a.work, a.real))
         return
-    from benchmarks.run_all import table
+    from benchmarks.common import table
 
     if a.what == "ewma":
         print(table(ewma_study(a.run)))

@@ -55,7 +55,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             vocab_size=128, tie_word_embeddings=True, max_position_embeddings=256, rms_norm_eps=1e-5,
             hidden_act="silu")
 # float32 generation (KV cache, incremental) against teacher-forced scoring of the same weights:
-# equal up to the order of reductions (1.5e-5 measured on the CPU for SmolLM2-135M, DESIGN.md §6)
+# equal up to the order of reductions (1.5e-5 measured on the CPU for SmolLM2-135M, docs/design.md §6)
 EXACT_TOLERANCE = 1e-4
 EXACT_STRATEGIES = ("snapshot", "dedicated", "interrupt")
 

@@ -231,7 +231,7 @@ def _per_round(d: dict) -> str:
 
 
 def report() -> str:
-    from benchmarks.run_all import table
+    from benchmarks.common import table
 
     parts = ["# The real model: SmolLM2-135M-Instruct (4-bit-quantized Q4_1 weights, dequantized to float32)",
              "Made by `python -m benchmarks.real_model SECTION` (each section's raw numbers: "

@@ -7,10 +7,10 @@
 One step of the smollm2 workload is generated, rewarded and scored once (snapshot, float32, every
 row trained: `drop_zero_variance_groups: false`), in this process, on the pipeline's own operators
 (an in-process policy store, no Ray). Then the train operator runs `--repeats` times on that same
-batch (`max_staleness` large enough that no token is over-stale), each timed; its parts are timed
-with the torch profiler's `record_function` ranges of operators/correction.py and the step.
-Reports seconds per train step (min and median), the process's peak RSS from the first train
-step on (VmHWM reset after generation and scoring) and the profiler's top operators.
+batch (`max_staleness` large enough that no token is over-stale), each timed; with `--profile`, one
+more step runs under the torch profiler, whose table of operators by CPU time goes to that file.
+Reports seconds per train step (min and median) and the process's peak RSS from the first train
+step on (VmHWM reset after generation and scoring).
 """
 
 from __future__ import annotations

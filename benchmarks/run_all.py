@@ -34,25 +34,13 @@ from benchmarks import (  # noqa: E402
     trl_compare,
     weight_sync,
 )
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import machine, table  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 SECTIONS = HERE / "results"  # one file per benchmark, so each can be refreshed on its own
 ORDER = ["quality", "async_vs_sync", "overhead", "data_plane", "hops", "store_calls", "orchestration", "compute_bound", "publish",
          "trainer_dp", "trainer_fsdp", "weight_sync", "startup", "end_to_end", "trl", "evidence_regime"]
-
-
-def table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    for row in rows:
-        lines.append("| " + " | ".join(_fmt(row.get(k)) for k in keys) + " |")
-    return "\n".join(lines)
-
-
-def _fmt(v) -> str:
-    return f"{v:,.3f}" if isinstance(v, float) else "" if v is None else str(v)
 
 
 def run_section(name: str, quick: bool, strategies: list[str] | None = None) -> tuple[str, str]:

@@ -280,7 +280,7 @@ CONFIGS = (
 
 def run(steps: int = 20) -> str:
     """Markdown: one row per configuration, then each one's driver phases and process tree."""
-    from benchmarks.run_all import table
+    from benchmarks.common import table
 
     results = [(label, measure(steps, extra)) for label, extra in CONFIGS]
     summary = [{"run": label, **{k: v for k, v in r.items() if not isinstance(v, (list, dict))}}
@@ -290,7 +290,7 @@ def run(steps: int = 20) -> str:
 
 def details(result: dict) -> str:
     """Markdown: the driver's phases, every process of the tree, what the actors report."""
-    from benchmarks.run_all import table
+    from benchmarks.common import table
 
     actors = "; ".join(f"{k.removeprefix('startup_seconds/')} {v:.2f}" for k, v in result["actors"].items())
     stages = "; ".join(f"{k.removeprefix('stage_seconds/')} {v:.2f}" for k, v in result["step 1 stages"].items())
@@ -308,7 +308,7 @@ def repeated(runs: int, steps: int = 30, extra: tuple[str, ...] = ()) -> str:
     their medians, then the median run's process shares at its PSS peak and its processes' CPU."""
     import statistics
 
-    from benchmarks.run_all import table
+    from benchmarks.common import table
 
     results = [measure(steps, extra) for _ in range(runs)]
     rows = [{"run": i + 1, "enter to first step line s": r["enter to first step line s"],

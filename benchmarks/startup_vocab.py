@@ -112,7 +112,7 @@ def validation_seconds(python: str, config: Path) -> dict:
 
 
 def run(pythons: list[str], steps: int = 2) -> str:
-    from benchmarks.run_all import table
+    from benchmarks.common import table
     from benchmarks.startup import measure
 
     rows = []

@@ -234,7 +234,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="write the raw results (JSON) here")
     p.add_argument("--only", nargs="+", metavar="SHORT", help="TRL and these trajflow systems (e.g. async_all)")
     a = p.parse_args()
-    from benchmarks.run_all import table
+    from benchmarks.common import table
 
     data = run(a.steps, a.repeats, a.prompts, a.group, a.max_new_tokens, a.lr, a.threads, work=a.work, only=a.only)
     if a.out:

@@ -471,6 +471,10 @@ class TrainStep(TrainerReplica):
         if critic is not None:
             diagnostics.update(critic.diagnostics([r.critic for r in results], trainer_version))
         parallel = self._parallel_metrics([r.policy or r.critic for r in results])
+        for name in ("policy", "critic"):  # each learner's update, the slowest worker's
+            done = [getattr(r, name) for r in results if getattr(r, name) is not None]
+            if done:
+                parallel[f"seconds/{name}_update_seconds"] = max(d.seconds for d in done)
         return diagnostics, old, parallel
 
     def _policy_diagnostics(self, results: list, batch: StepBatch, trainer_version: int) -> tuple[dict, list]:

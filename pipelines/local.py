@@ -43,6 +43,7 @@ from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.trainer.group import InProcessGroup, WorkerGroup
 from trajflow.pipelines.policy_store import InProcessStore
 from trajflow.pipelines.rl_loop import RLPipeline
+from trajflow.settings import check_number
 
 
 def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: range | None = None,
@@ -57,6 +58,7 @@ def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: rang
     import polars as pl
 
     steps = range(pipe.config.steps) if steps is None else steps
+    check_number("run_in_process", lag=lag)
     if not 0 <= lag <= pipe.config.max_staleness:
         raise ValueError(f"lag: {lag} must be in [0, max_staleness = {pipe.config.max_staleness}]")
     if store is None:

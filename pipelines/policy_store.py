@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trajflow.operators.contracts.store import POLICY, StoreStats, VersionNotHeld
+from trajflow.settings import check_number
 
 if TYPE_CHECKING:
     import ray
@@ -70,6 +71,7 @@ class PolicyStore:
     """Owner of versions, snapshots, the admission bound and the step counters (any payload)."""
 
     def __init__(self, max_staleness: int, keep_history: bool) -> None:
+        check_number("PolicyStore", max_staleness=max_staleness)
         self.max_staleness = max_staleness
         # Strategies that recompute old log-probs after generation (snapshot, dedicated) need the
         # weights of a version until its tokens are scored; the others only need the newest.

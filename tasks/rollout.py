@@ -36,6 +36,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trajflow.deprecations import renamed_names
+from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.tokenizer import decode_response, decode_responses, encode_prompt, stop_token_ids
 from trajflow.engines.torch_engine import Generation, TorchEngine, greedy_engine
 from trajflow.tasks.base import Prompt, Task
@@ -218,6 +219,16 @@ def heldout_mean_reward(
     return float(np.mean([0.0 if r is None else r for r in rewards])) if rewards else 0.0
 
 
+@dataclass(frozen=True)
+class SampledEvaluation:
+    """A held-out evaluation by sampling: `samples` responses per prompt at `temperature`, from a
+    generator seeded with `seed` (heldout_rewards)."""
+
+    samples: int = 4
+    temperature: float = 1.0
+    seed: int = 0
+
+
 def heldout_rewards(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -226,9 +237,12 @@ def heldout_rewards(
     max_new_tokens: int,
     batch_size: int = 256,
     stop: Sequence[str] = (),
+    sampled: SampledEvaluation | None = None,
 ) -> list[float | None]:
     """The reward of the greedy response to each of the first n held-out prompts (None where the
-    reward failed; n None: every row of a dataset's data.test_files).
+    reward failed; n None: every row of a dataset's data.test_files). `sampled`: instead, the
+    rewards of `sampled.samples` responses per prompt (prompt-major) sampled at
+    `sampled.temperature` from a seeded generator: the same numbers on every call.
 
     For an environment: the reward of each greedy multi-turn episode (max_new_tokens per turn).
     """
@@ -241,15 +255,23 @@ def heldout_rewards(
     else:
         rows, runner, columns = workload.heldout_rows(tokenizer, n), workload.reward_runner(), workload.columns()
     stop_ids = stop_token_ids(tokenizer, getattr(model, "name_or_path", None) or None)
-    engine = greedy_engine(model, tokenizer, max_new_tokens, stop_token_ids=stop_ids)
+    n = 1 if sampled is None else sampled.samples
+    if sampled is None:
+        engine = greedy_engine(model, tokenizer, max_new_tokens, stop_token_ids=stop_ids)
+    else:
+        engine = TorchEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                             sampling=SamplingConfig(temperature=sampled.temperature, max_new_tokens=max_new_tokens),
+                             seed=sampled.seed, stop_token_ids=stop_ids)
     prompts = rows["prompt"].to_pylist()
     tokens = rows["prompt_tokens"].to_pylist()
     rewards: list[float | None] = []
-    for start in range(0, rows.num_rows, batch_size):
-        gens = engine.generate(tokens[start:start + batch_size])
+    step = max(1, batch_size // n)
+    for start in range(0, rows.num_rows, step):
+        gens = engine.generate(tokens[start:start + step], n)
         completions = decode_responses(tokenizer, [g.response_tokens for g in gens], stop_ids, stop)
-        chunk = {c: rows[c].slice(start, len(gens)).to_pylist() for c in columns}
-        rewards += runner(prompts[start:start + len(gens)], completions, chunk).scores
+        count = len(gens) // n
+        chunk = {c: [v for v in rows[c].slice(start, count).to_pylist() for _ in range(n)] for c in columns}
+        rewards += runner([p for p in prompts[start:start + count] for _ in range(n)], completions, chunk).scores
     return rewards
 
 

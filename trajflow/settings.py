@@ -8,9 +8,9 @@ its documentation and its bounds, checked on construction.
             check_settings(self)
 
 The same declaration serves a library user (`CorrectionConfig(mask_c_seq=1.01)`: checked here)
-and a job config (pipelines/config.py builds each YAML section from its dataclass: the same
-fields, defaults, descriptions and checks), so the two can never disagree. A boolean is never a
-number (`tis_cap=True` is an error, not 1.0), numbers must be finite, and a value outside its
+and a job config (pipelines/config/sections.py builds each YAML section from its dataclass: the
+same fields, defaults, descriptions and checks), so the two can never disagree. A boolean is never
+a number (`tis_cap=True` is an error, not 1.0), numbers must be finite, and a value outside its
 bounds is a `SettingError` naming `Class.field`.
 
 Torch-free on purpose: validating a job config must not import torch (tests/test_startup.py).

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from trajflow.settings import check_settings, setting
+from trajflow.settings import check_number, check_settings, setting
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Stage:
     own_process: bool = False
 
     def __post_init__(self) -> None:
+        check_number("Stage", pool_size=self.pool_size)
         if self.is_actor:
             check_arguments(self.name, self.fn, self.kwargs)
 

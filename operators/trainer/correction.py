@@ -37,6 +37,7 @@ from trajflow.algorithms.distillation import distillation_advantages, distillati
 from trajflow.algorithms.distributions import distribution_diagnostics, distribution_keep, mismatch
 from trajflow.algorithms.kl import kl_estimate
 from trajflow.algorithms.objective import CorrectionConfig, LossOutput, LossSum, decoupled_loss
+from trajflow.algorithms.rejection import rejection_metrics
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.strategies.base import Strategy, Trainer
@@ -290,9 +291,13 @@ def step_diagnostics(merged: LossOutput, batch: StepBatch, trainer_version: int,
     LossOutput.kl in either place of the KL); with the rows' top-k, the distribution-level
     mismatch of mu and the `strategy`'s pi_old (algorithms/distributions.py); with a teacher,
     how far mu is from it (algorithms/distillation.py). `config`: with a `dist_mask`, the
-    fraction of loss tokens it keeps (`mask/dist_kept_frac`)."""
+    fraction of loss tokens it keeps (`mask/dist_kept_frac`); with `rejection` rules, the fraction
+    of loss tokens and of sequences each rule alone rejects (`rejection/<statistic>/token_frac`,
+    `/seq_frac`: algorithms/rejection.py)."""
     d = correction_diagnostics(merged, versions=batch.versions, trainer_version=trainer_version,
                                advantages=batch.advantages, reference=batch.reference is not None)
+    if config is not None and config.rejection:  # on the step's loss tokens, as the loss applied them
+        d.update(rejection_metrics(merged.log_rd, merged.loss_mask, config.rejection))
     if batch.top_k_inference is not None:
         old_top_k = strategy.proximal_top_k(batch) if strategy is not None else None
         d.update(distribution_diagnostics(batch.top_k_inference, old_top_k, merged.loss_mask))

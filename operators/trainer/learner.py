@@ -54,6 +54,7 @@ class UpdateResult:
     allreduce_seconds: float = 0.0
     state_bytes: dict[str, int] = field(default_factory=dict)  # after the last optimizer step (Learner.state_bytes)
     lr: float | None = None  # the learning rate of the last optimizer update
+    seconds: float = 0.0  # the update's wall time on this worker (the strategy's before-step hook included)
 
 
 Batch = TypeVar("Batch")

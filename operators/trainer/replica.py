@@ -13,6 +13,7 @@ worker's version: after a step every one of them is one version further.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,12 +104,16 @@ class TrainerReplica:
         docstring). Every worker calls this once per step with the same minibatches."""
         critic = None
         if self.critic is not None and work.critic is not None:
+            started = time.perf_counter()
             critic = self.critic.update(work.critic.minibatches(self.critic.dummy(work.width)), CriticResult())
+            critic.seconds = time.perf_counter() - started
         policy = None
         if work.train_policy:
+            started = time.perf_counter()
             batch = self._step_batch(work)
             self.policy.before_step(batch, self.policy.dummy(work.width, work.trainer_version))
             policy = self.policy.update(self._minibatches(work, batch), PolicyResult())
+            policy.seconds = time.perf_counter() - started
         return ShardResult(policy, critic)
 
     def _step_batch(self, work: ShardWork) -> StepBatch | None:

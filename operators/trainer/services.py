@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
+from trajflow.tasks.rollout import SampledEvaluation
 from trajflow.tasks.workload import Workload
 
 
@@ -41,13 +42,16 @@ class HeldoutEvaluation:
     weights of a fresh run (in step 0's row: version 0 is the model at `model_path`, loaded for
     this alone; the trainer's copy is already updated when the hooks run). Named for what it is:
     `heldout/accuracy` (`heldout/accuracy_start`) when every reward is 0 or 1, else
-    `heldout/mean_reward` (`heldout/mean_reward_start`); a failed reward counts 0. The tokenizer
-    loads on first use, in the trainer."""
+    `heldout/mean_reward` (`heldout/mean_reward_start`); a failed reward counts 0. `sampled`:
+    the mean reward of seeded samples instead of the greedy response's (tasks/rollout.py
+    `SampledEvaluation`), under `heldout/sampled_accuracy` / `heldout/sampled_mean_reward`. The
+    tokenizer loads on first use, in the trainer."""
 
     def __init__(self, model_path: str | Path, workload: Workload, every: int, prompts: int, max_new_tokens: int,
-                 stop: Sequence[str] = ()) -> None:
+                 stop: Sequence[str] = (), sampled: SampledEvaluation | None = None) -> None:
         self.model_path, self.workload = str(model_path), workload
         self.every, self.prompts, self.max_new_tokens, self.stop = every, prompts, max_new_tokens, tuple(stop)
+        self.sampled = sampled
         self._tokenizer = None
 
     def __call__(self, trainstep, batch: pa.Table, metrics: dict) -> None:
@@ -70,9 +74,11 @@ class HeldoutEvaluation:
         from trajflow.tasks.rollout import heldout_rewards
 
         rewards = [0.0 if r is None else r for r in heldout_rewards(
-            model, self._tokenizer, self.workload, self.prompts, self.max_new_tokens, stop=self.stop)]
+            model, self._tokenizer, self.workload, self.prompts, self.max_new_tokens, stop=self.stop,
+            sampled=self.sampled)]
         binary = all(r in (0.0, 1.0) for r in rewards)
-        return ("heldout/accuracy" if binary else "heldout/mean_reward"), float(np.mean(rewards)) if rewards else 0.0
+        kind = ("sampled_" if self.sampled is not None else "") + ("accuracy" if binary else "mean_reward")
+        return f"heldout/{kind}", float(np.mean(rewards)) if rewards else 0.0
 
 
 class StoreStatistics:

@@ -33,7 +33,8 @@ The patches (measured figures: benchmarks/results/, on this 2-core machine, load
    only its usage-stats module, and `ray.init` polls until it is up (the node then runs as when
    that server fails to start, a case Ray handles). Buys: up to three Python processes fewer
    (the log monitor only when worker output is not read), each 50-90 MB PSS and 0.5-1.3 CPU s,
-   and 1.3 s of `ray.init`'s wall time (startup.md; RESULTS.md "Start-up and memory"). Cost:
+   and 1.3 s of `ray.init`'s wall time (benchmarks/results/startup.md; benchmarks/RESULTS.md
+   "Start-up and memory"). Cost:
    without a dashboard the embedded Ray has no state API (`ray.util.state`): its client polls
    the GCS for the API server's address 20 x 2 s, then raises "Could not read 'dashboard' from
    GCS" -- a 40 s stall for any caller (use actor handles and `ray.get_runtime_context()`).
@@ -56,10 +57,10 @@ The patches (measured figures: benchmarks/results/, on this 2-core machine, load
    only execution on its embedded Ray, so what is reserved for it is the node). Only while this
    process is connected to the Ray it started; on any other Ray (a cluster, `ray_address`)
    every call goes to Ray Data's own actors. `TRAJFLOW_RAY_DATA_SERVICES=1` keeps them. Buys:
-   three processes fewer, each 1.3-1.8 CPU s and ~120 MB PSS at quickstart size (startup.md;
-   RESULTS.md "Start-up and memory"). Drop: when Ray Data skips these actors on a single node
-   without a dashboard (no upstream issue found); tests/test_ray_data_services.py then finds no
-   helper actors without the patch.
+   three processes fewer, each 1.3-1.8 CPU s and ~120 MB PSS at quickstart size
+   (benchmarks/results/startup.md; benchmarks/RESULTS.md "Start-up and memory"). Drop: when Ray
+   Data skips these actors on a single node without a dashboard (no upstream issue found);
+   tests/test_ray_data_services.py then finds no helper actors without the patch.
 4. `executor`: event-driven wake-ups of Ray Data's streaming executor, applied by
    `RLPipeline.build()`. Each turn of its scheduling loop
    (`streaming_executor_state.process_completed_tasks`) calls `ray.wait(every active task,

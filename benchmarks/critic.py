@@ -1,0 +1,197 @@
+"""The critic (issue 44): what it costs, whether its values' version matters, whether PPO learns.
+
+    python -m benchmarks.critic cost [--steps 8] [--repeats 2]      # quiet machine: timings
+    python -m benchmarks.critic values --work DIR [--seeds 4]        # rollout vs train-time values
+    python -m benchmarks.critic learn --work DIR [--seeds 3]         # `trajflow run ppo` vs quickstart
+
+cost: the quickstart's task in one process, synchronous, every row trained (so the two compare
+row for row), GRPO against PPO with its values scored at rollout time and recomputed at train
+time; each arm a process of its own (its peak RSS is its own), arms interleaved per repeat. Per
+step: wall time, the values stage, each learner's update.
+
+values: PPO at max_staleness 2 held exactly (the in-process loop's lag), `critic.values_at:
+rollout` against `train`, paired seeds; the held-out accuracy at the end (outcome) and, in the
+rollout runs, on every batch about to be trained, how far the advantages and the policy
+gradient move when the values come from the trainer's current critic instead of the rollout's
+(gradient level: the cosine of the two policy gradients on the same batch and weights).
+
+learn: `trajflow run ppo` and `trajflow run quickstart` (GRPO), the same steps, seeds 0..n-1:
+held-out accuracy at version 0 and at the end, the critic's explained variance per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+ARMS = {
+    "grpo": [],
+    "ppo rollout": ["advantage={estimator: gae, lam: 0.95}", "critic={optimizer: {lr: 1.0e-3}}"],
+    "ppo train": ["advantage={estimator: gae, lam: 0.95}", "critic={values_at: train, optimizer: {lr: 1.0e-3}}"],
+}
+
+
+# -- cost -----------------------------------------------------------------------------------------
+def cost_child(arm: str, steps: int) -> dict:
+    """One arm in this process: per-step seconds and the process's peak RSS."""
+    from trajflow.jobs.config import load_job_config
+    from trajflow.pipelines.local import iter_in_process
+    from trajflow.pipelines.policy_store import InProcessStore
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    overrides = [f"steps={steps}", "eval_every=0", "max_staleness=0", "drop_zero_variance_groups=false",
+                 *ARMS[arm]]
+    pipe = RLPipeline(load_job_config("quickstart", overrides).pipeline_config())
+    store = InProcessStore(0, pipe.strategy.keep_history)
+    pipe.publish_start(store, 0)
+    rows, last = [], time.perf_counter()
+    for _, row in iter_in_process(pipe, store, range(steps)):
+        now = time.perf_counter()
+        rows.append({"wall": now - last, "values": row.get("seconds/values_seconds") or 0.0,
+                     "train": row["seconds/train_seconds"], "policy": row.get("seconds/policy_update_seconds") or 0.0,
+                     "critic": row.get("seconds/critic_update_seconds") or 0.0})
+        last = now
+    return {"arm": arm, "steps": rows[1:], "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def cost(steps: int, repeats: int) -> str:
+    started, found = time.time(), []
+    for repeat in range(repeats):
+        for arm in ARMS:
+            out = subprocess.run([sys.executable, "-m", "benchmarks.critic", "cost-child", arm, str(steps)],
+                                 capture_output=True, text=True, cwd=HERE.parent, check=True)
+            found.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"[critic cost] repeat {repeat}: {arm}", flush=True)
+    from benchmarks.common import table
+
+    rows, base = [], None
+    for arm in ARMS:
+        runs = [f for f in found if f["arm"] == arm]
+        per = {k: np.median([s[k] for r in runs for s in r["steps"]]) for k in ("wall", "values", "train", "policy",
+                                                                                  "critic")}
+        base = base or per["wall"]
+        rows.append({"arm": arm, "s/step": f"{per['wall']:.2f}", "vs grpo": f"{per['wall'] / base:.2f}x",
+                     "values stage s": f"{per['values']:.2f}", "train step s": f"{per['train']:.2f}",
+                     "policy update s": f"{per['policy']:.2f}", "critic update s": f"{per['critic']:.2f}",
+                     "peak RSS GiB": f"{np.median([r['peak_rss_gib'] for r in runs]):.2f}"})
+    return (f"{repeats} interleaved repeats x {steps} steps per arm (the first step of each left out), medians "
+            f"over steps; {time.time() - started:.0f} s at load {os.getloadavg()[0]:.1f}.\n\n" + table(rows))
+
+
+# -- values at rollout vs at train time -------------------------------------------------------------
+def probed_train_step(out: list):
+    """The train step's class that, before each step of a `values_at: rollout` run, recomputes the
+    batch's values with its current critic and compares GAE and the policy gradient under both."""
+    import torch
+
+    from trajflow.algorithms.gae import explained_variance
+    from trajflow.operators.advantage import gae_columns
+    from trajflow.operators.train_step import TrainStep
+    from trajflow.operators.trainer.correction import StepBatch, correct
+    from trajflow.schemas.columns import TOKEN_ADVANTAGE_COLUMN, VALUES_COLUMN, filter_reasons, padded
+
+    class ProbedTrainStep(TrainStep):
+        def __call__(self, batch):
+            import pyarrow as pa
+
+            trained = np.flatnonzero(filter_reasons(batch) == None)  # noqa: E711
+            if len(trained) and self.version > 0:
+                rows = batch.take(pa.array(trained))
+                width = max(len(r) for r in rows["response_tokens"].to_pylist())
+                now = self.critic_values(rows["prompt_tokens"].to_pylist(), rows["response_tokens"].to_pylist(),
+                                         width).numpy()
+                train = gae_columns(rows, now, self.spec.advantage, self.spec.kl)
+                mask = torch.from_numpy(padded(rows["loss_mask"], width, False, bool))
+                a = torch.from_numpy(padded(rows[TOKEN_ADVANTAGE_COLUMN], width, 0.0))[mask].double()
+                b = torch.from_numpy(padded(train[TOKEN_ADVANTAGE_COLUMN], width, 0.0))[mask].double()
+                grads = [self._gradient(StepBatch.from_table(t, self.version)) for t in (rows, train)]
+                recorded = torch.from_numpy(padded(rows[VALUES_COLUMN], width, 0.0))
+                out.append({"step": self.version, "advantage_cos": float(a @ b / (a.norm() * b.norm())),
+                            "advantage_mean_abs_diff": float((a - b).abs().mean()),
+                            "value_mean_abs_diff": float((recorded - torch.from_numpy(now))[mask].abs().mean()),
+                            "grad_cos": float(grads[0] @ grads[1] / (grads[0].norm() * grads[1].norm())),
+                            "ev_rollout_values": explained_variance(recorded, torch.from_numpy(
+                                padded(rows["returns"], width, 0.0)), mask)})
+            return super().__call__(batch)
+
+        def _gradient(self, batch):
+            policy = self.policy
+            policy.model.zero_grad(set_to_none=True)
+            current = policy.current(batch, grad=True)
+            correct(policy.strategy, batch, current, policy, policy.correction).loss.loss.backward()
+            grad = torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None]).double()
+            policy.model.zero_grad(set_to_none=True)
+            return grad
+
+    return ProbedTrainStep
+
+
+def values_run(values_at: str, seed: int, steps: int, path: Path) -> None:
+    """One PPO run at max_staleness 2 (lag 2), in this process; its rows (and probes) to `path`."""
+    import polars as pl
+
+    from trajflow.jobs.config import load_job_config
+    from trajflow.operators.contracts.stage import Stage
+    from trajflow.pipelines.local import iter_in_process
+    from trajflow.pipelines.policy_store import InProcessStore
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    overrides = [f"steps={steps}", f"seed={seed}", "max_staleness=2", "eval_every=" + str(steps),
+                 f"critic.values_at={values_at}"]
+    config = load_job_config("ppo", overrides).pipeline_config()
+    pipe = RLPipeline(config)
+    probes: list[dict] = []
+    if values_at == "rollout":
+        train = pipe.stage("train")
+        pipe.replace("train", Stage("train", probed_train_step(probes), train.kwargs, train.resources))
+    store = InProcessStore(2, pipe.strategy.keep_history)
+    pipe.publish_start(store, 0)
+    rows = [row for _, row in iter_in_process(pipe, store, range(steps), lag=2)]
+    frame = pl.from_dicts(rows, infer_schema_length=None).with_columns(pl.lit(values_at).alias("values_at"),
+                                                                       pl.lit(seed).alias("seed"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.write_parquet(path)
+    if probes:
+        pl.from_dicts(probes).with_columns(pl.lit(seed).alias("seed")).write_parquet(
+            path.with_name(path.stem + ".probe.parquet"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("cost")
+    c.add_argument("--steps", type=int, default=8)
+    c.add_argument("--repeats", type=int, default=2)
+    child = sub.add_parser("cost-child")
+    child.add_argument("arm")
+    child.add_argument("steps", type=int)
+    v = sub.add_parser("values")
+    v.add_argument("--work", required=True)
+    v.add_argument("--seeds", type=int, default=4)
+    v.add_argument("--steps", type=int, default=30)
+    a = parser.parse_args()
+    if a.command == "cost-child":
+        print(json.dumps(cost_child(a.arm, a.steps)))
+    elif a.command == "cost":
+        print(cost(a.steps, a.repeats))
+    elif a.command == "values":
+        for seed in range(a.seeds):
+            for values_at in ("rollout", "train"):
+                path = Path(a.work) / f"{values_at}-seed{seed}.parquet"
+                if not path.exists():
+                    print(f"[critic values] {values_at} seed {seed}", flush=True)
+                    values_run(values_at, seed, a.steps, path)
+
+
+if __name__ == "__main__":
+    main()
