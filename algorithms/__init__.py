@@ -14,6 +14,7 @@ m2po.py         M2PO's second-moment trust mask (a global value cutoff)
 ewma.py         revised PPO-EWMA proximal weights with auto-reset
 advantages.py   advantages (GRPO with sample or population std, Dr.GRPO, RLOO, REINFORCE++ and its
                 baseline variant) and DAPO's overlong reward shaping
+estimators.py   the advantage estimators' registry: each estimator, the keys it reads, torch-free
 discounted.py   REINFORCE++ with a per-token discount gamma: per-token returns, whitened per token
 rejection.py    veRL's chained rejection criteria on r_d (k1/k2/k3 per token, sequence sum/mean/max)
 diagnostics.py  per-batch correction metrics
@@ -30,10 +31,8 @@ from typing import TYPE_CHECKING
 from trajflow.lazy import lazy_exports
 
 _EXPORTS = {
-    "ESTIMATORS": "trajflow.algorithms.advantages",
     "compute_advantages": "trajflow.algorithms.advantages",
     "dr_grpo": "trajflow.algorithms.advantages",
-    "group_advantages": "trajflow.algorithms.advantages",
     "grpo": "trajflow.algorithms.advantages",
     "leave_one_out": "trajflow.algorithms.advantages",
     "overlong_penalty": "trajflow.algorithms.advantages",
@@ -53,6 +52,8 @@ _EXPORTS = {
     "KLConfig": "trajflow.algorithms.config",
     "OptimizerConfig": "trajflow.algorithms.config",
     "correction_diagnostics": "trajflow.algorithms.diagnostics",
+    "ESTIMATORS": "trajflow.algorithms.estimators",
+    "AdvantageEstimator": "trajflow.algorithms.estimators",
     "effective_sample_size": "trajflow.algorithms.diagnostics",
     "mismatch_kl": "trajflow.algorithms.diagnostics",
     "staleness_stats": "trajflow.algorithms.diagnostics",
@@ -106,12 +107,13 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .advantages import (
-        ESTIMATORS, compute_advantages, dr_grpo, group_advantages, grpo, leave_one_out, overlong_penalty,
-        reinforce_plus_plus, reinforce_plus_plus_baseline, zero_variance_groups)
+        compute_advantages, dr_grpo, grpo, leave_one_out, overlong_penalty, reinforce_plus_plus,
+        reinforce_plus_plus_baseline, zero_variance_groups)
     from .config import (
         AGGREGATIONS, CLIP_LEVELS, GROUP_STDS, KL_ESTIMATORS, LOSSES, MASK_LEVELS, SCHEDULES,
         AdvantageConfig, CorrectionConfig, DistillConfig, KLConfig, OptimizerConfig)
     from .diagnostics import correction_diagnostics
+    from .estimators import ESTIMATORS, AdvantageEstimator
     from .distillation import distillation_advantages, forward_kl_tokens
     from .distributions import distribution_keep, support_kl, support_tv, effective_sample_size, mismatch_kl, staleness_stats
     from .ewma import EwmaProximal, ewma_beta, ewma_mean_age

@@ -1,4 +1,6 @@
 """Advantages: one scalar per trajectory, relative to its group (same prompt) or to the batch.
+The functions of the estimators algorithms/estimators.py registers (`compute_advantages` dispatches
+through that registry).
 
 rewards [N], group_ids [N] (any labels: int codes or the `group_id` strings). numpy arrays or
 torch tensors in, the same kind out (float32). Vectorised with np.unique + np.bincount.
@@ -33,7 +35,7 @@ leave_one_out) gives exactly 0 to a group whose rewards are all equal.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,22 +164,6 @@ def overlong_penalty(lengths: ArrayLike, max_tokens: int, buffer: int, penalty: 
     return -penalty * np.clip(excess / buffer, 0.0, 1.0)
 
 
-ESTIMATORS: dict[str, Callable[..., ArrayLike]] = {
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
-    "leave_one_out": leave_one_out,
-    "reinforce_plus_plus": reinforce_plus_plus,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
-}
-
-
-def group_advantages(estimator: str, rewards: ArrayLike, group_ids: ArrayLike, **kwargs) -> ArrayLike:
-    """Dispatch by name (ESTIMATORS; kwargs go to the estimator)."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {list(ESTIMATORS)}")
-    return ESTIMATORS[estimator](rewards, group_ids, **kwargs)
-
-
 def shaped_rewards(config: AdvantageConfig, rewards: ArrayLike, lengths: ArrayLike | None = None) -> ArrayLike:
     """The rewards after the overlong shaping `config` asks for (needs `lengths`, response tokens
     per row); unchanged without it."""
@@ -194,23 +180,23 @@ def compute_token_advantages(config: AdvantageConfig, rewards: ArrayLike, loss_m
                              lengths: ArrayLike | None = None) -> np.ndarray:
     """Per-token advantages [N, T] float32 (`config.gamma` < 1: REINFORCE++ with the discount,
     algorithms/discounted.py) from rewards [N] and the padded loss mask [N, T]."""
-    from .discounted import reinforce_plus_plus_discounted
+    from .estimators import ESTIMATORS
 
-    if config.estimator != "reinforce_plus_plus":
-        raise ValueError(f"per-token advantages are REINFORCE++'s (gamma), not {config.estimator}'s")
-    return reinforce_plus_plus_discounted(_to_numpy(shaped_rewards(config, rewards, lengths)), loss_mask,
-                                          config.gamma)
+    estimator = ESTIMATORS.resolve(config.estimator)()
+    return estimator.token_advantages(config, _to_numpy(shaped_rewards(config, rewards, lengths)), loss_mask)
 
 
 def compute_advantages(config: AdvantageConfig, rewards: ArrayLike, group_ids: ArrayLike, *,
                        lengths: ArrayLike | None = None, token_counts: ArrayLike | None = None) -> ArrayLike:
     """The advantages `config` asks for: the overlong shaping on the rewards (needs `lengths`,
-    response tokens per row), then the estimator (grpo gets `std`, REINFORCE++ `token_counts`).
-    One per row; with `config.gamma` < 1 use compute_token_advantages."""
-    rewards = shaped_rewards(config, rewards, lengths)
-    kwargs: dict[str, Any] = {}
-    if config.estimator == "grpo":
-        kwargs["std"] = config.std
-    elif config.estimator.startswith("reinforce_plus_plus"):
-        kwargs["token_counts"] = token_counts
-    return group_advantages(config.estimator, rewards, group_ids, **kwargs)
+    response tokens per row), then the estimator it names (algorithms/estimators.py; grpo reads
+    `std`, REINFORCE++ `token_counts`). One per row; with `config.gamma` < 1 use
+    compute_token_advantages. An estimator on a critic's values (GAE) is refused: the pipeline's
+    GAE path computes it (operators/advantage.py `gae_columns`)."""
+    from .estimators import ESTIMATORS
+
+    cls = ESTIMATORS.resolve(config.estimator)
+    if cls.needs_values:
+        raise ValueError(f"advantage estimator {cls.name}: its advantages are per token from a critic's values "
+                         "(operators/advantage.py gae_columns), not from the rewards alone")
+    return cls().advantages(config, shaped_rewards(config, rewards, lengths), group_ids, token_counts=token_counts)

@@ -3,9 +3,9 @@ the advantage estimator (`advantage:`), the KL to a reference model (`kl:`), on-
 distillation (`distill:`) and the optimizer (`optimizer:`).
 
 These dataclasses hold THE defaults: a job config's YAML sections are built from them
-(pipelines/config.py), so `decoupled_loss(..., CorrectionConfig())` in a notebook is exactly the
-objective a YAML job with no `correction:` key trains with. Torch-free, so validating a job
-config imports no torch.
+(pipelines/config/sections.py), so `decoupled_loss(..., CorrectionConfig())` in a notebook is
+exactly the objective a YAML job with no `correction:` key trains with. Torch-free, so validating
+a job config imports no torch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-from trajflow.settings import check_number, check_settings, fail, setting
+from trajflow.settings import SettingError, check_number, check_settings, fail, setting
 
 Loss = Literal["ppo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"]
 MaskLevel = Literal["token", "sequence", "sequence-product", "sequence-any", "none"]
@@ -22,7 +22,6 @@ TisLevel = Literal["token", "sequence"]
 ClipLevel = Literal["token", "sequence", "none"]
 Denominator = Literal["kept", "all"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "token-sum-norm", "prompt-mean"]
-Estimator = Literal["grpo", "dr_grpo", "leave_one_out", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
 GroupStd = Literal["sample", "population"]
 # "+": veRL's straight-through variants (the estimator's value, k2's gradient); k2 is its own
 KLEstimator = Literal["k1", "k2", "k3", "low_var", "abs", "k1+", "k3+", "low_var+", "abs+"]
@@ -38,7 +37,6 @@ LOSSES: tuple[str, ...] = typing.get_args(Loss)
 MASK_LEVELS: tuple[str, ...] = typing.get_args(MaskLevel)
 CLIP_LEVELS: tuple[str, ...] = typing.get_args(ClipLevel)
 AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
-ESTIMATOR_NAMES: tuple[str, ...] = typing.get_args(Estimator)
 GROUP_STDS: tuple[str, ...] = typing.get_args(GroupStd)
 KL_ESTIMATORS: tuple[str, ...] = typing.get_args(KLEstimator)
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
@@ -184,15 +182,19 @@ class CorrectionConfig:
         return cls(**kwargs)
 
 
+# The keys of `advantage:` that only some estimators read (each estimator declares its own in
+# `keys`, algorithms/estimators.py); the others (the overlong shaping) apply to every estimator.
+ESTIMATOR_KEYS: tuple[str, ...] = ("std", "gamma", "lam", "whiten")
+
+
 @dataclass(frozen=True)
 class AdvantageConfig:
-    """The advantage estimator (algorithms/advantages.py). A job config may give just its name."""
+    """The advantage estimator (algorithms/estimators.py) and its keys. A job config may give just
+    its name."""
 
-    estimator: Estimator = setting(
-        "grpo", "grpo: (r - group mean) / group std; dr_grpo: r - group mean; leave_one_out: RLOO; "
-        "reinforce_plus_plus: r whitened over the batch; reinforce_plus_plus_baseline: r - group mean, "
-        "then whitened over the batch; gae: per-token GAE on a learned critic's values (needs `critic:`; "
-        "algorithms/gae.py)")
+    estimator: str = setting(
+        "grpo", "a registered estimator (listed under 'Advantage estimators' below, each with the keys it "
+        "reads) or an import path module:Class / path/to/file.py:Class of an AdvantageEstimator")
     std: GroupStd = setting(
         "sample", "grpo's std: sample (ddof 1, as veRL and TRL) or population (ddof 0)")
     overlong_buffer: int | None = setting(
@@ -203,25 +205,35 @@ class AdvantageConfig:
     overlong_max_tokens: int | None = setting(
         None, "L_max of the shaping: the response token budget (null in a job: sampling.max_new_tokens)", gt=0)
     gamma: float = setting(
-        1.0, "reinforce_plus_plus and gae: discount per loss token (veRL's algorithm.gamma); below 1 every token "
-        "of reinforce_plus_plus gets its own advantage (algorithms/discounted.py)", ge=0.0, le=1.0)
+        1.0, "discount per loss token (veRL's algorithm.gamma); below 1 every token of reinforce_plus_plus gets its "
+        "own advantage (algorithms/discounted.py)", ge=0.0, le=1.0)
     lam: float = setting(
-        1.0, "gae: GAE's lambda (veRL's algorithm.lam); 1: the discounted return minus the value", ge=0.0, le=1.0)
+        1.0, "GAE's lambda (veRL's algorithm.lam); 1: the discounted return minus the value", ge=0.0, le=1.0)
     whiten: bool = setting(
-        True, "gae: whiten the advantages over the step's loss tokens (mean 0, variance 1), as veRL does")
+        True, "whiten GAE's advantages over the step's loss tokens (mean 0, variance 1), as veRL does")
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.gamma != 1.0 and self.estimator not in ("reinforce_plus_plus", "gae"):
-            fail(self, "gamma", f"a per-token discount applies to estimators reinforce_plus_plus and gae, not "
-                                f"{self.estimator}")
-        if self.lam != 1.0 and self.estimator != "gae":
-            fail(self, "lam", f"GAE's lambda applies to estimator gae, not {self.estimator}")
-        if not self.whiten and self.estimator != "gae":
-            fail(self, "whiten", f"whitening GAE's advantages applies to estimator gae, not {self.estimator}")
+        from trajflow.algorithms.estimators import ESTIMATORS
+
+        try:
+            estimator = ESTIMATORS.resolve(self.estimator)
+        except ValueError as e:
+            raise SettingError("estimator", f"AdvantageConfig.estimator: {e}") from None
+        object.__setattr__(self, "estimator", ESTIMATORS.canonical(self.estimator))
+        for key in ESTIMATOR_KEYS:  # a key the estimator does not read, set away from its default
+            if key not in estimator.keys and getattr(self, key) != type(self).__dataclass_fields__[key].default:
+                readers = [name for name, cls in ESTIMATORS.parts().items() if key in cls.keys]
+                fail(self, key, f"read by estimator{'s' * (len(readers) > 1)} {_listed(readers)} only, not "
+                                f"{estimator.name}")
         if self.overlong_buffer is not None and self.overlong_max_tokens is not None \
                 and self.overlong_buffer > self.overlong_max_tokens:
             fail(self, "overlong_buffer", f"must be <= overlong_max_tokens ({self.overlong_max_tokens})")
+
+
+def _listed(names: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 @dataclass(frozen=True)

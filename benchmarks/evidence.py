@@ -282,8 +282,8 @@ def ewma_study(run_dir: Path, delays=(2, 4, 8), thresholds=(0.9, 0.5, 0.0)) -> l
         for window, tau in itertools.product(sorted({max(1, delay // 2), delay, 2 * delay}), thresholds):
             out = work / f"S0-{delay}-W{window}-tau{tau}"
             trajflow("replay", str(logs / "trajectories"), "--checkpoints", str(run_dir), "--config",
-                     str(run_dir / "config.yaml"), *sets({"max_staleness": delay, "strategy": "ewma",
-                                                          "strategy_options": f"{{window: {window}, reset_threshold: {tau}}}"}),
+                     str(run_dir / "config.yaml"), *sets({"max_staleness": delay, "strategy":
+                                                          f"{{name: ewma, window: {window}, reset_threshold: {tau}}}"}),
                      "--strategy", "snapshot,ewma", "--diagnose", "--gradients", "--out", str(out), log=log)
             m = pl.read_parquet(out / "metrics.parquet").filter(pl.col("strategy") == "ewma")
             rows.append({"S (ages 0..S)": delay, "window W (versions)": window, "reset tau": tau,

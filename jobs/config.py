@@ -51,10 +51,11 @@ class JobConfig(PipelineConfig):
     keep_checkpoints: int = Field(2, ge=1, description="retention: keep the newest k checkpoints")
     save_all_versions: bool = Field(False, description="keep the weights of every version (exact replay)")
     trajectory_log: bool = Field(True, description="log every trajectory (Parquet, partitioned by step)")
-    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+    report_to: list[str] = Field(
         default_factory=lambda: ["tensorboard"], description="where the config, every step's metrics, the summary "
-        "and the run's PNGs also go (TRL's report_to): tensorboard (RUN/tensorboard/), wandb, mlflow "
-        "(extras trajflow[wandb], trajflow[mlflow]); [] for none (jobs/trackers.py)")
+        "and the run's PNGs also go (TRL's report_to): registered trackers (listed under 'Trackers' below: "
+        "tensorboard in RUN/tensorboard/, wandb and mlflow with the extras trajflow[wandb], trajflow[mlflow]) or "
+        "import paths module:Class / file.py:Class of a Tracker; [] for none (jobs/trackers.py)")
     tracker_project: str = Field("trajflow", min_length=1, description="the W&B project and MLflow experiment")
     wandb_mode: Literal["online", "offline"] | None = Field(
         None, description="null: WANDB_MODE if set, else online when a W&B key is configured, else offline (a "
@@ -86,10 +87,10 @@ class JobConfig(PipelineConfig):
     @field_validator("report_to")
     @classmethod
     def _trackers_installed(cls, report_to: list[str]) -> list[str]:
-        from trajflow.jobs.trackers import check_installed
+        from trajflow.jobs.trackers import TRACKERS, check_installed
 
-        report_to = list(dict.fromkeys(report_to))  # each once, in the order given
-        check_installed(report_to)  # a missing package: one line naming the extra, before Ray starts
+        report_to = list(dict.fromkeys(TRACKERS.canonical(spec) for spec in report_to))  # each once, in order
+        check_installed(report_to)  # unknown, or a missing package: one line naming it, before Ray starts
         return report_to
 
     def pipeline_config(self) -> PipelineConfig:

@@ -1,7 +1,9 @@
 """docs/configuration.md, generated from the settings' own declarations: every key of a job config
 with its type, its default and the description it was declared with (a section's keys from its
-settings dataclass, the top-level keys from PipelineConfig and JobConfig), so the reference cannot
-drift from the code (tests/test_config_contract.py fails when the file is stale).
+settings dataclass, the top-level keys from PipelineConfig and JobConfig), and every registered
+part (strategies, generation engines, advantage estimators, trackers: trajflow/registry.py) with
+the settings it declares, so the reference cannot drift from the code
+(tests/test_config_contract.py fails when the file is stale).
 
     python -m trajflow.jobs.config_reference            # rewrite docs/configuration.md
     python -m trajflow.jobs.config_reference --check    # exit 1 if it is stale
@@ -21,10 +23,27 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from trajflow.algorithms.estimators import ESTIMATORS
+from trajflow.engines.factory import ENGINES
 from trajflow.jobs.config import JobConfig
+from trajflow.jobs.trackers import TRACKERS
+from trajflow.operators.strategies.registry import STRATEGIES
 from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.config.sections import AdvantageSection, settings_section
+from trajflow.registry import IMPORT_PATH, Registry
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+# each kind of part a config selects: its heading (the keys' descriptions point to it), its
+# registry and the registry's name, and where a part's settings are given
+PARTS: tuple[tuple[str, Registry, str, str], ...] = (
+    ("Strategies", STRATEGIES, "STRATEGIES", "with settings: `strategy: {name: NAME, <its settings>}`"),
+    ("Generation engines", ENGINES, "ENGINES", "with settings: `engine: {name: NAME, <its settings>}`, or the "
+     "engine's own section (vllm: `vllm:`)"),
+    ("Advantage estimators", ESTIMATORS, "ESTIMATORS", "its keys sit in the `advantage:` section beside "
+     "`estimator` (a key another estimator reads is refused)"),
+    ("Trackers", TRACKERS, "TRACKERS", "a list; they read the run options `tracker_project`, `wandb_mode` and "
+     "`mlflow_tracking_uri`"),
+)
 
 
 @dataclass(frozen=True)
@@ -56,8 +75,21 @@ def keys(model: type[BaseModel] = JobConfig, prefix: str = "", defaults: BaseMod
 
 
 def undocumented(model: type[BaseModel] = JobConfig) -> list[str]:
-    """The keys declared without a description."""
-    return [key.name for key in keys(model) if not key.description]
+    """The keys declared without a description (a registered part's settings included)."""
+    parts = [f"{registry.key}: {name}.{key.name}" for _, registry, _, _ in PARTS
+             for name, cls in registry.parts().items() for key in part_keys(registry, cls) if not key.description]
+    return [key.name for key in keys(model) if not key.description] + parts
+
+
+def part_keys(registry: Registry, cls: type) -> list[Key]:
+    """The keys a registered part declares: its `Settings`' fields (an estimator: the `advantage:`
+    keys it reads); none when its settings are a section of the config (vllm's `vllm:`)."""
+    if registry is ESTIMATORS:
+        return [key for key in keys(AdvantageSection) if key.name in cls.keys]
+    settings = registry.settings_class(cls)
+    if settings is None or getattr(cls, "section", None):
+        return []
+    return list(keys(settings_section(settings, f"{settings.__name__}Section")))
 
 
 def _section(annotation: Any) -> type[BaseModel] | None:
@@ -149,7 +181,28 @@ def render() -> str:
         doc = " ".join((section.section.__doc__ or "").split())
         lines += [f"## `{section.name}:`", "", section.description, "", *([doc, ""] if doc else []),
                   *_table(fields, prefix=f"{section.name}."), ""]
+    for heading, registry, registry_name, given in PARTS:
+        lines += _parts(heading, registry, registry_name, given)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _parts(heading: str, registry: Registry, registry_name: str, given: str) -> list[str]:
+    """A kind of part: its registered names, what each is, and a table of each one's settings."""
+    lines = [f"## {heading} (`{registry.key}`)", "",
+             f"A registered name, or {IMPORT_PATH} of a subclass of `{registry.base.__name__}` "
+             f"({registry.base.__module__}); "
+             f"{given}. `{registry_name}.register(\"name\")` registers one of yours.", "",
+             "| name | what it is | settings |", "|---|---|---|"]
+    tables = []
+    for name, cls in registry.parts().items():
+        own = part_keys(registry, cls)
+        section = getattr(cls, "section", None)
+        settings = f"the `{section}:` section" if section else ", ".join(f"`{k.name}`" for k in own) or "none"
+        lines.append(f"| `{name}` | {registry.summary(cls).replace('|', chr(92) + '|')} | {settings} |")
+        if own:
+            tables += ["", f"### {registry.kind} `{name}`", "", *_table(own)]
+    return [*lines, *tables, ""]
+
 
 
 def _table(keys: list[Key], prefix: str = "") -> list[str]:

@@ -64,7 +64,8 @@ class Run:
     def strategy(self) -> str:
         if "strategy" in self.metrics.columns and self.metrics.height:
             return str(self.metrics["strategy"][0])
-        return str(self.config.get("strategy", "?"))
+        strategy = self.config.get("strategy", "?")  # a name, or {name: NAME, <its settings>}
+        return str(strategy.get("name", "?") if isinstance(strategy, dict) else strategy)
 
     def session_starts(self) -> list[int]:
         return [int(s.get("first_step", 0)) for s in self.state.get("sessions", [])]

@@ -5,6 +5,10 @@
     wandb_mode: null                           # null: WANDB_MODE, else online with a W&B key, else offline
     mlflow_tracking_uri: null                  # null: MLFLOW_TRACKING_URI, else RUN/mlflow/mlflow.db
 
+Trackers are registered parts (trajflow/registry.py, `TRACKERS`): `report_to` names registered
+trackers or import paths module:Class / path/to/file.py:Class of a `Tracker` subclass, which says
+the package it needs, how it opens on a run and what it does with a row and with the summary.
+
 Each tracker gets, from the driver: the resolved config (W&B config, MLflow params, and
 config.yaml as a file), every per-step metrics row at its step (the step index, as everywhere),
 the summary at the end (the report's numbers: W&B summary, MLflow metrics `summary/<key>`;
@@ -32,27 +36,76 @@ import sys
 import zlib
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
-# what to install for each: the package's import name and what brings it (tensorboard is a
-# dependency of trajflow itself; wandb and mlflow are extras)
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "'trajflow[wandb]'"),
-            "mlflow": ("mlflow", "'trajflow[mlflow]'")}
+from trajflow.registry import Registry
+
 STATE_FILE = "trackers.json"  # the run's tracker run ids, so that a resume continues them
 
 
+@dataclass(frozen=True)
+class TrackedRun:
+    """What a tracker opens on: the run dir, the resolved job config (its keys: `tracker_project`,
+    `wandb_mode`, ...), the first step of this session and the tracker's own run id from an
+    earlier session of the run (None: a new run)."""
+
+    root: Path
+    config: Mapping[str, Any]
+    first_step: int
+    run_id: str | None = None
+
+
+class Tracker:
+    """Where a run's numbers also go (one entry of `report_to`).
+
+    name      its registered name (`report_to: [NAME]`)
+    package   the import name of the library it needs (None: nothing beyond trajflow), refused
+              when the config is validated if it is missing, with `install` (pip's argument)
+    files     it also takes the run's files at the end (config.yaml, summary.txt, the PNGs)
+    run_id    an id to continue on `--resume` (kept in RUN/trackers.json), or None
+    """
+
+    name: ClassVar[str]
+    package: ClassVar[str | None] = None
+    install: ClassVar[str] = ""
+    files: ClassVar[bool] = True
+    run_id: str | None = None
+
+    @classmethod
+    def open(cls, run: TrackedRun) -> "Tracker":
+        """The tracker, opened on `run` (a thread of its own runs this while the pipeline starts)."""
+        raise NotImplementedError(f"tracker {cls.name!r} does not define open()")
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        """One metrics row (its `step` is the step index)."""
+        raise NotImplementedError(f"tracker {self.name!r} does not define log()")
+
+    def finish(self, summary: Mapping[str, Any], files: list[Path], state: str) -> None:
+        """The summary, the run's files (when `files`) and how it ended (`finished` or not)."""
+
+    def where(self) -> str | None:
+        """Where its numbers are, for the run's `reporting to` line (None: nothing to say)."""
+        return None
+
+
+TRACKERS: Registry[Tracker] = Registry("tracker", Tracker, ("trajflow.jobs.trackers",), key="report_to")
+
+
 def check_installed(report_to: Iterable[str]) -> None:
-    """ValueError (one line) naming the extra when a tracker's package is not installed."""
-    for name in report_to:
-        package, install = PACKAGES[name]
+    """ValueError (one line) naming the install when a tracker's package is not installed."""
+    for spec in report_to:
+        tracker = TRACKERS.resolve(spec)
+        if tracker.package is None:
+            continue
         try:
-            found = importlib.util.find_spec(package) is not None
+            found = importlib.util.find_spec(tracker.package) is not None
         except (ImportError, ValueError):  # a package whose import was blocked (sys.modules[name] = None)
             found = False
         if not found:
-            raise ValueError(f"{name} is not installed: pip install {install} (or remove {name} from report_to)")
+            raise ValueError(f"{tracker.name} is not installed: pip install {tracker.install} (or remove {spec} "
+                             "from report_to)")
 
 
 def numeric_items(row: Mapping[str, Any]) -> dict[str, float]:
@@ -86,15 +139,24 @@ def _quiet_loggers(*names: str):
 
 
 # -- the trackers ----------------------------------------------------------------------------------
-class TensorBoardTracker:
-    """Scalars of each metrics row (global step = the step index); the summary as scalars
-    `summary/<key>` at the last step."""
+@TRACKERS.register("tensorboard")
+class TensorBoardTracker(Tracker):
+    """TensorBoard (RUN/tensorboard/): scalars of each metrics row (global step = the step index);
+    the summary as scalars `summary/<key>` at the last step."""
+
+    package = "tensorboard"
+    install = "tensorboard"  # a dependency of trajflow itself
+    files = False
 
     def __init__(self, logdir: Path, purge_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(logdir), purge_step=purge_step, flush_secs=10)
         self.last_step = 0
+
+    @classmethod
+    def open(cls, run: TrackedRun) -> "TensorBoardTracker":
+        return cls(run.root / "tensorboard", purge_step=run.first_step or None)
 
     def log(self, row: Mapping[str, Any]) -> None:
         step = int(row["step"])
@@ -109,8 +171,13 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-class WandbTracker:
-    """One W&B run per trajflow run (resumed with it); offline unless a key or WANDB_MODE says otherwise."""
+@TRACKERS.register("wandb")
+class WandbTracker(Tracker):
+    """Weights & Biases (the extra trajflow[wandb]): one W&B run per trajflow run (resumed with it),
+    in project `tracker_project`; offline unless a key, WANDB_MODE or `wandb_mode` says otherwise."""
+
+    package = "wandb"
+    install = "'trajflow[wandb]'"
 
     def __init__(self, root: Path, config: Mapping[str, Any], project: str, mode: str | None,
                  run_id: str | None) -> None:
@@ -124,12 +191,21 @@ class WandbTracker:
                               reinit="create_new")
         self.root = root
 
+    @classmethod
+    def open(cls, run: TrackedRun) -> "WandbTracker":
+        return cls(run.root, run.config, run.config["tracker_project"], run.config["wandb_mode"], run.run_id)
+
     @property
     def run_id(self) -> str:
         return self.run.id
 
     def log(self, row: Mapping[str, Any]) -> None:
         self.run.log(numeric_items(row), step=int(row["step"]))
+
+    def where(self) -> str:
+        where = (f"offline, `wandb sync {Path(self.run.dir).parent}` uploads it" if self.mode == "offline"
+                 else self.run.url or "online")
+        return f"W&B run {self.run_id} ({where})"
 
     def finish(self, summary: Mapping[str, Any], files: list[Path], state: str) -> None:
         import shutil
@@ -140,8 +216,13 @@ class WandbTracker:
         self.run.finish(exit_code=0 if state == "finished" else 1)
 
 
-class MlflowTracker:
-    """One MLflow run per trajflow run, in experiment `project`, on `uri`."""
+@TRACKERS.register("mlflow")
+class MlflowTracker(Tracker):
+    """MLflow (the extra trajflow[mlflow]): one MLflow run per trajflow run, in experiment
+    `tracker_project`, on `mlflow_tracking_uri` (null: MLFLOW_TRACKING_URI, else RUN/mlflow/mlflow.db)."""
+
+    package = "mlflow"
+    install = "'trajflow[mlflow]'"
 
     def __init__(self, root: Path, config: Mapping[str, Any], project: str, uri: str, run_id: str | None) -> None:
         from mlflow import MlflowClient
@@ -167,6 +248,15 @@ class MlflowTracker:
         else:
             self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
+
+    @classmethod
+    def open(cls, run: TrackedRun) -> "MlflowTracker":
+        (run.root / "mlflow").mkdir(parents=True, exist_ok=True)
+        uri = run.config["mlflow_tracking_uri"] or default_mlflow_uri(run.root)
+        return cls(run.root, run.config, run.config["tracker_project"], uri, run.run_id)
+
+    def where(self) -> str:
+        return f"MLflow run {self.run_id} at {self.uri}"
 
     def log(self, row: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric
@@ -203,38 +293,29 @@ class Trackers:
     one line and is dropped: the run's own record is the run dir). They open in a thread while the
     pipeline starts (MLflow creating its store takes seconds); the first row waits for them."""
 
-    def __init__(self, root: Path, report_to: Iterable[str], config: Mapping[str, Any], project: str,
-                 wandb_mode: str | None, mlflow_uri: str | None, first_step: int) -> None:
+    def __init__(self, root: Path, report_to: Iterable[str], config: Mapping[str, Any], first_step: int) -> None:
         import threading
 
         self.root = root
-        self.trackers: dict[str, Any] = {}
+        self.trackers: dict[str, Tracker] = {}
         self._described = False
-        args = (list(report_to), dict(config), project, wandb_mode, mlflow_uri, first_step)
+        args = (list(report_to), dict(config), first_step)
         self._opening = threading.Thread(target=self._open, args=args, name="trajflow-trackers", daemon=True)
         self._opening.start()
 
-    def _open(self, report_to: list[str], config: dict, project: str, wandb_mode: str | None,
-              mlflow_uri: str | None, first_step: int) -> None:
-        root = self.root
+    def _open(self, report_to: list[str], config: dict, first_step: int) -> None:
         ids = self._ids()
-        for name in report_to:
+        for spec in report_to:
             try:
-                if name == "tensorboard":
-                    tracker = TensorBoardTracker(root / "tensorboard", purge_step=first_step or None)
-                elif name == "wandb":
-                    tracker = WandbTracker(root, config, project, wandb_mode, ids.get("wandb"))
-                else:
-                    (root / "mlflow").mkdir(parents=True, exist_ok=True)
-                    tracker = MlflowTracker(root, config, project, mlflow_uri or default_mlflow_uri(root),
-                                            ids.get("mlflow"))
+                cls = TRACKERS.resolve(spec)
+                tracker = cls.open(TrackedRun(self.root, config, first_step, ids.get(cls.name)))
             except Exception as e:  # noqa: BLE001 - a tracker's service or files: the run goes on
-                self._dropped(name, e)
+                self._dropped(spec, e)
                 continue
-            self.trackers[name] = tracker
-        ids.update({k: t.run_id for k, t in self.trackers.items() if hasattr(t, "run_id")})
+            self.trackers[cls.name] = tracker
+        ids.update({name: t.run_id for name, t in self.trackers.items() if t.run_id is not None})
         if ids:
-            (root / STATE_FILE).write_text(json.dumps(ids, indent=1, sort_keys=True) + "\n")
+            (self.root / STATE_FILE).write_text(json.dumps(ids, indent=1, sort_keys=True) + "\n")
 
     def _ids(self) -> dict:
         try:
@@ -270,33 +351,25 @@ class Trackers:
         """The summary and the run's files (config.yaml, summary.txt, the PNGs) to each tracker."""
         self._ready()
         files = [p for p in (self.root / "config.yaml", self.root / "summary.txt") if p.is_file()]
-        if any(name != "tensorboard" for name in self.trackers):
+        if any(tracker.files for tracker in self.trackers.values()):
             files += run_pngs(self.root)
         for name, tracker in list(self.trackers.items()):
             try:
-                tracker.finish(summary, [f for f in files if name != "tensorboard"], state)
+                tracker.finish(summary, files if tracker.files else [], state)
             except Exception as e:  # noqa: BLE001
                 self._dropped(name, e)
         self.trackers.clear()
 
     def describe(self) -> str | None:
-        """One line on where the numbers also go (None when only TensorBoard or nothing)."""
-        parts = []
-        for name, tracker in self.trackers.items():
-            if name == "wandb":
-                where = (f"offline, `wandb sync {Path(tracker.run.dir).parent}` uploads it"
-                         if tracker.mode == "offline" else tracker.run.url or "online")
-                parts.append(f"W&B run {tracker.run_id} ({where})")
-            elif name == "mlflow":
-                parts.append(f"MLflow run {tracker.run_id} at {tracker.uri}")
+        """One line on where the numbers also go (None when no tracker has anything to say)."""
+        parts = [where for where in (tracker.where() for tracker in self.trackers.values()) if where]
         return f"trajflow: reporting to {'; '.join(parts)}" if parts else None
 
 
 def open_trackers(config, root: Path, first_step: int) -> Trackers:
     """The trackers a job config's `report_to` names, opening on its run dir; at the first row
     they say where the numbers go besides the run dir (W&B, MLflow)."""
-    return Trackers(root, config.report_to, config.model_dump(mode="json"), config.tracker_project,
-                    config.wandb_mode, config.mlflow_tracking_uri, first_step)
+    return Trackers(root, config.report_to, config.model_dump(mode="json"), first_step)
 
 
 def tracked_summary(root: Path) -> dict:

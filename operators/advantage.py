@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from trajflow.algorithms.advantages import compute_advantages
 from trajflow.algorithms.config import AdvantageConfig, KLConfig
+from trajflow.algorithms.estimators import ESTIMATORS
 from trajflow.schemas.columns import (KL_PENALTY_COLUMN, REFERENCE_COLUMN, RETURNS_COLUMN, TOKEN_ADVANTAGE_COLUMN,
                                       VALUES_COLUMN, group_codes, list_values, padded, replace_column)
 
@@ -43,7 +44,7 @@ class Advantage:
         self.kl = kl
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        if self.config.estimator == "gae":
+        if ESTIMATORS.resolve(self.config.estimator).needs_values:  # GAE: on a critic's values
             if self.gae_values is None:
                 return batch  # the train step's (critic.values_at: train)
             width = max(1, max((len(r) for r in batch["response_tokens"].to_pylist()), default=1))

@@ -33,13 +33,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from trajflow.engines.factory import VllmConfig, make_engine
+from trajflow.engines.factory import ENGINES, make_engine
 from trajflow.engines.lora import VersionWeights, is_adapter
 from trajflow.engines.models import load_model, load_tokenizer
 from trajflow.engines.sampling import SamplingConfig
@@ -82,12 +82,12 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Which generation engine samples, in which numerics (engines/factory.py)."""
+    """Which generation engine samples, in which numerics (engines/factory.py `ENGINES`)."""
 
-    name: Literal["torch", "vllm"]
+    name: str                             # a registered engine or an import path
     inference_dtype: str                  # float32, bfloat16 or fp8 (simulated)
-    vllm: VllmConfig = VllmConfig()       # engine: vllm's options
-    lora_slots: int = 0                   # vLLM: the adapters kept resident (the staleness window's)
+    settings: Any = None                  # the engine's settings (its `Settings`; None: its defaults)
+    lora_slots: int = 0                   # an engine that serves adapters: those kept resident (the window's)
     lora_rank: int = 0
     # eos, pad and stop ids from the driver's tokenizer (the generator then loads it only to
     # decode); None: the generator loads the tokenizer and reads them itself
@@ -123,15 +123,16 @@ class Generate:
         # The torch engine copies an in-memory model; vLLM loads the directory itself. The float32
         # model is also the scorer of prefixes at a switch (interrupt).
         # on this process's device: the GPU it was given (Ray hides the others), else the CPU
-        model = numerics.prepare(load_model(model_path)) if (engine.name == "torch" or scores_at_switch) else None
+        kind = ENGINES.resolve(engine.name)
+        model = numerics.prepare(load_model(model_path)) if (kind.takes_model or scores_at_switch) else None
         # vLLM applies a LoRA version's adapter itself (the window's adapters resident); the torch
         # engine gets the adapter merged into full weights
-        self.lora_slots = engine.lora_slots if engine.name == "vllm" else 0
+        self.lora_slots = engine.lora_slots if kind.serves_adapters else 0
         adapters = dict(lora_slots=engine.lora_slots, lora_rank=engine.lora_rank) if self.lora_slots else {}
         self.engine = make_engine(
             engine.name,
-            model if engine.name == "torch" else model_path,
-            vllm=engine.vllm,
+            model if kind.takes_model else model_path,
+            settings=engine.settings,
             eos_id=token_ids.eos_id,
             pad_id=token_ids.pad_id,
             stop_token_ids=list(token_ids.stop_ids),

@@ -215,7 +215,7 @@ class RLPipeline:
                                 partial_rollout=c.partial_rollout, scores_at_switch=strategy.scores_at_switch,
                                 simulate_decode_seconds=c.simulate_decode_seconds,
                                 top_k_logprobs=c.top_k_logprobs)
-        engine = EngineConfig(name=c.engine, inference_dtype=c.inference_dtype, vllm=s.vllm,
+        engine = EngineConfig(name=c.engine, inference_dtype=c.inference_dtype, settings=s.engine,
                               lora_slots=c.engine_lora_slots(), lora_rank=c.lora.r,
                               token_ids=self.token_ids())
         generate = Stage("generate", Generate,

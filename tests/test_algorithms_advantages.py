@@ -8,10 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajflow.algorithms import (ESTIMATORS, AdvantageConfig, compute_advantages, dr_grpo, group_advantages, grpo,
-                                 leave_one_out, overlong_penalty, reinforce_plus_plus, reinforce_plus_plus_baseline,
+from trajflow.algorithms import (ESTIMATORS, AdvantageConfig, compute_advantages, dr_grpo, grpo, leave_one_out,
+                                 overlong_penalty, reinforce_plus_plus, reinforce_plus_plus_baseline,
                                  zero_variance_groups)
-from trajflow.algorithms.config import ESTIMATOR_NAMES
 from trajflow.operators.advantage import Advantage
 
 # group a: [1, 0, 0, 1] (mean 0.5, population std 0.5); b: [1, 1] (no variance); c: [0.5] (alone).
@@ -64,10 +63,12 @@ def test_integer_codes_need_not_be_contiguous_and_torch_round_trips():
 
 
 def test_dispatch_and_errors():
-    assert np.allclose(group_advantages("leave_one_out", REWARDS, GROUPS), leave_one_out(REWARDS, GROUPS))
-    assert np.allclose(group_advantages("grpo", REWARDS, GROUPS, normalize_std=False), dr_grpo(REWARDS, GROUPS))
-    with pytest.raises(ValueError, match="estimator"):
-        group_advantages("ppo", REWARDS, GROUPS)
+    """compute_advantages goes through the estimators' registry by name."""
+    leave = compute_advantages(AdvantageConfig(estimator="leave_one_out"), REWARDS, GROUPS)
+    assert np.allclose(leave, leave_one_out(REWARDS, GROUPS))
+    assert np.allclose(grpo(REWARDS, GROUPS, normalize_std=False), dr_grpo(REWARDS, GROUPS))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; registered: grpo, dr_grpo"):
+        AdvantageConfig(estimator="ppo")
     with pytest.raises(ValueError, match="rows"):
         grpo(REWARDS, GROUPS[:3])
 
@@ -181,8 +182,20 @@ def test_overlong_shaping_without_a_budget_is_refused_where_it_is_used():
         compute_advantages(cfg, REWARDS, GROUPS, lengths=np.full(len(REWARDS), 3))
 
 
-def test_every_configurable_estimator_is_implemented():
-    assert (*ESTIMATORS, "gae") == ESTIMATOR_NAMES  # gae: per token, on a critic's values (algorithms/gae.py)
+def test_every_registered_estimator_is_implemented():
+    """Each built-in computes advantages from rewards, except gae (per token, on a critic's values:
+    algorithms/gae.py), which compute_advantages refuses; the group-relative ones need groups of 2."""
+    names = list(ESTIMATORS.builtins())
+    assert names == ["grpo", "dr_grpo", "leave_one_out", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
+    for name in names:
+        config = AdvantageConfig(estimator=name)
+        if ESTIMATORS.resolve(name).needs_values:
+            with pytest.raises(ValueError, match="gae: its advantages are per token from a critic's values"):
+                compute_advantages(config, REWARDS, GROUPS)
+        else:
+            assert np.isfinite(compute_advantages(config, REWARDS, GROUPS)).all(), name
+    assert {n for n, c in ESTIMATORS.builtins().items() if c.min_group_size == 2} == {
+        "grpo", "dr_grpo", "leave_one_out", "reinforce_plus_plus_baseline"}
 
 
 # ---- the Advantage operator ----------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """One config contract from YAML to the loss: every setting declared once (trajflow/settings.py),
 the YAML sections built from those declarations, every key documented where it is declared (and
 docs/configuration.md generated from those descriptions), operators built from typed settings
-only, booleans refused where numbers are meant, in settings and in functions."""
+only, booleans refused where numbers are meant in settings (in functions:
+tests/test_public_booleans.py)."""
 
 from __future__ import annotations
 
@@ -166,38 +167,14 @@ def _ok_as_number(field: str, value: float) -> bool:
     lambda: OptimizerConfig(minibatches_per_step=True),
     lambda: SamplingConfig(top_k=False),
     lambda: VllmConfig(tensor_parallel_size=True),
-    lambda: PipelineConfig(strategy="ewma", strategy_options={"window": True}).build_strategy(),
-    lambda: PipelineConfig(strategy="loglinear", strategy_options={"alpha": True}).build_strategy(),
-    lambda: PipelineConfig(strategy="m2po", strategy_options={"m2_threshold": True}).build_strategy(),
+    lambda: PipelineConfig(strategy={"name": "ewma", "window": True}),
+    lambda: PipelineConfig(strategy={"name": "loglinear", "alpha": True}),
+    lambda: PipelineConfig(strategy={"name": "m2po", "m2_threshold": True}),
+    lambda: __import__("trajflow.operators.strategies.m2po", fromlist=["M2po"]).M2po(m2_threshold=True),
 ])
 def test_a_boolean_is_never_a_number_in_the_library(build):
     with pytest.raises(ValueError, match="boolean|true|True|must be"):
         build()
-
-
-@pytest.mark.parametrize("call", [
-    lambda t: decoupled_loss(t, t, t, t[:, 0], t > -1, denominator=True),
-    lambda t: __import__("trajflow.algorithms", fromlist=["grpo"]).grpo([1.0, 0.0], [0, 0], eps=True),
-    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).overlong_penalty([3], max_tokens=True, buffer=1),
-    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).loglinear_alpha(t.long(), theta_version=True),
-    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).loglinear_logprobs(t, t, alpha=False),
-    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).ewma_beta(True),
-    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).kl_penalized_rewards(t[:, 0], t, t > -1, beta=True),
-    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).m2_cutoff(t.flatten(), tau=True),
-    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).masked_mean(t, t > -1, dim=True),
-    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).lr_multiplier(True, 10, OptimizerConfig()),
-    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).staleness_stats(t.long(), True, t > -1),
-    lambda t: CorrectionConfig.paper(c_ti=True),
-    lambda t: __import__("trajflow.algorithms", fromlist=["x"]).EwmaProximal({}, 0.5, reset_threshold=True),
-], ids=["decoupled_loss", "grpo", "overlong_penalty", "loglinear_alpha", "loglinear_logprobs", "ewma_beta",
-        "kl_penalized_rewards", "m2_cutoff", "masked_mean", "lr_multiplier", "staleness_stats", "paper", "EwmaProximal"])
-def test_functions_refuse_booleans_where_numbers_are_meant(call):
-    """As settings do: `decoupled_loss(denominator=True)` would otherwise train on a plain sum
-    (True == 1). One shared check (trajflow.settings.check_number), naming the argument."""
-    from trajflow.settings import NotANumber
-
-    with pytest.raises(NotANumber, match=r"\(\w+=\.\.\.\): expected a number, got the boolean"):
-        call(torch.full((2, 3), -1.0))
 
 
 def test_renamed_keys_work_for_one_release_with_one_line_notice():
@@ -205,8 +182,9 @@ def test_renamed_keys_work_for_one_release_with_one_line_notice():
         config = build_job_config({"strategy": "ewma", "ewma": {"window": 3, "reset_threshold": 0.5}})
     assert config.strategy_options == {"window": 3, "reset_threshold": 0.5}
     assert config.build_strategy().window == 3 and config.build_strategy().reset_threshold == 0.5
-    assert all("\n" not in str(w.message) and "strategy_options" in str(w.message) for w in caught)
-    with pytest.warns(FutureWarning, match="loglinear_alpha: use strategy_options.alpha"):
+    assert [str(w.message) for w in caught] == [f"ewma.{key}: use strategy.{key}; the old key goes in the next release"
+                                                for key in ("window", "reset_threshold")]
+    with pytest.warns(FutureWarning, match="loglinear_alpha: use strategy.alpha"):
         assert build_job_config({"strategy": "loglinear", "loglinear_alpha": 0.25}).build_strategy().alpha == 0.25
     with pytest.warns(FutureWarning, match="loglinear_alpha: ignored"):  # an option the strategy does not take
         assert build_job_config({"strategy": "snapshot", "loglinear_alpha": 0.25}).strategy_options == {}
@@ -288,6 +266,6 @@ def test_the_cli_shows_a_renamed_key_as_one_line(tmp_path):
                           text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "trajflow: deprecated: ewma.window: use strategy_options.window; the old key goes in the next release",
+        "trajflow: deprecated: ewma.window: use strategy.window; the old key goes in the next release",
         "trajflow: config error: steps: Input should be greater than or equal to 1 (got 0)",
     ]

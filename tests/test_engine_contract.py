@@ -65,7 +65,7 @@ def shared_vllm(tiny, tmp_path_factory):
     engine.close()
 
 
-@pytest.fixture(params=ENGINES)
+@pytest.fixture(params=list(ENGINES.builtins()))
 def make(request):
     """make(model, sampling, seed=, version=, eos_id=) -> an engine holding `model`'s weights."""
     name = request.param

@@ -291,10 +291,10 @@ def test_the_advantage_operator_writes_per_token_advantages_the_trainer_reads():
 def test_gamma_belongs_to_reinforce_plus_plus_and_gae():
     from trajflow.settings import SettingError
 
-    with pytest.raises(SettingError, match="AdvantageConfig.gamma: a per-token discount applies to estimators "
-                                           "reinforce_plus_plus and gae, not grpo"):
+    with pytest.raises(SettingError, match="AdvantageConfig.gamma: read by estimators reinforce_plus_plus and gae "
+                                           "only, not grpo"):
         AdvantageConfig(gamma=0.9)
-    with pytest.raises(SettingError, match="AdvantageConfig.lam: GAE's lambda applies to estimator gae, not grpo"):
+    with pytest.raises(SettingError, match="AdvantageConfig.lam: read by estimator gae only, not grpo"):
         AdvantageConfig(lam=0.9)
     assert AdvantageConfig(estimator="gae", gamma=0.99, lam=0.95).lam == 0.95
     with pytest.raises(SettingError, match="gamma: must be <= 1"):

@@ -1,6 +1,6 @@
 """Correction strategies: one file each, a base class and a registry.
 
-    from trajflow.operators.strategies import Strategy, resolve_strategy, BUILTIN
+    from trajflow.operators.strategies import Strategy, STRATEGIES, resolve_strategy, BUILTIN
 
 See base.py for what a strategy declares and registry.py for user strategies by import path.
 """
@@ -16,6 +16,7 @@ from trajflow.operators.strategies.base import (
 )
 from trajflow.operators.strategies.registry import (
     BUILTIN,
+    STRATEGIES,
     format_strategies,
     resolve_strategy,
     strategy_class,
@@ -23,6 +24,6 @@ from trajflow.operators.strategies.registry import (
 )
 
 __all__ = [
-    "BUILTIN", "KINDS", "OldLogprobsColumn", "StageContext", "Strategy", "StrategyKind", "Trainer",
+    "BUILTIN", "KINDS", "STRATEGIES", "OldLogprobsColumn", "StageContext", "Strategy", "StrategyKind", "Trainer",
     "format_strategies", "old_logprob_stage", "resolve_strategy", "strategy_class", "strategy_names",
 ]

@@ -3,7 +3,10 @@ system asks about it. Subclass `Strategy`, set the class attributes, override wh
 
 What the rest of trajflow asks a strategy (and nothing else: no other file compares its name):
 
-  name, kind, meaning       the catalogue (`trajflow configs`, the run log, metrics' `strategy`)
+  name, kind, meaning       the catalogue (`trajflow configs`, the run log, metrics' `strategy`);
+                            `@STRATEGIES.register("name")` (registry.py) sets the name
+  Settings                  its settings, a frozen settings dataclass: `strategy: {name: NAME,
+                            <settings>}` in a config, the constructor's keyword arguments
   keep_history              the policy store keeps the weights of every version still inside the
                             staleness window (an operator scores old log-probs after generation)
   scores_at_switch          generation scores the prefix sampled so far with the still-resident
@@ -47,7 +50,7 @@ Objects travel to Ray actors by Ray's in-memory pickling (never to disk): keep t
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
@@ -109,20 +112,21 @@ class Strategy:
     old_distribution: ClassVar[bool] = False
     uses_current_top_k: ClassVar[bool] = False
 
+    Settings: ClassVar[type | None] = None  # its settings: a frozen settings dataclass (trajflow/settings.py)
+
     @classmethod
     def from_config(cls, config: Any, options: dict[str, Any] | None = None) -> "Strategy":
-        """An instance with its settings from the PipelineConfig: `strategy_options` are the
-        constructor's keyword arguments (a subclass may pass `options` with defaults that depend
-        on the config filled in, e.g. EWMA's window from max_staleness)."""
-        options = dict(config.strategy_options if options is None else options)
-        # object.__init__'s (*args, **kwargs) would accept anything, then refuse it less clearly
-        parameters = inspect.signature(cls.__init__).parameters if cls.__init__ is not object.__init__ else {}
-        accepted = [name for name, p in parameters.items() if name != "self"
-                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        unknown = [k for k in options if k not in accepted]
-        if unknown and not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
-            raise ValueError(f"unknown option {unknown[0]!r} (accepted: {', '.join(accepted) or 'none'})")
-        return cls(**options)
+        """An instance with its settings from the PipelineConfig (`strategy: {name: NAME,
+        <settings>}`, held as `config.strategy_options`) or from `options`; the constructor takes
+        the fields of `Settings` as keyword arguments. A subclass may fill in defaults that depend
+        on the config (EWMA's window from max_staleness). A key the strategy does not declare, a
+        wrong type or a value out of bounds is one ValueError line naming `strategy.<key>`."""
+        from trajflow.operators.strategies.registry import STRATEGIES
+
+        settings = STRATEGIES.settings(cls, dict(config.strategy_options if options is None else options))
+        if settings is None:
+            return cls()
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)})
 
     def check(self, config: Any) -> None:
         """Raise ValueError("key: why") if the PipelineConfig cannot run this strategy."""

@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trajflow.operators.strategies.base import Strategy, Trainer
+from trajflow.operators.strategies.registry import STRATEGIES
 
 if TYPE_CHECKING:  # torch-free at import (see base.py)
     from torch import Tensor
 
 
+@STRATEGIES.register("behavior")
 class Behavior(Strategy):
-    name = "behavior"
     kind = "baseline"
     meaning = "old := inference log-probs (r_d = 1): one clip absorbs both numerics and staleness"
     old_distribution = True

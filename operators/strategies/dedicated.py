@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from trajflow.operators.contracts.stage import Placement
 from trajflow.operators.strategies.base import OldLogprobsColumn, StageContext, old_logprob_stage
+from trajflow.operators.strategies.registry import STRATEGIES
 
 
+@STRATEGIES.register("dedicated")
 class Dedicated(OldLogprobsColumn):
-    name = "dedicated"
     kind = "exact"
     meaning = "a separate old log-prob model follows the rollout versions and scores each batch as it is generated"
     keep_history = True  # until the batch carrying a version is scored

@@ -8,16 +8,19 @@ reported in versions. Under a sharded trainer each worker keeps the EWMA of its 
 update is elementwise) and scores with a sharded copy of the policy: the proximal model is
 all-gathered layer by layer like the policy itself.
 
-Settings (`strategy_options`): `window` (W in versions; default max(1, max_staleness): the
-reference sits mid-window), `reset_threshold` (tau, default 0.9).
+Settings (`strategy: {name: ewma, window: W, reset_threshold: tau}`, `EwmaSettings`): `window`
+(W in versions; null: max(1, max_staleness), the reference sits mid-window), `reset_threshold`
+(tau).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trajflow.operators.strategies.base import Strategy, Trainer
-from trajflow.settings import check_number
+from trajflow.operators.strategies.registry import STRATEGIES
+from trajflow.settings import check_settings, setting
 
 if TYPE_CHECKING:  # torch-free at import (see base.py)
     from torch import Tensor
@@ -25,28 +28,44 @@ if TYPE_CHECKING:  # torch-free at import (see base.py)
     from trajflow.algorithms.ewma import EwmaProximal
 
 
+@dataclass(frozen=True)
+class EwmaSettings:
+    """`ewma`'s settings."""
+
+    window: int | None = setting(
+        None, "W: the EWMA's window in versions (counted in optimizer updates: W x minibatches_per_step); "
+        "null: max(1, max_staleness), so the reference sits mid-window", ge=1)
+    reset_threshold: float = setting(
+        0.9, "tau: reset the EWMA to the current weights when the step's active-token fraction falls below it",
+        ge=0.0, le=1.0)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@STRATEGIES.register("ewma")
 class Ewma(Strategy):
-    name = "ewma"
     kind = "approximate"
     meaning = "score with an EWMA of the trainer's weights (window W versions), reset when active fraction < tau"
     follows_updates = True
+    Settings = EwmaSettings
 
-    def __init__(self, window: int, reset_threshold: float = 0.9) -> None:
-        check_number("ewma", window=window, reset_threshold=reset_threshold)
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an integer >= 1 (versions), got {window!r}")
-        if not 0.0 <= reset_threshold <= 1.0:
-            raise ValueError(f"reset_threshold must be a number in [0, 1], got {reset_threshold!r}")
-        self.window = window
-        self.reset_threshold = float(reset_threshold)
+    def __init__(self, window: int, reset_threshold: float = EwmaSettings.reset_threshold) -> None:
+        settings = EwmaSettings(window=window, reset_threshold=reset_threshold)  # checked (SettingError)
+        if settings.window is None:
+            raise ValueError("ewma: window is required here (a job config derives it from max_staleness)")
+        self.window = settings.window
+        self.reset_threshold = settings.reset_threshold
         self.ewma: EwmaProximal | None = None
         self.minibatches_per_step = 1
         self._model = None
         self._stale_model = True
 
     @classmethod
-    def from_config(cls, config: Any) -> "Ewma":
-        options = {"window": max(1, config.max_staleness), **config.strategy_options}
+    def from_config(cls, config: Any, options: dict[str, Any] | None = None) -> "Ewma":
+        options = dict(config.strategy_options if options is None else options)
+        if options.get("window") is None:  # null: derived from the staleness bound
+            options["window"] = max(1, config.max_staleness)
         return super().from_config(config, options)
 
     def bind(self, trainer: Trainer) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from trajflow.operators.strategies.base import OldLogprobsColumn
+from trajflow.operators.strategies.registry import STRATEGIES
 
 
+@STRATEGIES.register("interrupt")
 class Interrupt(OldLogprobsColumn):
-    name = "interrupt"
     kind = "exact"
     meaning = "at each weight publish, score in-flight prefixes with the still-resident version, then resume"
     scores_at_switch = True

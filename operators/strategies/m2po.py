@@ -1,7 +1,7 @@
 """`m2po` (baseline, arXiv 2510.01161): behavior log-probs as old, a second-moment trust region.
 
 Per optimizer update, M2 = mean over the loss tokens of (log pi_theta - log mu)^2; if M2 > tau
-(config `strategy_options: {m2_threshold: 0.04}`) the tokens with the largest squared log-ratio
+(config `strategy: {name: m2po, m2_threshold: 0.04}`) the tokens with the largest squared log-ratio
 are masked until M2 <= tau (algorithms/m2po.py).
 Kept tokens get no PPO clip; masked ones carry no gradient but stay in the loss denominator.
 Reported per step: m2po/m2_before, m2po/m2_after (token-weighted over the step's updates),
@@ -18,10 +18,12 @@ per update is the price). Diagnose (no update) masks each batch on its own.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trajflow.operators.strategies.base import Strategy, Trainer
-from trajflow.settings import check_number
+from trajflow.operators.strategies.registry import STRATEGIES
+from trajflow.settings import check_settings, setting
 
 if TYPE_CHECKING:  # torch-free at import (see base.py)
     from collections.abc import Callable
@@ -31,17 +33,28 @@ if TYPE_CHECKING:  # torch-free at import (see base.py)
     from trajflow.algorithms.objective import CorrectionConfig
 
 
+@dataclass(frozen=True)
+class M2poSettings:
+    """`m2po`'s settings."""
+
+    m2_threshold: float = setting(
+        0.04, "tau_M2: mask the tokens with the largest (log pi_theta / mu)^2 until their mean M2 is <= this",
+        ge=0.0)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@STRATEGIES.register("m2po")
 class M2po(Strategy):
-    name = "m2po"
     needs_update_pass = True
     kind = "baseline"
     meaning = "old := inference log-probs; mask the largest (log pi_theta/mu)^2 until their mean M2 <= tau, no PPO clip"
 
-    def __init__(self, m2_threshold: float = 0.04) -> None:  # config: strategy_options.m2_threshold
-        check_number("m2po", m2_threshold=m2_threshold)
-        if not m2_threshold >= 0:
-            raise ValueError(f"m2_threshold must be a number >= 0, got {m2_threshold!r}")
-        self.m2_threshold = float(m2_threshold)
+    Settings = M2poSettings
+
+    def __init__(self, m2_threshold: float = M2poSettings.m2_threshold) -> None:
+        self.m2_threshold = M2poSettings(m2_threshold=m2_threshold).m2_threshold  # checked (SettingError)
         self._sums = dict.fromkeys(("before", "after", "tokens", "kept"), 0.0)
         self._cutoff: float | None = None  # set per optimizer update by begin_update (train step)
 

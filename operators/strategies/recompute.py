@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trajflow.operators.strategies.base import Strategy, Trainer
+from trajflow.operators.strategies.registry import STRATEGIES
 
 if TYPE_CHECKING:  # torch-free at import (see base.py)
     from torch import Tensor
 
 
+@STRATEGIES.register("recompute")
 class Recompute(Strategy):
-    name = "recompute"
     kind = "baseline"
     meaning = "score with the trainer's current weights before the update (pi_async): drift leaks into r_d"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from trajflow.operators.strategies.registry import STRATEGIES
 from trajflow.operators.strategies.snapshot import Snapshot
 
 if TYPE_CHECKING:  # torch-free at import (see base.py)
@@ -25,8 +26,8 @@ if TYPE_CHECKING:  # torch-free at import (see base.py)
     from trajflow.algorithms.objective import CorrectionConfig, LossOutput
 
 
+@STRATEGIES.register("score_centering")
 class ScoreCentering(Snapshot):
-    name = "score_centering"
     meaning = ("snapshot's exact pi_old; REINFORCE with the score centred under the sampler's top-k "
                "distribution (Score Centering, arXiv 2609.20807)")
     uses_current_top_k = True

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from trajflow.operators.contracts.stage import Placement
 from trajflow.operators.strategies.base import OldLogprobsColumn, StageContext, old_logprob_stage
+from trajflow.operators.strategies.registry import STRATEGIES
 
 
+@STRATEGIES.register("snapshot")
 class Snapshot(OldLogprobsColumn):
-    name = "snapshot"
     kind = "exact"
     meaning = "score each token with the stored weights of its own version (policy-store snapshots)"
     keep_history = True

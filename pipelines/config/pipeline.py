@@ -1,23 +1,39 @@
 """The typed, validated configuration of one RL pipeline (the job config nests it).
 
 Every field has a default that runs the built-in task on a 2-core CPU machine. Validation happens
-here, without reading a file: unknown keys, wrong types, names that do not resolve (the strategy:
-a built-in name or an import path) and impossible combinations fail with a message that names the
-key. What needs the disk is the preflight (preflight.py), run before Ray starts.
+here, without reading a file: unknown keys, wrong types, names that do not resolve (a strategy,
+an engine, an advantage estimator: a registered name or an import path, trajflow/registry.py)
+and impossible combinations fail with a message that names the key. What needs the disk is the
+preflight (preflight.py), run before Ray starts.
+
+A part with settings is selected as `KEY: {name: NAME, <its settings>}` (`strategy`, `engine`):
+the config holds the name under KEY and the settings beside it (the strategy's in
+`strategy_options`, an engine's in its section, e.g. `vllm:`, or privately), and writes the
+mapping back when dumped.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import (
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig
+from trajflow.algorithms.estimators import ESTIMATORS
 from trajflow.deprecations import notice
-from trajflow.engines.factory import VLLM_LORA_RANKS, VLLM_LORA_REFUSED_MODULES
+from trajflow.engines.factory import ENGINES
+from trajflow.operators.strategies.registry import STRATEGIES
 from trajflow.pipelines.config.deprecations import migrate_deprecated_keys
 from trajflow.pipelines.config.sections import (
     AdvantageSection,
@@ -41,11 +57,6 @@ from trajflow.tasks.workload import Workload
 
 # A sane ceiling: beyond it a typo (steps: 1000000000000) would otherwise start a job that never ends.
 MAX_STEPS = 1_000_000
-# Every built-in advantage estimator is group-relative: a group of one sample is its own baseline,
-# so its advantage is 0 and nothing is trained. An estimator with another baseline may allow 1.
-MIN_GROUP_SIZE = {"grpo": 2, "dr_grpo": 2, "leave_one_out": 2, "reinforce_plus_plus_baseline": 2}
-
-
 
 def check_task(name: str) -> str:
     """A registered task name. ValueError naming the registered ones if not."""
@@ -81,12 +92,12 @@ class PipelineConfig(_Strict):
         3, ge=0, description="stop the run after this many consecutive steps whose reward failed on every row "
         "(or returned the wrong number of values); 0: never")
     env: str | None = Field(None, description="package.module:Class (or file.py:Class) of a multi-turn Environment")
-    strategy: str = Field("snapshot", description="where pi_old comes from: a built-in name "
-                          "(operators/strategies/registry.py; `trajflow configs` lists them) or an import path "
-                          "module:Class / file.py:Class")
+    strategy: str = Field("snapshot", description="where pi_old comes from: a registered strategy (listed under "
+                          "'Strategies' below; `trajflow configs`) or an import path module:Class / file.py:Class; "
+                          "with settings: {name: NAME, <its settings>}, e.g. {name: ewma, window: 4}")
     strategy_options: dict[str, Any] = Field(
-        default_factory=dict, description="keyword arguments of the strategy's constructor, e.g. "
-        "{m2_threshold: 0.04} for m2po, or a user strategy's own settings")
+        default_factory=dict, description="deprecated (one release): the strategy's settings; write "
+        "strategy: {name: NAME, <its settings>}")
     steps: int = Field(100, ge=1, le=MAX_STEPS, description="train steps, each one weight version (with "
                        "data.epochs and no steps: as many as the epochs hold)")
     prompts_per_step: int = Field(64, ge=1, description="prompts sampled per train step")
@@ -98,8 +109,10 @@ class PipelineConfig(_Strict):
     inference_dtype: Literal["float32", "bfloat16", "fp8"] = Field(
         "float32", description="the numerics generation samples in (fp8: simulated); the training-inference "
         "discrepancy r_d comes from the difference to training numerics")
-    engine: Literal["torch", "vllm"] = Field("torch", description="generation engine (vllm: optional extra)")
-    vllm: VllmSection = Field(default_factory=VllmSection, description="the vLLM engine's options "
+    engine: str = Field("torch", description="the generation engine: a registered engine (listed under 'Generation "
+                        "engines' below; vllm: the optional extra) or an import path module:Class / file.py:Class; "
+                        "with settings of its own: {name: NAME, <its settings>}")
+    vllm: VllmSection = Field(default_factory=VllmSection, description="the vLLM engine's settings "
                               "(engine: vllm only)")
     partial_rollout: bool = Field(
         False, description="take new weights between decode steps (always on for `interrupt`)")
@@ -165,21 +178,57 @@ class PipelineConfig(_Strict):
             data["task"] = "addition"
         return data
 
-    @field_validator("strategy")
-    @classmethod
-    def _resolve_strategy(cls, spec: str) -> str:
-        from trajflow.operators.strategies.registry import resolve_strategy
+    # an engine's own settings (`engine: {name: NAME, <settings>}`) when no section holds them
+    _engine_settings: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-        where, sep, attr = spec.rpartition(":")
-        if sep and where.endswith(".py"):  # a file: absolute, so the run's saved config works from anywhere
-            spec = f"{Path(where).resolve()}:{attr}"
-        resolve_strategy(spec)  # ValueError (one line) if it does not resolve
-        return spec
+    @model_validator(mode="wrap")
+    @classmethod
+    def _engine_with_settings(cls, data: Any, handler: ModelWrapValidatorHandler) -> "PipelineConfig":
+        """`engine: {name: NAME, <settings>}`: the name under `engine`, the settings in the
+        engine's section (vllm: `vllm:`) or kept beside it. Declared before `_check_combinations`,
+        which thus runs on the settings (a wrap validator wraps those declared before it)."""
+        settings: dict[str, Any] = {}
+        if isinstance(data, dict) and isinstance(data.get("engine"), dict):
+            data = dict(data)
+            data["engine"], settings = ENGINES.split(data["engine"])
+            section = _engine_section(data["engine"])
+            if section is not None and settings:
+                if section in data:
+                    raise ValueError(f"engine: {data['engine']}'s settings go in one place, the `{section}:` "
+                                     "section or engine: {name: NAME, <settings>}")
+                data[section], settings = settings, {}
+        config = handler(data)
+        config._engine_settings = settings
+        return config
+
+    @model_serializer(mode="wrap")
+    def _parts_with_their_settings(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A strategy's or an engine's settings dumped as `KEY: {name: NAME, <settings>}` (the
+        form a config is written in; `strategy_options` is not written back)."""
+        data = handler(self)
+        options = data.pop("strategy_options", None)
+        if options and "strategy" in data:
+            data["strategy"] = {"name": data["strategy"], **options}
+        if self._engine_settings and "engine" in data:
+            data["engine"] = {"name": data["engine"], **self._engine_settings}
+        return data
+
+    @field_validator("strategy", "engine")
+    @classmethod
+    def _registered(cls, spec: str, info: ValidationInfo) -> str:
+        registry = STRATEGIES if info.field_name == "strategy" else ENGINES
+        registry.resolve(spec)  # ValueError (one line) if it does not resolve
+        return registry.canonical(spec)  # a file absolute, so the run's saved config works from anywhere
 
     @field_validator("advantage", mode="before")
     @classmethod
     def _advantage_by_name(cls, value: Any) -> Any:
-        return {"estimator": value} if isinstance(value, str) else value
+        """`advantage: NAME` is `{estimator: NAME}`; the estimator as the config stores it
+        (trajflow/registry.py `canonical`: a file absolute, a user's registered name its import path)."""
+        value = {"estimator": value} if isinstance(value, str) else value
+        if isinstance(value, dict) and isinstance(value.get("estimator"), str):
+            value = {**value, "estimator": ESTIMATORS.canonical(value["estimator"])}
+        return value
 
     @field_validator("model", "teacher")
     @classmethod
@@ -199,13 +248,10 @@ class PipelineConfig(_Strict):
     def _check_combinations(self) -> "PipelineConfig":
         if self.task is not None and (self.data is not None or self.env is not None):
             raise ValueError("task: give either task, or data / env (a config with data and no task runs on the data)")
-        if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise ValueError("engine: vllm is not installed (pip install 'trajflow[vllm]'), or use engine: torch")
-        if self.lora.r > 0 and self.engine == "vllm":
-            self._check_vllm_lora()
+        self._check_engine()
         if self.weight_sync.method == "collective":
             self._check_collective()
-        min_group = MIN_GROUP_SIZE.get(self.advantage.estimator, 1)
+        min_group = ESTIMATORS.resolve(self.advantage.estimator).min_group_size
         if self.group_size < min_group:
             raise ValueError(
                 f"group_size: {self.group_size} sample per prompt gives every trajectory advantage 0 under "
@@ -216,15 +262,9 @@ class PipelineConfig(_Strict):
             self.settings.advantage  # the overlong shaping's buffer within the job's max_new_tokens
         except ValueError as e:
             raise ValueError(f"advantage: {e}") from None
-        if self.engine != "vllm" and self.vllm != VllmSection():
-            raise ValueError("vllm: settings given but engine is not vllm")
         self._check_distributions()
         self._check_critic()
-        try:
-            strategy = self.build_strategy()
-        except (TypeError, ValueError) as e:  # the constructor refused strategy_options
-            raise ValueError(f"strategy_options: {self.strategy}: {e}") from None
-        strategy.check(self)
+        self.build_strategy().check(self)  # its settings: a ValueError naming `strategy.<key>`
         rows = self.rows_per_step
         if rows % self.optimizer.minibatches_per_step:
             raise ValueError(
@@ -233,17 +273,29 @@ class PipelineConfig(_Strict):
             )
         return self
 
+    def _check_engine(self) -> None:
+        """The engine's settings and its own refusals (`GenerationEngine.check`); the section of
+        another engine given is refused by key."""
+        engine = ENGINES.resolve(self.engine)
+        self.settings.engine  # noqa: B018 - its settings: a ValueError naming `engine.<key>`
+        engine.check(self)
+        for other in ENGINES.parts().values():
+            if other.section and other is not engine and getattr(self, other.section) != \
+                    type(self).model_fields[other.section].default_factory():
+                raise ValueError(f"{other.section}: settings given but engine is {engine.name}, not {other.name}")
+
     def _check_critic(self) -> None:
-        """A critic and GAE go together; what the critic does not cover (yet) is refused by key."""
-        gae = self.advantage.estimator == "gae"
-        if gae and self.critic is None:
-            raise ValueError("advantage.estimator: gae needs a critic's values; add a `critic:` section "
-                             "(e.g. critic: {} for the policy's model with a value head)")
+        """A critic and an estimator on its values (GAE) go together; what the critic does not
+        cover (yet) is refused by key."""
+        estimator = ESTIMATORS.resolve(self.advantage.estimator)
+        if estimator.needs_values and self.critic is None:
+            raise ValueError(f"advantage.estimator: {estimator.name} needs a critic's values; add a `critic:` "
+                             "section (e.g. critic: {} for the policy's model with a value head)")
         if self.critic is None:
             return
-        if not gae:
+        if not estimator.needs_values:
             raise ValueError(f"critic: its values are GAE's (advantage.estimator: gae), advantage is "
-                             f"{self.advantage.estimator}")
+                             f"{estimator.name}")
         if self.weight_sync.method == "collective":
             raise ValueError("critic: its versions travel through the policy store; use weight_sync.method: "
                              "object_store")
@@ -298,24 +350,12 @@ class PipelineConfig(_Strict):
 
     def build_strategy(self):
         """A fresh instance of the configured strategy, with its settings from this config."""
-        from trajflow.operators.strategies.registry import resolve_strategy
-
-        return resolve_strategy(self.strategy).from_config(self)
+        return STRATEGIES.resolve(self.strategy).from_config(self)
 
     def engine_lora_slots(self) -> int:
-        """Adapters the vLLM engine keeps resident in a LoRA run: the staleness window's
-        max_staleness + 1 versions (0: no LoRA in the engine; the torch engine merges each one)."""
-        return self.max_staleness + 1 if self.engine == "vllm" and self.lora.r > 0 else 0
-
-    def _check_vllm_lora(self) -> None:
-        """What vLLM's LoRA (engines/vllm_engine.py) cannot take, refused by name."""
-        if self.lora.r > VLLM_LORA_RANKS[-1]:
-            raise ValueError(f"lora.r: {self.lora.r} is above vLLM's largest adapter rank "
-                             f"{VLLM_LORA_RANKS[-1]}; use engine: torch")
-        refused = sorted(set(self.lora.target_modules) & set(VLLM_LORA_REFUSED_MODULES))
-        if refused:
-            raise ValueError(f"lora.target_modules: {', '.join(refused)} with engine: vllm: vLLM's own lm_head "
-                             "adapter is not checked against the scorers' merge (old = inference); use engine: torch")
+        """Adapters an engine that serves them (vLLM) keeps resident in a LoRA run: the staleness
+        window's max_staleness + 1 versions (0: no LoRA in the engine; the torch engine merges each one)."""
+        return self.max_staleness + 1 if ENGINES.resolve(self.engine).serves_adapters and self.lora.r > 0 else 0
 
     def _check_collective(self) -> None:
         """What `weight_sync.method: collective` does not cover (yet), refused rather than run otherwise."""
@@ -381,6 +421,16 @@ class RunSettings:
         return self._config.data.spec() if self._config.data is not None else None
 
     @property
+    def engine(self) -> Any:
+        """The generation engine's settings (its `Settings`: from its section, e.g. `vllm:`, or
+        from `engine: {name, ...}`), or None for an engine without."""
+        config = self._config
+        section = _engine_section(config.engine)
+        if section is not None:
+            return getattr(config, section).spec()
+        return ENGINES.settings(config.engine, config._engine_settings)
+
+    @property
     def distill(self) -> DistillConfig | None:
         """On-policy distillation's terms, or None without a teacher."""
         return self._config.distill.spec() if self._config.teacher is not None else None
@@ -402,6 +452,15 @@ class RunSettings:
         from trajflow.engines.training_numerics import TrainingNumerics
 
         return TrainingNumerics(mixed_precision=self._config.optimizer.mixed_precision)
+
+
+def _engine_section(spec: str) -> str | None:
+    """The config section holding the engine's settings (vllm: `vllm`), None when it has none or
+    does not resolve (the `engine` field names that)."""
+    try:
+        return ENGINES.resolve(spec).section
+    except ValueError:
+        return None
 
 
 # the sections `settings` reads back (the YAML keys whose value is a section)

@@ -41,7 +41,7 @@ from trajflow.operators.trainer.critic_config import CriticConfig
 from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.recovery import RecoveryConfig
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
-from trajflow.settings import MAPPING, check_setting, field_types
+from trajflow.settings import MAPPING, check_setting, described, field_types
 from trajflow.tasks.dataset import DataConfig
 
 
@@ -102,8 +102,10 @@ class _Section(_Strict):
     @field_validator("*", mode="before")
     @classmethod
     def _checked(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, dict) and dataclasses.is_dataclass(field_types(cls.settings)[info.field_name]):
-            return value  # a nested section: its own model checks each of its keys
+        if dataclasses.is_dataclass(field_types(cls.settings)[info.field_name]):  # a nested section
+            if isinstance(value, (dict, BaseModel)) or dataclasses.is_dataclass(value):
+                return value  # its own model checks each of its keys
+            raise ValueError(f"expected {MAPPING}, got {described(value)}")
         if isinstance(value, str) and _accepts_float(field_types(cls.settings)[info.field_name]):
             try:  # YAML 1.1 reads `1e-3` (no dot) as a string; any other string stays one
                 value = float(value)
