@@ -12,42 +12,65 @@ import pyarrow as pa
 import pytest
 import torch
 
+from trajflow.algorithms.config import OptimizerConfig
 from trajflow.engines import checkpoint as ckpt
 from trajflow.engines.lora import LoraConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.jobs.recorder import RunPaths, RunRecorder, logged_steps, read_metrics, truncate_after
 from trajflow.operators.strategies.ewma import Ewma
 from trajflow.operators.train_step import TrainStep
+from trajflow.operators.trainer.policy import PolicyLearner
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.schemas import from_rows, read_parquet
 
 
+class SmallPolicy(PolicyLearner):
+    """The real policy learner (optimizer, EWMA strategy, checkpoint state) over a linear model."""
+
+    def build_model(self, weights):
+        model = torch.nn.Linear(3, 2)
+        if weights:
+            model.load_state_dict(weights)
+        return model
+
+
 class SmallTrainer(TrainStep):
-    """A TrainStep without Ray or a language model: a linear policy, AdamW, the EWMA strategy, and
-    the train step's own public methods the recorder may call (full_weights, save_checkpoint,
-    restore), as a replicated trainer of one worker. `model_path`: the directory whose config and
-    tokenizer files the run's last checkpoint exports beside the weights."""
+    """A TrainStep without Ray or a language model: one learner (SmallPolicy: a linear model,
+    AdamW, the EWMA strategy) and the train step's own public methods the recorder may call
+    (full_weights, save_checkpoint, restore), as a replicated trainer of one worker.
+    `model_path`: the directory whose config and tokenizer files the run's last checkpoint
+    exports beside the weights."""
 
     def __init__(self, version: int = 0, seed: int = 0, model_path: str | None = None) -> None:
         torch.manual_seed(seed)  # not TrainStep.__init__: no store, model loading or worker group
-        self.model = torch.nn.Linear(3, 2)
-        self.numerics, self.sampling, self.minibatches_per_step = TrainingNumerics(), None, 1
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.optimizer_steps = 0
-        self.version = version
-        self.sharded, self.group = False, None
         self.trainer = PipelineConfig().settings.trainer
-        self.spec = SimpleNamespace(model_path=model_path, lora=LoraConfig())  # r 0: no adapter
-        self.strategy = Ewma(window=2)
-        self.strategy.bind(self)
+        self.spec = SimpleNamespace(  # the fields of TrainStepConfig a policy learner reads
+            model_path=model_path, lora=LoraConfig(), strategy=Ewma(window=2), correction=None, sampling=None,
+            optimizer=OptimizerConfig(lr=1e-2), numerics=TrainingNumerics(), trainer=self.trainer,
+            total_updates=None)
+        self.numerics, self.sharded, self.group = self.spec.numerics, False, None
+        self.policy, self.critic = SmallPolicy(self.spec, {}), None
+        self.version = self.policy.version = version
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.policy.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.policy.optimizer
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.policy.optimizer_steps
 
     def train(self) -> None:
         loss = self.model(torch.randn(4, 3)).pow(2).sum()
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
-        self.optimizer_steps += 1
-        self.strategy.after_update(self)
+        self.policy.optimizer_steps += 1
+        self.strategy.after_update(self.policy)
         self.version += 1
 
 
