@@ -77,7 +77,7 @@ def run(items: int = 40) -> list[dict]:
     ensure_ray()
     rows = []
     setups = [("Ray Data as shipped", False, None), ("block metadata read inline only", False, False),
-              ("wake on the first task event only", True, True), ("both (ray_patches.executor)", True, False)]
+              ("wake on the first task event only", True, True), ("both (patches.executor)", True, False)]
     for name, patched, metadata_on_thread in setups:
         executor.revert()
         saved = metadata_fetcher._PREFETCH_ON_THREAD

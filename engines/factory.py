@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from trajflow.deprecations import renamed_names
 from trajflow.registry import Registry, settings_keys
 from trajflow.settings import check_settings, setting
 
@@ -151,6 +150,3 @@ def make_engine(name: str, model: Any, *, settings: Any = None, **contract: Any)
     elif settings is not None:
         raise TypeError(f"engine {engine.name!r} takes no settings, got {settings!r}")
     return engine.build(model, settings, **contract)
-
-
-__getattr__ = renamed_names(__name__, {"VllmOptions": VllmConfig})  # one release: the old name, with a notice

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trajflow.deprecations import renamed_names
 from trajflow.settings import check_settings, setting
 
 if TYPE_CHECKING:
@@ -220,6 +219,3 @@ class VersionWeights:
 
             self._base = load_model(self.model_path).state_dict()
         return merged(self._base, payload)
-
-
-__getattr__ = renamed_names(__name__, {"LoraSettings": LoraConfig})  # one release: the old name, with a notice

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from trajflow.deprecations import renamed_names
 from trajflow.settings import check_settings, setting
 
 if TYPE_CHECKING:  # torch loads in the functions below: a job config's `sampling:` section is
@@ -135,6 +134,3 @@ def sample_tokens(logits: Tensor, sampling: SamplingConfig, generator: torch.Gen
         return Sampled(tokens, (picked - lse).squeeze(-1))
     top = torch.topk(warped, top_k, dim=-1)
     return Sampled(tokens, (picked - lse).squeeze(-1), top.indices, top.values - lse)
-
-
-__getattr__ = renamed_names(__name__, {"SamplingParams": SamplingConfig})  # one release: the old name, with a notice

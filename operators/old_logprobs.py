@@ -31,7 +31,6 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from trajflow.deprecations import renamed_names
 from trajflow.engines.lora import VersionWeights
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingConfig
@@ -122,6 +121,3 @@ class OldLogprobsAtBehaviorVersion:
             k = next((r.shape[1] for r in supports if r is not None), 0)
             batch = replace_column(batch, "top_k_old_logprobs", nested_array(old_top_k, pa.float32(), k))
         return mark_filtered(batch, over_stale, "over_stale") if over_stale.any() else batch
-
-
-__getattr__ = renamed_names(__name__, {"OldLogprobsAtBehaviourVersion": OldLogprobsAtBehaviorVersion})

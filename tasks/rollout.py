@@ -35,7 +35,6 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from trajflow.deprecations import renamed_names
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.tokenizer import decode_response, decode_responses, encode_prompt, stop_token_ids
 from trajflow.engines.torch_engine import Generation, TorchEngine, greedy_engine
@@ -273,6 +272,3 @@ def heldout_rewards(
         chunk = {c: [v for v in rows[c].slice(start, count).to_pylist() for _ in range(n)] for c in columns}
         rewards += runner([p for p in prompts[start:start + count] for _ in range(n)], completions, chunk).scores
     return rewards
-
-
-__getattr__ = renamed_names(__name__, {"heldout_accuracy": heldout_mean_reward})  # an accuracy only for 0/1

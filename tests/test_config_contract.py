@@ -190,30 +190,6 @@ def test_renamed_keys_work_for_one_release_with_one_line_notice():
         assert build_job_config({"strategy": "snapshot", "loglinear_alpha": 0.25}).strategy_options == {}
 
 
-def test_renamed_imports_work_for_one_release_with_one_line_notice():
-    """Modules that moved (the layout of docs/design.md §4) and classes renamed to one suffix."""
-    import importlib
-    import sys
-
-    from trajflow.deprecations import RENAMED_MODULES
-    from trajflow.engines.lora import LoraConfig
-    from trajflow.operators.old_logprobs import OldLogprobsAtBehaviorVersion
-
-    for old, new in RENAMED_MODULES.items():
-        sys.modules.pop(old, None)
-        with pytest.warns(FutureWarning, match=f"^{old}: use {new}; the old name goes in the next release$"):
-            assert importlib.import_module(old) is importlib.import_module(new)
-    for module, old, new in [("trajflow.engines.sampling", "SamplingParams", SamplingConfig),
-                             ("trajflow.engines.factory", "VllmOptions", VllmConfig),
-                             ("trajflow.engines.lora", "LoraSettings", LoraConfig),
-                             ("trajflow.operators.old_logprobs", "OldLogprobsAtBehaviourVersion",
-                              OldLogprobsAtBehaviorVersion)]:
-        with pytest.warns(FutureWarning, match=f"{module}.{old}: use "):
-            assert getattr(importlib.import_module(module), old) is new
-    with pytest.warns(FutureWarning, match=r"correction_config\(\): use PipelineConfig.settings.correction"):
-        assert PipelineConfig().correction_config() == PipelineConfig().settings.correction
-
-
 def test_an_actor_stage_is_checked_when_it_is_built():
     """Typed arguments, checked against the operator's constructor when the stage is built (in
     RLPipeline, before Ray starts), not when Ray Data constructs the actor."""

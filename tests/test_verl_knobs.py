@@ -152,9 +152,9 @@ def test_rejection_rules_from_a_job_config():
 
     config = build_job_config({"correction": {"rejection": [{"statistic": "token_k1", "upper": 1.8, "lower": 0.4},
                                                             {"statistic": "seq_max_k3", "upper": 3.0}]}})
-    rules = config.correction_config().rejection
+    rules = config.settings.correction.rejection
     assert rules == (RejectionRule("token_k1", 1.8, 0.4), RejectionRule("seq_max_k3", 3.0))
-    assert build_job_config(yaml_roundtrip(config)).correction_config().rejection == rules  # the run's config.yaml
+    assert build_job_config(yaml_roundtrip(config)).settings.correction.rejection == rules  # the run's config.yaml
     for bad, fragment in (([{"statistic": "seq_mean_k4", "upper": 1}], "RejectionRule.statistic: expected one of"),
                           ([{"statistic": "seq_mean_k3", "upper": 1, "lower": 0.5}], "upper bound only"),
                           ([{"statistic": "seq_mean_k3"}], "a list of mappings with the keys statistic, upper, lower"),

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trajflow.deprecations import serve_moved_modules
 from trajflow.lazy import lazy_exports
 
 __version__ = "0.1.0"
-serve_moved_modules()  # modules moved in this release still import, with a one-line notice
 
 _EXPORTS = {
     "RLPipeline": "trajflow.pipelines.rl_loop",

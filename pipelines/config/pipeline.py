@@ -31,7 +31,6 @@ from pydantic import (
 
 from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, DistillConfig
 from trajflow.algorithms.estimators import ESTIMATORS
-from trajflow.deprecations import notice
 from trajflow.engines.factory import ENGINES
 from trajflow.operators.strategies.registry import STRATEGIES
 from trajflow.pipelines.config.deprecations import migrate_deprecated_keys
@@ -372,20 +371,6 @@ class PipelineConfig(_Strict):
         if strategy.keep_history:
             dtypes.add("float32")
         return tuple(sorted(dtypes))
-
-    # -- one release: the read-back methods `settings` replaced ------------------------------------
-    def correction_config(self) -> CorrectionConfig:
-        notice("PipelineConfig.correction_config()", "PipelineConfig.settings.correction")
-        return self.settings.correction
-
-    def advantage_config(self) -> AdvantageConfig:
-        notice("PipelineConfig.advantage_config()", "PipelineConfig.settings.advantage")
-        return self.settings.advantage
-
-    def training_numerics(self):
-        notice("PipelineConfig.training_numerics()", "PipelineConfig.settings.numerics")
-        return self.settings.numerics
-
 
 class RunSettings:
     """`PipelineConfig.settings`: each section as the settings dataclass the operators take, read
