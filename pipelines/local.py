@@ -3,9 +3,11 @@
 `run_in_process(pipe)` runs an `RLPipeline`'s stage list synchronously, without Ray: the same
 operator objects Ray Data would run in its actors (each is a callable, Arrow table in, Arrow table
 out), an in-process policy store, and the train step's data-parallel workers as threads of this
-process (operators/trainer/group.py `InProcessGroup`). A rollout never runs ahead of the trainer,
-so every step is on-policy in time (tokens of version k are trained at version k) whatever
-`max_staleness` says; numerics still differ between inference and training as configured.
+process (operators/trainer/group.py `InProcessGroup`). Each operator runs under its stage's name
+(`pipe.stages`): an exception in one ends the loop as `StageFailed`, one line naming the stage,
+with the original as its cause. A rollout never runs ahead of the trainer, so every step is
+on-policy in time (tokens of version k are trained at version k) whatever `max_staleness` says;
+numerics still differ between inference and training as configured.
 `lag=S` (at most max_staleness) instead generates each step's rollout S steps ahead: step k's
 tokens come from version max(0, k - S), the steady state of the asynchronous pipeline when
 generation outpaces training, with a staleness fixed by construction rather than by the
@@ -74,26 +76,42 @@ def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: rang
 def iter_in_process(pipe: RLPipeline, store: PolicyStoreClient, steps: range,
                     workers: type[WorkerGroup] = InProcessGroup, lag: int = 0) -> Iterator[tuple[pa.Table, dict]]:
     """The loop itself: per step, the batch as it reached the train step and the step's metrics
-    row; `lag`: each rollout generated that many steps ahead (module docstring). Needs neither Ray
-    nor polars (scripts/gpu_check.sh runs it where neither is installed)."""
-    operators = [build(stage, store, workers) for stage in pipe.stages]
-    rollout, train = operators[:-1], operators[-1]
+    row; `lag`: each rollout generated that many steps ahead (module docstring). A stage that
+    raises ends the loop with `StageFailed` naming it. Needs neither Ray nor polars
+    (scripts/gpu_check.sh runs it where neither is installed)."""
+    stages = [(stage.name, build(stage, store, workers)) for stage in pipe.stages]
+    *rollout, train = stages  # generate -> reward -> ... -> filter, then the train step
     rollouts: deque = deque()  # generated, not yet trained (lag > 0: up to `lag` steps ahead)
     try:
         for step in steps:
             while len(rollouts) <= lag and step + len(rollouts) < steps.stop:
                 # sampled with the newest version: the trainer's, `len(rollouts)` steps before its step
                 batch = pipe.prompts.step_rows(step + len(rollouts))
-                for operator in rollout:  # generate -> reward -> ... : one Arrow table to the next
-                    batch = operator(batch)
+                for stage in rollout:  # one Arrow table to the next
+                    batch = run_stage(stage, batch)
                 rollouts.append(batch)
             batch = rollouts.popleft()
-            for row in train(batch).to_pylist():  # the train step's metrics row (none: nothing trained)
+            for row in run_stage(train, batch).to_pylist():  # the step's metrics row (none: nothing trained)
                 yield batch, row
     finally:
-        for operator in operators:  # a train step with data-parallel workers ends them
+        for _, operator in stages:  # a train step with data-parallel workers ends them
             if hasattr(operator, "close"):
                 operator.close()
+
+
+class StageFailed(RuntimeError):
+    """A stage of the in-process loop raised: one line naming it; the original is `__cause__`."""
+
+
+def run_stage(stage: tuple[str, Callable[[pa.Table], pa.Table]], batch: pa.Table) -> pa.Table:
+    """`batch` through one named stage's operator; what it raises is re-raised as `StageFailed`
+    naming the stage (the operators do not know their stage's name)."""
+    name, operator = stage
+    try:
+        return operator(batch)
+    except Exception as error:
+        detail = str(error).strip().partition("\n")[0]
+        raise StageFailed(f"stage {name!r} failed: {type(error).__name__}" + (f": {detail}" if detail else "")) from error
 
 
 def build(stage: Stage, store: PolicyStoreClient,

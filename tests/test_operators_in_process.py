@@ -121,6 +121,45 @@ def test_snapshot_pipeline_runs_step_by_step_in_one_process(without_ray, one_tor
 
 
 @pytest.mark.timeout(300)
+def test_the_in_process_loop_runs_its_stages_by_name_and_names_one_that_fails(without_ray, one_torch_thread,
+                                                                              monkeypatch):
+    """pipelines/local.py: with lag 1 both rollouts run every rollout-side stage when generated,
+    before the first train step; the train step runs last. A stage that raises ends the loop with
+    one line naming it, the original exception as its cause."""
+    from trajflow.operators.contracts.stage import Stage
+    from trajflow.pipelines import local
+
+    calls, build = [], local.build
+
+    class Recorded:
+        def __init__(self, name, operator):
+            self.name, self.operator = name, operator
+
+        def __call__(self, batch):
+            calls.append(self.name)
+            return self.operator(batch)
+
+        def close(self):
+            getattr(self.operator, "close", lambda: None)()
+
+    monkeypatch.setattr(local, "build", lambda stage, store, workers: Recorded(stage.name, build(stage, store, workers)))
+    metrics = local.run_in_process(RLPipeline(_config(steps=2)), lag=1)
+    rollout = ["generate", "reward", "advantage", "filter", "old_logprobs"]
+    assert calls == rollout + rollout + ["train", "train"]
+    assert metrics["version"].to_list() == [1, 2]
+
+    def broken(batch: pa.Table) -> pa.Table:
+        raise ValueError("reward out of range\nsecond line")
+
+    calls.clear()
+    pipe = RLPipeline(_config(steps=1)).insert_after("reward", Stage("broken", broken))
+    with pytest.raises(local.StageFailed) as failed:
+        local.run_in_process(pipe)
+    assert str(failed.value) == "stage 'broken' failed: ValueError: reward out of range"
+    assert isinstance(failed.value.__cause__, ValueError) and calls == ["generate", "reward", "broken"]
+
+
+@pytest.mark.timeout(300)
 def test_old_logprobs_score_each_token_at_its_own_version(without_ray, one_torch_thread):
     """Staleness 1 by hand: step 1's rollout is generated at version 0 while the trainer holds
     version 1. Snapshot scores every token under version 0 (not the trainer's weights): exact."""
