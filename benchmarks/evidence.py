@@ -19,6 +19,11 @@ of the total log-ratio (snapshot's `split/var_log_rd`, `split/var_log_rs`).
 Outcome. Every strategy at one setting, seeds 0..n-1 paired across strategies (a seed fixes the
 prompts and the sampling seeds), held-out greedy accuracy on `eval_prompts` prompts; paired
 differences against snapshot with 95 % bootstrap intervals and an exact sign-flip test.
+
+One module on purpose: the regime and the outcome halves answer one question (does the choice of
+pi_old matter), share the helpers that log and replay runs (`trajflow`, `sets`, `logged_run`) and
+one command line, and fill one results file (benchmarks/results/evidence.md); split, each half
+would import the other's helpers.
 """
 
 from __future__ import annotations

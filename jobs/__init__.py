@@ -17,6 +17,7 @@ errors.py    RunError / RunFailed and the one line of a lost trainer, store or t
 recorder.py  the run dir layout and RunRecorder, the trainer-side hooks that write it durably
 submit.py    Ray Jobs API: submit (streams logs, returns the status), status, stop
 report.py    report / compare: a summary table and one PNG of runs' curves
+trackers.py  report_to: TensorBoard, W&B, MLflow; tracked_runs.py reads their runs back
 console.py   terminal output: 100-column lines and tables, Ray's C++ notices filtered
 cli.py       the argparse front end; bad input ends with one `trajflow: ...` line, exit status 2
 configs/     quickstart.yaml and one config per strategy (`trajflow configs` lists them)

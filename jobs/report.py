@@ -7,7 +7,7 @@ runs') per-step metrics.
 
 A run is identified by its resolved path, and labelled by the shortest tail of that path that
 tells the runs apart; a run can also be read back from a tracker (a W&B run directory, offline
-ones included, or `mlflow:RUN_ID`; jobs/trackers.py). The plots draw the raw per-step values (an N-step rolling mean is an extra,
+ones included, or `mlflow:RUN_ID`; jobs/tracked_runs.py). The plots draw the raw per-step values (an N-step rolling mean is an extra,
 dashed line, only when asked for), with units on every y axis, a title naming the config(s) and
 strategy(ies), and one legend. Also works on metrics DataFrames from a notebook
 (`{"snapshot": df, ...}`), which have no path, config or timing.
@@ -72,8 +72,8 @@ class Run:
 
 
 def load_run(run_dir: str | Path) -> Run:
-    """A run dir, or a tracker's run (a W&B run directory, `mlflow:RUN_ID`: jobs/trackers.py)."""
-    from trajflow.jobs.trackers import is_tracked_run, load_tracked_run
+    """A run dir, or a tracker's run (a W&B run directory, `mlflow:RUN_ID`: jobs/tracked_runs.py)."""
+    from trajflow.jobs.tracked_runs import is_tracked_run, load_tracked_run
 
     if is_tracked_run(run_dir):
         try:

@@ -48,7 +48,8 @@ def _numeric(metrics: pl.DataFrame) -> list[str]:
 
 
 def test_the_offline_wandb_run_holds_config_every_step_and_the_summary(tracked_run):
-    from trajflow.jobs.trackers import load_wandb_run, tracked_summary, wandb_records
+    from trajflow.jobs.tracked_runs import load_wandb_run, wandb_records
+    from trajflow.jobs.trackers import tracked_summary
 
     (offline,) = (tracked_run / "wandb").glob("offline-run-*")
     run = load_wandb_run(offline)
@@ -161,7 +162,7 @@ def test_a_resumed_run_continues_the_same_tracker_runs(ray_session, tmp_path):
 
     from trajflow.jobs.config import load_job_config
     from trajflow.jobs.run import resume_job, run_job
-    from trajflow.jobs.trackers import load_wandb_run
+    from trajflow.jobs.tracked_runs import load_wandb_run
 
     run_dir = tmp_path / "run"
     small = {**SMALL, "steps": 2, "checkpoint_every": 1}
