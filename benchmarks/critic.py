@@ -1,13 +1,15 @@
 """The critic (issue 44): what it costs, whether its values' version matters, whether PPO learns.
 
-    python -m benchmarks.critic cost [--steps 8] [--repeats 2]      # quiet machine: timings
-    python -m benchmarks.critic values --work DIR [--seeds 4]        # rollout vs train-time values
-    python -m benchmarks.critic learn --work DIR [--seeds 3]         # `trajflow run ppo` vs quickstart
+    python -m benchmarks.critic cost [--steps 8] [--repeats 2] [--before CHECKOUT]   # quiet machine
+    python -m benchmarks.critic values --work DIR [--seeds 4] [--steps 30]   # rollout vs train values
+    python -m benchmarks.critic learn --work DIR    # runs of `trajflow run ppo` / quickstart, summed up
 
 cost: the quickstart's task in one process, synchronous, every row trained (so the two compare
 row for row), GRPO against PPO with its values scored at rollout time and recomputed at train
 time; each arm a process of its own (its peak RSS is its own), arms interleaved per repeat. Per
-step: wall time, the values stage, each learner's update.
+step: wall time, the values stage, each learner's update. `--before CHECKOUT`: a GRPO arm run
+by another checkout (its own .venv; an earlier commit, e.g. a `git worktree`), to show a GRPO
+step costs what it did; its per-step reward and loss are compared with this checkout's GRPO arm.
 
 values: PPO at max_staleness 2 held exactly (the in-process loop's lag), `critic.values_at:
 rollout` against `train`, paired seeds; the held-out accuracy at the end (outcome) and, in the
@@ -15,8 +17,9 @@ rollout runs, on every batch about to be trained, how far the advantages and the
 gradient move when the values come from the trainer's current critic instead of the rollout's
 (gradient level: the cosine of the two policy gradients on the same batch and weights).
 
-learn: `trajflow run ppo` and `trajflow run quickstart` (GRPO), the same steps, seeds 0..n-1:
-held-out accuracy at version 0 and at the end, the critic's explained variance per step.
+learn: run directories of `trajflow run ppo` and `trajflow run quickstart` (GRPO) under DIR,
+named `{config}-seed{k}`: held-out accuracy at version 0 and at the end, and the critic's
+explained variance over the run.
 """
 
 from __future__ import annotations
@@ -43,49 +46,66 @@ ARMS = {
 
 # -- cost -----------------------------------------------------------------------------------------
 def cost_child(arm: str, steps: int) -> dict:
-    """One arm in this process: per-step seconds and the process's peak RSS."""
+    """One arm in this process: per-step seconds, reward and loss, and the process's peak RSS.
+    Only what an earlier checkout also has (the `--before` arm runs this file there)."""
     from trajflow.jobs.config import load_job_config
     from trajflow.pipelines.local import iter_in_process
     from trajflow.pipelines.policy_store import InProcessStore
     from trajflow.pipelines.rl_loop import RLPipeline
 
     overrides = [f"steps={steps}", "eval_every=0", "max_staleness=0", "drop_zero_variance_groups=false",
-                 *ARMS[arm]]
+                 *ARMS[arm.removesuffix(BEFORE)]]
     pipe = RLPipeline(load_job_config("quickstart", overrides).pipeline_config())
     store = InProcessStore(0, pipe.strategy.keep_history)
-    pipe.publish_start(store, 0)
+    if hasattr(pipe, "publish_start"):
+        pipe.publish_start(store, 0)
+    else:  # a checkout from before learners: one model to publish
+        from trajflow.engines.models import load_model
+        store.publish(load_model(pipe.model_path).state_dict(), 0)
     rows, last = [], time.perf_counter()
     for _, row in iter_in_process(pipe, store, range(steps)):
         now = time.perf_counter()
         rows.append({"wall": now - last, "values": row.get("seconds/values_seconds") or 0.0,
                      "train": row["seconds/train_seconds"], "policy": row.get("seconds/policy_update_seconds") or 0.0,
-                     "critic": row.get("seconds/critic_update_seconds") or 0.0})
+                     "critic": row.get("seconds/critic_update_seconds") or 0.0,
+                     "reward": float(row["reward/mean"]), "loss": float(row["loss"])})
         last = now
-    return {"arm": arm, "steps": rows[1:], "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {"arm": arm, "steps": rows, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def cost(steps: int, repeats: int) -> str:
+BEFORE = " (before)"
+
+
+def cost(steps: int, repeats: int, before: str | None = None) -> str:
     started, found = time.time(), []
+    arms = [*ARMS, *([f"grpo{BEFORE}"] if before else [])]
     for repeat in range(repeats):
-        for arm in ARMS:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.critic", "cost-child", arm, str(steps)],
-                                 capture_output=True, text=True, cwd=HERE.parent, check=True)
+        for arm in arms:
+            where = Path(before) if arm.endswith(BEFORE) else HERE.parent
+            out = subprocess.run([str(where / ".venv" / "bin" / "python"), str(Path(__file__).resolve()), "cost-child",
+                                  arm, str(steps)], capture_output=True, text=True, cwd=where, check=True)
             found.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"[critic cost] repeat {repeat}: {arm}", flush=True)
     from benchmarks.common import table
 
     rows, base = [], None
-    for arm in ARMS:
+    for arm in arms:
         runs = [f for f in found if f["arm"] == arm]
-        per = {k: np.median([s[k] for r in runs for s in r["steps"]]) for k in ("wall", "values", "train", "policy",
-                                                                                  "critic")}
+        per = {k: np.median([s[k] for r in runs for s in r["steps"][1:]])  # the first step (warm-up) left out
+               for k in ("wall", "values", "train", "policy", "critic")}
         base = base or per["wall"]
         rows.append({"arm": arm, "s/step": f"{per['wall']:.2f}", "vs grpo": f"{per['wall'] / base:.2f}x",
                      "values stage s": f"{per['values']:.2f}", "train step s": f"{per['train']:.2f}",
                      "policy update s": f"{per['policy']:.2f}", "critic update s": f"{per['critic']:.2f}",
                      "peak RSS GiB": f"{np.median([r['peak_rss_gib'] for r in runs]):.2f}"})
-    return (f"{repeats} interleaved repeats x {steps} steps per arm (the first step of each left out), medians "
+    text = (f"{repeats} interleaved repeats x {steps} steps per arm (the first step of each left out), medians "
             f"over steps; {time.time() - started:.0f} s at load {os.getloadavg()[0]:.1f}.\n\n" + table(rows))
+    if before:
+        now, then = ([(s["reward"], s["loss"]) for s in f["steps"]] for f in
+                     (next(f for f in found if f["arm"] == a) for a in ("grpo", f"grpo{BEFORE}")))
+        text += (f"\n\nGRPO's per-step (reward, loss) here and in {before}: "
+                 f"{'identical' if now == then else 'DIFFERENT'} over {steps} steps.")
+    return text
 
 
 # -- values at rollout vs at train time -------------------------------------------------------------
@@ -172,6 +192,7 @@ def main() -> None:
     c = sub.add_parser("cost")
     c.add_argument("--steps", type=int, default=8)
     c.add_argument("--repeats", type=int, default=2)
+    c.add_argument("--before", help="a checkout of an earlier commit with its own .venv: a GRPO arm run there")
     child = sub.add_parser("cost-child")
     child.add_argument("arm")
     child.add_argument("steps", type=int)
@@ -183,7 +204,7 @@ def main() -> None:
     if a.command == "cost-child":
         print(json.dumps(cost_child(a.arm, a.steps)))
     elif a.command == "cost":
-        print(cost(a.steps, a.repeats))
+        print(cost(a.steps, a.repeats, a.before))
     elif a.command == "values":
         for seed in range(a.seeds):
             for values_at in ("rollout", "train"):

@@ -184,9 +184,152 @@ def run(args) -> None:
         run_one(setting, strategy, seed, args, path)
 
 
-def load(work: Path) -> pl.DataFrame:
-    files = sorted(p for p in work.glob("*/*.parquet") if not p.name.endswith(".gradients.parquet"))
-    return pl.concat([pl.read_parquet(p) for p in files], how="diagonal_relaxed")
+def load(work: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Every finished run's per-step rows, and the gradient probes', of a work dir."""
+    files = sorted(work.glob("*/*.parquet"))
+    rows = [pl.read_parquet(p) for p in files if not p.name.endswith(".gradients.parquet")]
+    probes = [pl.read_parquet(p) for p in files if p.name.endswith(".gradients.parquet")]
+    return (pl.concat(rows, how="diagonal_relaxed"),
+            pl.concat(probes, how="diagonal_relaxed") if probes else pl.DataFrame())
+
+
+ACCURACY, GREEDY = "heldout/sampled_accuracy", "heldout/accuracy"
+
+
+def per_run(rows: pl.DataFrame) -> pl.DataFrame:
+    """One row per run: its final sampled and greedy accuracy, trained-row share, staleness from
+    step S on, and the mechanism's means over its steps."""
+    trained = pl.col("rows_trained").sum() / pl.col("rows").sum()
+    last = pl.col("step") == pl.col("step").max()
+    return rows.group_by("setting", "strategy", "seed", maintain_order=True).agg(
+        pl.col(ACCURACY).filter(last).first().alias("accuracy"),
+        pl.col(GREEDY).filter(last).first().alias("greedy"),
+        trained.alias("trained_rows"),
+        pl.col("staleness/mean").filter(pl.col("step") >= 2).min().alias("staleness_min"),
+        pl.col("staleness/mean").filter(pl.col("step") >= 2).max().alias("staleness_max"),
+        pl.col("mask/token_kept_frac").mean().alias("kept"),
+        pl.col("clip/frac").mean().alias("clip"),
+        pl.col("split/var_log_rd").mean().alias("var_log_rd"),
+        pl.col("split/var_log_rs").mean().alias("var_log_rs"),
+        pl.col("time/step_end").max().alias("seconds"))
+
+
+def outcome_rows(runs: pl.DataFrame, column: str) -> list[dict]:
+    """Per strategy: `column` (a final accuracy) per seed, its mean, the paired difference with
+    snapshot's with a 95 % bootstrap interval, and the exact sign-flip p."""
+    base = {r["seed"]: r[column] for r in runs.filter(pl.col("strategy") == "snapshot").iter_rows(named=True)}
+    out = []
+    for strategy in dict.fromkeys(runs["strategy"].to_list()):
+        mine = {r["seed"]: r[column] for r in runs.filter(pl.col("strategy") == strategy).iter_rows(named=True)}
+        seeds = sorted(set(mine) & set(base))
+        diff = [mine[k] - base[k] for k in seeds]
+        lo, hi = bootstrap_interval(diff) if strategy != "snapshot" and len(diff) > 1 else (0.0, 0.0)
+        out.append({"strategy": strategy, "seeds": len(mine),
+                    "per seed": ", ".join(f"{mine[k]:.3f}" for k in sorted(mine)),
+                    "mean": f"{np.mean(list(mine.values())):.3f}",
+                    "vs snapshot (paired, 95 % bootstrap)": "-" if strategy == "snapshot"
+                    else f"{np.mean(diff):+.3f} [{lo:+.3f}, {hi:+.3f}]",
+                    "sign-flip p": "-" if strategy == "snapshot" else f"{sign_flip_p(diff):.3f}"})
+    return out
+
+
+def mechanism_rows(runs: pl.DataFrame, probes: pl.DataFrame) -> list[dict]:
+    """Per strategy, means over its runs: the share of loss tokens its r_d mask kept, the clip
+    fraction, trained rows, and (snapshot's batches) its gradient's cosine with the exact one."""
+    cos = (probes.group_by("strategy").agg(pl.col("grad/cos_vs_exact").fill_nan(None).mean().alias("cos"),
+                                           pl.col("mask/token_kept_frac").mean().alias("probe_kept"))
+           if probes.height else pl.DataFrame({"strategy": [], "cos": [], "probe_kept": []}))
+    cosines = {r["strategy"]: r for r in cos.iter_rows(named=True)}
+    out = []
+    for strategy in dict.fromkeys(runs["strategy"].to_list() + list(cosines)):  # probed, not yet run: "-"
+        mine = runs.filter(pl.col("strategy") == strategy)
+        probe = cosines.get(strategy, {})
+        own = (lambda column: f"{mine[column].mean():.3f}") if mine.height else (lambda column: "-")
+        out.append({"strategy": strategy, "mask kept (own runs)": own("kept"),
+                    "clip frac": own("clip"), "rows trained": own("trained_rows"),
+                    "grad cos vs exact (snapshot's batches)": f"{probe['cos']:.3f}" if probe else "-",
+                    "mask kept (snapshot's batches)": f"{probe['probe_kept']:.3f}" if probe else "-"})
+    return out
+
+
+def plot(rows: pl.DataFrame, path: Path) -> None:
+    """Sampled held-out accuracy per version (each seed thin, the mean thick) and the train
+    reward per step (mean over seeds), per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for i, strategy in enumerate(dict.fromkeys(rows["strategy"].to_list())):
+        mine = rows.filter(pl.col("strategy") == strategy)
+        color = f"C{i}"
+        points = []
+        for seed in sorted(set(mine["seed"].to_list())):
+            run = mine.filter(pl.col("seed") == seed).sort("step")
+            start = run[f"{ACCURACY}_start"].drop_nulls()
+            later = run.filter(pl.col(ACCURACY).is_not_null())
+            xs = [0, *(later["step"] + 1).to_list()]
+            ys = [start[0] if len(start) else None, *later[ACCURACY].to_list()]
+            left.plot(xs, ys, color=color, lw=0.6, alpha=0.35)
+            points += list(zip(xs, ys))
+        by_version = {}
+        for x, y in points:
+            by_version.setdefault(x, []).append(y)
+        xs = sorted(by_version)
+        left.plot(xs, [np.mean(by_version[x]) for x in xs], color=color, lw=2.2, marker="o", label=strategy)
+        reward = mine.group_by("step").agg(pl.col("reward/mean").mean()).sort("step")
+        right.plot(reward["step"], reward["reward/mean"], color=color, lw=1.6, marker=".", label=strategy)
+    left.set(xlabel="version (optimizer steps)", ylabel="held-out accuracy (2 samples per problem, T = 1)",
+             title="held-out sampled accuracy: each seed thin, mean thick")
+    right.set(xlabel="train step", ylabel="mean reward of the step's samples (fp8 sampler)",
+              title="train reward, mean over seeds")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M, one-digit sums and differences, simulated fp8 inference, staleness held at 2",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(work: Path) -> str:
+    """The study's tables (markdown) from a work dir, and its plot and rows into results/."""
+    from benchmarks.common import table
+
+    rows, probes = load(work)
+    runs = per_run(rows)
+    RESULTS.mkdir(exist_ok=True)
+    rows.write_parquet(RESULTS / "evidence_held.parquet")
+    plot(rows, RESULTS / "evidence_held.png")
+    staleness = rows.group_by("step").agg(pl.col("staleness/mean").min().alias("min"),
+                                          pl.col("staleness/mean").max().alias("max"),
+                                          pl.col("staleness/max").max().alias("max per token")).sort("step")
+    trained = rows.group_by("step").agg((pl.col("rows_trained").sum() / pl.col("rows").sum()).alias("share"))
+    trained = trained.sort("step")
+    split = runs.filter(pl.col("strategy") == "snapshot")
+    share = split["var_log_rd"] / (split["var_log_rd"] + split["var_log_rs"])
+    counts = ", ".join(f"{k} {v}" for k, v in runs.group_by("strategy", maintain_order=True).len().iter_rows())
+    seconds = runs["seconds"]
+    return "\n\n".join([
+        f"Runs: {runs.height} ({counts}); wall per run {seconds.median():.0f} s median ({seconds.min():.0f}-"
+        f"{seconds.max():.0f}), {seconds.sum() / 3600:.1f} h in all.",
+        "Realized staleness per step (mean per token over the step's trained tokens; min and max over runs):\n\n"
+        + table([{"step": r["step"], "min": f"{r['min']:.2f}" if r["min"] is not None else "-",
+                  "max": f"{r['max']:.2f}" if r["max"] is not None else "-",
+                  "max per token": r["max per token"]} for r in staleness.iter_rows(named=True)]),
+        "Trained rows per step (share of sampled rows, all runs):\n\n"
+        + table([{"step": r["step"], "share": f"{r['share']:.3f}"} for r in trained.iter_rows(named=True)]),
+        f"Held-out sampled accuracy at the end (version {int(rows['step'].max()) + 1}; 200 problems x 2 samples; "
+        f"at version 0: {rows[f'{ACCURACY}_start'].drop_nulls()[0]:.3f}):\n\n" + table(outcome_rows(runs, "accuracy")),
+        f"Held-out greedy accuracy at the end (at version 0: {rows[f'{GREEDY}_start'].drop_nulls()[0]:.3f}):\n\n"
+        + table(outcome_rows(runs, "greedy")),
+        "The mechanism, from the same runs:\n\n" + table(mechanism_rows(runs, probes)),
+        f"The split of the log-ratio under exact old log-probs (snapshot's runs, mean over steps): var(log r_d) "
+        f"{split['var_log_rd'].mean():.3g} (engine mismatch), var(log r_s) {split['var_log_rs'].mean():.3g} "
+        f"(staleness): the mismatch is {share.mean():.2f} of the variance.",
+    ])
 
 
 def main() -> None:
@@ -203,9 +346,13 @@ def main() -> None:
     r.add_argument("--lr", type=float, default=3e-5)
     r.add_argument("--eval-every", type=int, default=6)
     r.add_argument("--gradient-seeds", type=int, default=2)
+    rep = sub.add_parser("report")
+    rep.add_argument("--work", required=True)
     a = parser.parse_args()
     if a.command == "run":
         run(a)
+    else:
+        print(report(Path(a.work)))
 
 
 if __name__ == "__main__":
