@@ -103,7 +103,7 @@ def response_logprobs(
         # exist for a single sequence, not the whole batch. The rows are views from `unbind`,
         # whose backward stacks the rows' gradients into one [B, T, V] tensor; indexing row b
         # instead (`logits[b]`) has a backward that zero-fills a whole [B, T, V] tensor per row
-        # (B^2 T V: on SmolLM2's 49k vocabulary, 3.4 % of a 16-row train step, growing with B).
+        # (B^2 T V: quadratic in the rows; on a large vocabulary a visible share of a train step).
         # The sampled token and a top-k support are gathered from one warp: column 0 is the
         # token, columns 1.. the support.
         ids = targets[..., None]

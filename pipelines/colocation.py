@@ -17,10 +17,9 @@ which process runs a stage, never the order of stages or what a stage computes.
   advantage, filter, a scorer, your stages), and the train step alone;
 - asynchronous on fewer CPUs (`colocate: rollout` anywhere): two processes — the generator with
   every stage up to the train step, and the train step alone. On 2 cores three compute-bound
-  torch processes only time-slice, and the third costs its start-up and its runtime: measured on
-  the quickstart (benchmarks/results/startup.md), the first step 18.3 -> 12.4 s after enter,
-  tree PSS 2.62 -> 2.25 GiB, 0.76 -> 0.74 s per step. A slow reward function then delays the
-  next rollout;
+  torch processes only time-slice, and the third costs its start-up and its runtime (the first
+  step, the process tree's memory and the step time on the quickstart, two processes against
+  three: benchmarks/results/startup.md). A slow reward function then delays the next rollout;
 - two stages never share a process if their pool sizes differ, if either asks for a GPU or for
   custom resources the other does not have (placement on a cluster is the user's decision), or if
   either is marked `own_process` (`dedicated`'s scorer: its own CPU/GPU share by definition).

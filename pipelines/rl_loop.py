@@ -73,7 +73,7 @@ log = logging.getLogger("trajflow")
 class Fused(StageGroup):
     """Light stages (callables) applied in order in one process. An actor or a long-lived task
     rather than a fresh task per batch on purpose: a fresh Ray task worker re-imports torch and
-    transformers (measured: ~15 s per step under load on 2 cores)."""
+    transformers for every batch."""
 
     def __init__(self, fns: list[Callable]) -> None:
         super().__init__([Stage(type(fn).__name__, fn) for fn in fns])
@@ -365,7 +365,7 @@ class RLPipeline:
         # The source: one block per train step holding that step's prompt rows, built on the driver
         # (a read task would ask for a whole CPU); Generate reads the step from the rows.
         # `from_blocks`, not `from_arrow`: the latter runs a Ray task per block to read metadata the
-        # driver already has (measured: two worker processes busy ~1.6 CPU s each at start-up).
+        # driver already has (two worker processes busy at start-up for nothing).
         ds = ray.data.from_blocks([self.prompts.step_rows(step) for step in range(first_step, c.steps)])
         return map_stages(ds, self.process_groups(), store=self.store, rows=c.rows_per_step,
                           first_rows=c.prompts_per_step, light_stage_cpus=c.light_stage_cpus)

@@ -5,9 +5,8 @@ Pickling a torch state dict copies every tensor's bytes into a pickle stream, an
 copies them out again. `SharedStateDict` instead pickles each tensor as a flat uint8 numpy view,
 which Ray's serialiser (pickle protocol 5) passes out-of-band: `ray.put` copies the bytes once,
 straight from the parameters into shared memory (no `clone()` before), and `ray.get` on the same
-node returns tensors that *are* that shared memory. Measured for 100 M float32 parameters on this
-machine: put 0.11 s instead of 0.58 s clone + 1.15 s put; get 0.001 s instead of 1.07 s
-(`python -m benchmarks.run_all --only publish` has the table per model size).
+node returns tensors that *are* that shared memory, copying nothing (benchmarks/results/
+publish.md has both ways per model size; `python -m benchmarks.run_all --only publish`).
 
 This module does not import torch: a process that only passes versions on (the policy store,
 which copies a run's final version into its own ownership) unpickles one into its raw buffers and

@@ -32,9 +32,9 @@ The patches (measured figures: benchmarks/results/, on this 2-core machine, load
    skipped). A single node has nothing to autoscale; without a dashboard the API server loads
    only its usage-stats module, and `ray.init` polls until it is up (the node then runs as when
    that server fails to start, a case Ray handles). Buys: up to three Python processes fewer
-   (the log monitor only when worker output is not read), each 50-90 MB PSS and 0.5-1.3 CPU s,
-   and 1.3 s of `ray.init`'s wall time (benchmarks/results/startup.md; benchmarks/RESULTS.md
-   "Start-up and memory"). Cost:
+   (the log monitor only when worker output is not read), their memory and CPU, and part of
+   `ray.init`'s wall time (benchmarks/results/startup.md; benchmarks/RESULTS.md "Start-up and
+   memory"). Cost:
    without a dashboard the embedded Ray has no state API (`ray.util.state`): its client polls
    the GCS for the API server's address 20 x 2 s, then raises "Could not read 'dashboard' from
    GCS" -- a 40 s stall for any caller (use actor handles and `ray.get_runtime_context()`).
@@ -75,9 +75,9 @@ The patches (measured figures: benchmarks/results/, on this 2-core machine, load
    news at most `REPEAT_PACE_S`. Only the driver runs the executor; once applied it holds for
    every Ray Data execution in the process (it changes when the loop wakes, never what it does),
    and the driver's CPU goes down (the loop sleeps in `ray.wait` instead of ticking).
-   `TRAJFLOW_EXECUTOR_PATCH=0` turns it off for a run. Buys: a sync quickstart step of 0.20 s
-   compute took 0.52 s with Ray Data as shipped and 0.25 s patched (one process per stage;
-   async 0.22 -> 0.14 s; orchestration.md, load ~4). Drop: when ray-project/ray#42377 / #45934
+   `TRAJFLOW_EXECUTOR_PATCH=0` turns it off for a run. Buys: most of the gap between a
+   quickstart step's compute and its wall time, sync and async (benchmarks/results/
+   orchestration.md, "Ray Data as shipped" against "event-driven executor"). Drop: when ray-project/ray#42377 / #45934
    (100 ms gaps between tasks, open) are fixed: `python -m benchmarks.run_all --only
    orchestration` then shows "Ray Data as shipped" within noise of "event-driven executor".
 
