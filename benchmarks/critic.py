@@ -2,6 +2,7 @@
 
     python -m benchmarks.critic cost [--steps 8] [--repeats 2] [--before CHECKOUT]   # quiet machine
     python -m benchmarks.critic values --work DIR [--seeds 4] [--steps 30]   # rollout vs train values
+    python -m benchmarks.critic values-report --work DIR                      # ... its tables
     python -m benchmarks.critic learn --work DIR    # runs of `trajflow run ppo` / quickstart, summed up
 
 cost: the quickstart's task in one process, synchronous, every row trained (so the two compare
@@ -186,6 +187,72 @@ def values_run(values_at: str, seed: int, steps: int, path: Path) -> None:
             path.with_name(path.stem + ".probe.parquet"))
 
 
+def values_report(work: Path) -> str:
+    """The paired comparison of a `values` work dir: held-out accuracy at the end per seed (and
+    the paired difference train - rollout with a 95 % bootstrap interval and the sign-flip p),
+    the critic's explained variance over the last 10 steps, and the probes' advantage and policy
+    gradient cosines (rollout runs: the rollout's values against the trainer's current critic's
+    on the same batch and weights)."""
+    import polars as pl
+
+    from benchmarks.common import table
+    from benchmarks.evidence import bootstrap_interval, sign_flip_p
+
+    runs: dict[str, dict[int, dict]] = {"rollout": {}, "train": {}}
+    for path in sorted(work.glob("*-seed*.parquet")):
+        if path.name.endswith(".probe.parquet"):
+            continue
+        frame = pl.read_parquet(path)
+        values_at, seed = frame["values_at"][0], int(frame["seed"][0])
+        last = frame.filter(pl.col("heldout/accuracy").is_not_null())["heldout/accuracy"]
+        runs[values_at][seed] = {"start": frame["heldout/accuracy_start"].drop_nulls()[0], "end": last[-1],
+                                 "ev": frame["critic/explained_variance"].tail(10).mean(),
+                                 "staleness": frame["critic/value_staleness_mean"].tail(10).mean()}
+    seeds = sorted(set(runs["rollout"]) & set(runs["train"]))
+    rows = [{"seed": k, "v0": f"{runs['rollout'][k]['start']:.3f}",
+             **{f"{v} end": f"{runs[v][k]['end']:.3f}" for v in runs},
+             "train - rollout": f"{runs['train'][k]['end'] - runs['rollout'][k]['end']:+.3f}",
+             **{f"{v} EV (last 10)": f"{runs[v][k]['ev']:.3f}" for v in runs},
+             "value staleness (rollout)": f"{runs['rollout'][k]['staleness']:.2f}"} for k in seeds]
+    diff = [runs["train"][k]["end"] - runs["rollout"][k]["end"] for k in seeds]
+    lo, hi = bootstrap_interval(diff) if len(diff) > 1 else (float("nan"), float("nan"))
+    probes = pl.concat([pl.read_parquet(p) for p in sorted(work.glob("*.probe.parquet"))])
+    probe_rows = [{"": name, "mean": f"{probes[column].mean():.3f}", "min": f"{probes[column].min():.3f}",
+                   "max": f"{probes[column].max():.3f}"}
+                  for name, column in (("advantage cosine", "advantage_cos"), ("policy gradient cosine", "grad_cos"),
+                                       ("mean |value difference|", "value_mean_abs_diff"),
+                                       ("mean |advantage difference|", "advantage_mean_abs_diff"))]
+    return "\n\n".join([
+        table(rows),
+        f"Paired difference (train - rollout) over {len(seeds)} seeds: {np.mean(diff):+.3f} "
+        f"[{lo:+.3f}, {hi:+.3f}] (95 % bootstrap), sign-flip p {sign_flip_p(diff):.3f}.",
+        f"Gradient level, {probes.height} batches of the rollout runs (every step after the first, "
+        f"{len(seeds)} seeds):\n\n" + table(probe_rows)])
+
+
+def learn(work: Path) -> str:
+    """Runs `{config}-seed{k}` under `work`: held-out accuracy at version 0 and at the end, and
+    the critic's explained variance (mean of the last 10 steps, and its maximum)."""
+    import polars as pl
+
+    from benchmarks.common import table
+
+    rows = []
+    for run in sorted(work.glob("*-seed*")):
+        metrics = run / "metrics.parquet"
+        if not metrics.exists():
+            continue
+        frame = pl.read_parquet(metrics)
+        accuracy = frame.filter(pl.col("heldout/accuracy").is_not_null())
+        ev = frame["critic/explained_variance"] if "critic/explained_variance" in frame.columns else None
+        start, end = frame["heldout/accuracy_start"].drop_nulls()[0], accuracy["heldout/accuracy"][-1]
+        rows.append({"run": run.name, "steps": frame.height, "held-out v0": f"{start:.3f}",
+                     "held-out end": f"{end:.3f}", "gain": f"{end - start:+.3f}",
+                     "EV last 10": f"{ev.tail(10).mean():.3f}" if ev is not None else "-",
+                     "EV max": f"{ev.max():.3f}" if ev is not None else "-"})
+    return table(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -200,11 +267,17 @@ def main() -> None:
     v.add_argument("--work", required=True)
     v.add_argument("--seeds", type=int, default=4)
     v.add_argument("--steps", type=int, default=30)
+    for name in ("values-report", "learn"):
+        sub.add_parser(name).add_argument("--work", required=True)
     a = parser.parse_args()
     if a.command == "cost-child":
         print(json.dumps(cost_child(a.arm, a.steps)))
     elif a.command == "cost":
         print(cost(a.steps, a.repeats, a.before))
+    elif a.command == "values-report":
+        print(values_report(Path(a.work)))
+    elif a.command == "learn":
+        print(learn(Path(a.work)))
     elif a.command == "values":
         for seed in range(a.seeds):
             for values_at in ("rollout", "train"):
