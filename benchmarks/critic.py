@@ -220,8 +220,8 @@ def values_report(work: Path) -> str:
     probe_rows = [{"": name, "mean": f"{probes[column].mean():.3f}", "min": f"{probes[column].min():.3f}",
                    "max": f"{probes[column].max():.3f}"}
                   for name, column in (("advantage cosine", "advantage_cos"), ("policy gradient cosine", "grad_cos"),
-                                       ("mean |value difference|", "value_mean_abs_diff"),
-                                       ("mean |advantage difference|", "advantage_mean_abs_diff"))]
+                                       ("mean abs. value difference", "value_mean_abs_diff"),
+                                       ("mean abs. advantage difference", "advantage_mean_abs_diff"))]
     return "\n\n".join([
         table(rows),
         f"Paired difference (train - rollout) over {len(seeds)} seeds: {np.mean(diff):+.3f} "

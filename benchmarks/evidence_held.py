@@ -12,13 +12,14 @@ staleness not held, too short: results/evidence.md). This one is set up so that 
   rollout of step k is sampled by version max(0, k - S), so from step S on every token is exactly
   S versions stale, whatever the machine's load (each step's realized staleness is recorded);
 - **most rows train**: the one-digit sums and differences of scripts/make_smollm2_arith.py, on
-  which the model's sampled reward starts near 0.4 (measured before the study, and by the runs'
+  which the model's sampled reward starts in 0.3-0.6 (measured before the study, and by the runs'
   own first steps), in groups of 8 samples;
 - **the regime where the gap should show**: simulated fp8 inference at S = 2;
-- **held-out accuracy that can move**: greedy, the model answers 86.5 % of the held-out problems
-  from the start (a ceiling), while a sample at the training temperature is right 66 % of the
-  time; the study's outcome is that sampled accuracy (2 seeded samples per problem at temperature
-  1, in the training numerics, 200 problems), with the greedy one beside it;
+- **held-out accuracy that can move**: greedy, the model answers most held-out problems from the
+  start (a ceiling; results/evidence.md has the numbers), while a sample at the training
+  temperature is right much less often; the study's outcome is that sampled accuracy (2 seeded
+  samples per problem at temperature 1, in the training numerics, 200 problems), with the greedy
+  one beside it;
 - **deterministic**: one process, fixed threads, seeded sampling: a cell rerun from scratch gives
   the same accuracy (the study's last check);
 - **resumable**: each run's rows are written as it ends (`DIR/<setting>/<strategy>-seed<k>.parquet`)
