@@ -224,12 +224,13 @@ def outcome_rows(runs: pl.DataFrame, column: str) -> list[dict]:
         mine = {r["seed"]: r[column] for r in runs.filter(pl.col("strategy") == strategy).iter_rows(named=True)}
         seeds = sorted(set(mine) & set(base))
         diff = [mine[k] - base[k] for k in seeds]
-        lo, hi = bootstrap_interval(diff) if strategy != "snapshot" and len(diff) > 1 else (0.0, 0.0)
+        interval = (" [{:+.3f}, {:+.3f}]".format(*bootstrap_interval(diff)) if len(diff) > 1
+                    else " (one pair: no interval)")
         out.append({"strategy": strategy, "seeds": len(mine),
                     "per seed": ", ".join(f"{mine[k]:.3f}" for k in sorted(mine)),
                     "mean": f"{np.mean(list(mine.values())):.3f}",
                     "vs snapshot (paired, 95 % bootstrap)": "-" if strategy == "snapshot"
-                    else f"{np.mean(diff):+.3f} [{lo:+.3f}, {hi:+.3f}]",
+                    else f"{np.mean(diff):+.3f}{interval}",
                     "sign-flip p": "-" if strategy == "snapshot" else f"{sign_flip_p(diff):.3f}"})
     return out
 
@@ -300,7 +301,8 @@ def report(work: Path) -> str:
     from benchmarks.common import table
 
     rows, probes = load(work)
-    runs = per_run(rows)
+    order = {name: i for i, name in enumerate(STRATEGIES)}  # snapshot first, as in the study
+    runs = per_run(rows).sort(pl.col("strategy").replace_strict(order, default=len(order)), "seed")
     RESULTS.mkdir(exist_ok=True)
     rows.write_parquet(RESULTS / "evidence_held.parquet")
     plot(rows, RESULTS / "evidence_held.png")
