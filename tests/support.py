@@ -165,3 +165,19 @@ def step_rows(seed: int = 0, rows: int = 12):
         "advantage": pa.array(rng.normal(size=rows).astype(np.float32)),
         "old_logprobs": pa.array([None] * rows, pa.list_(pa.float32())),
     })
+
+
+def scored_step(pipe, prompts: int):
+    """The pipeline's own operators for step 0 in one process, through old log-probs (no Ray):
+    a store holding version 0, every stage's operator by name, and the batch the train step
+    takes next."""
+    from trajflow.engines.models import load_model, load_tokenizer
+    from trajflow.pipelines.policy_store import InProcessStore
+
+    store = InProcessStore(0, True)
+    store.publish(load_model(pipe.model_path).state_dict(), 0)
+    ops = {s.name: s.fn(**{"store": store, **s.kwargs}) if s.is_actor else s.fn for s in pipe.stages}
+    batch = pipe.workload.prompt_source(load_tokenizer(pipe.model_path), 3, prompts).step_rows(0)
+    for name in ("generate", "reward", "advantage", "filter", "old_logprobs"):
+        batch = ops[name](batch)
+    return store, ops, batch

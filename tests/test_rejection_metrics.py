@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from support import scored_step
 from trajflow.algorithms.config import CorrectionConfig, RejectionRule
 from trajflow.algorithms.objective import decoupled_loss
 from trajflow.operators.trainer.correction import StepBatch, step_diagnostics
@@ -44,21 +45,14 @@ def test_step_diagnostics_reports_each_rules_rejected_tokens_and_sequences_by_ha
 def test_the_train_steps_metrics_row_carries_each_rules_fractions(one_torch_thread):
     """The pipeline's own operators for one step, in one process; row 0's inference log-probs are
     shifted by -0.5 after scoring, so log r_d = +0.5 on its tokens (about 0 elsewhere, float32)."""
-    from trajflow.engines.models import load_model, load_tokenizer
     from trajflow.pipelines.config import PipelineConfig
-    from trajflow.pipelines.policy_store import InProcessStore
     from trajflow.pipelines.rl_loop import RLPipeline
 
     rules = [{"statistic": "token_k1", "upper": 1.2}, {"statistic": "seq_max_k3", "upper": 1.0}]
     pipe = RLPipeline(PipelineConfig(strategy="snapshot", prompts_per_step=2, group_size=4, inference_dtype="float32",
                                      drop_zero_variance_groups=False, seed=3, steps=1,
                                      correction={"mask_level": "none", "rejection": rules}))
-    store = InProcessStore(0, True)
-    store.publish(load_model(pipe.model_path).state_dict(), 0)
-    ops = {s.name: s.fn(**{"store": store, **s.kwargs}) if s.is_actor else s.fn for s in pipe.stages}
-    batch = pipe.workload.prompt_source(load_tokenizer(pipe.model_path), 3, 2).step_rows(0)
-    for name in ("generate", "reward", "advantage", "filter", "old_logprobs"):
-        batch = ops[name](batch)
+    store, ops, batch = scored_step(pipe, 2)
     inference = batch["inference_logprobs"].to_pylist()
     inference[0] = [x - 0.5 for x in inference[0]]
     batch = batch.set_column(batch.schema.get_field_index("inference_logprobs"), "inference_logprobs",

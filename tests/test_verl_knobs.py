@@ -27,6 +27,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from support import scored_step
 from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, RejectionRule
 from trajflow.algorithms.discounted import discounted_returns, masked_whiten, reinforce_plus_plus_discounted
 from trajflow.algorithms.kl import kl_estimate
@@ -305,20 +306,13 @@ def test_gamma_belongs_to_reinforce_plus_plus_and_gae():
 def test_a_discounted_reinforce_plus_plus_step_trains_in_one_process(one_torch_thread):
     """The pipeline's own operators for one step, in one process (tests/test_operators_in_process.py):
     the trajectories carry per-token advantages and the train step trains on them."""
-    from trajflow.engines.models import load_model, load_tokenizer
     from trajflow.pipelines.config import PipelineConfig
-    from trajflow.pipelines.policy_store import InProcessStore
     from trajflow.pipelines.rl_loop import RLPipeline
 
     pipe = RLPipeline(PipelineConfig(strategy="snapshot", prompts_per_step=4, group_size=4, inference_dtype="float32",
                                      drop_zero_variance_groups=False, seed=3, steps=1,
                                      advantage={"estimator": "reinforce_plus_plus", "gamma": 0.9}))
-    store = InProcessStore(0, True)
-    store.publish(load_model(pipe.model_path).state_dict(), 0)
-    ops = {s.name: s.fn(**{"store": store, **s.kwargs}) if s.is_actor else s.fn for s in pipe.stages}
-    batch = pipe.workload.prompt_source(load_tokenizer(pipe.model_path), 3, 4).step_rows(0)
-    for name in ("generate", "reward", "advantage", "filter", "old_logprobs"):
-        batch = ops[name](batch)
+    store, ops, batch = scored_step(pipe, 4)
     lengths = [len(r) for r in batch["response_tokens"].to_pylist()]
     assert [len(t) for t in batch["token_advantages"].to_pylist()] == lengths
     metrics = ops["train"](batch).to_pylist()[0]
