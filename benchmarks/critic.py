@@ -82,9 +82,10 @@ def cost(steps: int, repeats: int, before: str | None = None) -> str:
     arms = [*ARMS, *([f"grpo{BEFORE}"] if before else [])]
     for repeat in range(repeats):
         for arm in arms:
-            where = Path(before) if arm.endswith(BEFORE) else HERE.parent
-            out = subprocess.run([str(where / ".venv" / "bin" / "python"), str(Path(__file__).resolve()), "cost-child",
-                                  arm, str(steps)], capture_output=True, text=True, cwd=where, check=True)
+            where, python = ((Path(before), str(Path(before) / ".venv" / "bin" / "python")) if arm.endswith(BEFORE)
+                             else (HERE.parent, sys.executable))
+            out = subprocess.run([python, str(Path(__file__).resolve()), "cost-child", arm, str(steps)],
+                                 capture_output=True, text=True, cwd=where, check=True)
             found.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"[critic cost] repeat {repeat}: {arm}", flush=True)
     from benchmarks.common import table
