@@ -9,7 +9,7 @@ distributions.py  TV and KL on a captured top-k support (plus the tail), the mas
 distillation.py on-policy distillation: reverse-KL advantages, forward KL on the top-k support
 score_centering.py  Score Centering's coefficients on the sampler's top-k (arXiv 2609.20807)
 schedules.py    learning-rate multiplier per optimizer update (warm-up, constant/linear/cosine)
-proximal.py     train-time proximal log-probs that are functions of the batch (behavior, loglinear)
+old_logprobs.py train-time pi_old that are functions of the batch (behavior, loglinear)
 m2po.py         M2PO's second-moment trust mask (a global value cutoff)
 ewma.py         revised PPO-EWMA proximal weights with auto-reset
 advantages.py   advantages (GRPO with sample or population std, Dr.GRPO, RLOO, REINFORCE++ and its
@@ -94,11 +94,11 @@ _EXPORTS = {
     "loss_denominator": "trajflow.algorithms.objective",
     "off_policy_sequence_mask": "trajflow.algorithms.objective",
     "prompt_token_counts": "trajflow.algorithms.objective",
-    "behavior_logprobs": "trajflow.algorithms.proximal",
-    "linear_logprobs": "trajflow.algorithms.proximal",
-    "loglinear_alpha": "trajflow.algorithms.proximal",
-    "loglinear_logprobs": "trajflow.algorithms.proximal",
-    "recompute_logprobs": "trajflow.algorithms.proximal",
+    "behavior_logprobs": "trajflow.algorithms.old_logprobs",
+    "linear_logprobs": "trajflow.algorithms.old_logprobs",
+    "loglinear_alpha": "trajflow.algorithms.old_logprobs",
+    "loglinear_logprobs": "trajflow.algorithms.old_logprobs",
+    "recompute_logprobs": "trajflow.algorithms.old_logprobs",
     "centering_coefficients": "trajflow.algorithms.score_centering",
     "centering_term": "trajflow.algorithms.score_centering",
     "lr_multiplier": "trajflow.algorithms.schedules",
@@ -126,7 +126,7 @@ if TYPE_CHECKING:
     from .objective import (
         LossOutput, LossSum, aggregation_weights, decoupled_loss, discrepancy_mask, discrepancy_weights,
         loss_denominator, off_policy_sequence_mask, prompt_token_counts)
-    from .proximal import (
+    from .old_logprobs import (
         behavior_logprobs, linear_logprobs, loglinear_alpha, loglinear_logprobs, recompute_logprobs)
     from .schedules import lr_multiplier
     from .score_centering import centering_coefficients, centering_term

@@ -23,7 +23,7 @@ All fractions are over loss tokens (loss_mask true) unless the key says seq.
     mismatch/k1            mean(log mu - log pi_old)            } estimators of KL(mu || pi_old) on
     mismatch/k3            mean(rho - 1 - log rho), rho = pi_old/mu }  samples from mu; k3 >= 0
     mismatch/max_abs_log_rd  max |log pi_old - log mu| (0 when old log-probs are exact and numerics match)
-    staleness_ratio/max_abs_log  max |log pi_theta - log pi_old| per token (0 on-policy when pi_old is
+    staleness/max_abs_log_ratio  max |log pi_theta - log pi_old| per token (0 on-policy when pi_old is
                            computed in the same numerics as pi_theta)
     split/var_log_rd       variance over loss tokens of log r_d = log pi_old - log mu: with exact old
     split/var_log_rs       logits, the engine-mismatch and the staleness parts of the total log-ratio
@@ -140,7 +140,7 @@ def correction_diagnostics(
         "mismatch/k1": k1,
         "mismatch/k3": k3,
         "mismatch/max_abs_log_rd": float(out.log_rd[m].abs().max()) if bool(m.any()) else 0.0,
-        "staleness_ratio/max_abs_log": float(out.log_rs_token[m].abs().max()) if bool(m.any()) else 0.0,
+        "staleness/max_abs_log_ratio": float(out.log_rs_token[m].abs().max()) if bool(m.any()) else 0.0,
         "is/ess": effective_sample_size(out.log_rd.exp(), m),
         "loss_tokens": float(m.sum()),
         "split/var_log_rd": _variance(out.log_rd, m),

@@ -1,7 +1,7 @@
 r"""The decoupled off-policy objective: a discrepancy mask on r_d, a policy term on r_s.
 
 Per loss token t of sequence i (log-probs of the sampled token; `old` is whatever the chosen
-strategy supplies as pi_old, see proximal.py):
+strategy supplies as pi_old, see old_logprobs.py):
 
     r_d = exp(old - inference)          training-inference discrepancy  (pi_old^train / mu)
     r_s = exp(current - old)            policy staleness                (pi_theta / pi_old^train)

@@ -156,11 +156,11 @@ class RunResult:
     @staticmethod
     def _stage_columns(m: pl.DataFrame) -> dict[str, pl.Series]:
         """Compute seconds of each stage in each row: the time the stage's process spent in it
-        (`stage_seconds/<stage>`), except that generation counts without its wait for an
+        (`seconds/stage/<stage>`), except that generation counts without its wait for an
         admission permit (the generator's own `generate_seconds`)."""
-        out = {c.removeprefix("stage_seconds/"): m[c] for c in m.columns if c.startswith("stage_seconds/")}
-        if "generate" in out and "seconds/generate_seconds" in m.columns:
-            out["generate"] = m["seconds/generate_seconds"].fill_null(0.0)
+        out = {c.removeprefix("seconds/stage/"): m[c] for c in m.columns if c.startswith("seconds/stage/")}
+        if "generate" in out and "seconds/generate" in m.columns:
+            out["generate"] = m["seconds/generate"].fill_null(0.0)
         return out
 
     def stage_seconds(self, skip: int = 3) -> dict[str, float]:

@@ -66,9 +66,9 @@ def cost_child(arm: str, steps: int) -> dict:
     rows, last = [], time.perf_counter()
     for _, row in iter_in_process(pipe, store, range(steps)):
         now = time.perf_counter()
-        rows.append({"wall": now - last, "values": row.get("seconds/values_seconds") or 0.0,
-                     "train": row["seconds/train_seconds"], "policy": row.get("seconds/policy_update_seconds") or 0.0,
-                     "critic": row.get("seconds/critic_update_seconds") or 0.0,
+        rows.append({"wall": now - last, "values": row.get("seconds/values") or 0.0,
+                     "train": row["seconds/train"], "policy": row.get("seconds/policy_update") or 0.0,
+                     "critic": row.get("seconds/critic_update") or 0.0,
                      "reward": float(row["reward/mean"]), "loss": float(row["loss"])})
         last = now
     return {"arm": arm, "steps": rows, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

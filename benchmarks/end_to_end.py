@@ -5,7 +5,7 @@ The run is the real command line (`trajflow.jobs.cli.main(["run", "quickstart", 
 installed `trajflow` calls) in a fresh Python process, the quickstart as shipped. Enter is when this
 process starts it, exit when it has ended. Inside, a wrapper (DRIVER) only timestamps: Ray's start
 (the driver's `start_ray`), each status line (the driver's `status_line`, called as each metrics
-row arrives; the row is kept for its `stage_seconds/*`), the summary, and the end of Python's
+row arrives; the row is kept for its `seconds/stage/*`), the summary, and the end of Python's
 exit handlers (Ray's own shutdown among them). The parts:
 
     interpreter + imports + validation   enter -> Ray starts (the config and run dir are checked)

@@ -367,15 +367,15 @@ def outcome(config: str, overrides: dict, strategies: list[str], seeds: int, wor
                     "version": [0, int(ends["version"][-1])],
                     "heldout_accuracy": [evaluated(run_dir, None, final_eval, log),
                                          evaluated(run_dir, run_dir, final_eval, log)],
-                    "time/step_end": [start, float(ends["time/step_end"][-1])]})
+                    "seconds/step_end": [start, float(ends["seconds/step_end"][-1])]})
                 # evaluated and kept: its checkpoint (weights + AdamW, 1.6 GB on the real model) goes
                 shutil.rmtree(RunPaths(run_dir).checkpoints, ignore_errors=True)
             else:
                 heldout = heldout_metric(m)[0]  # heldout/accuracy (0/1 rewards); heldout/mean_reward in old runs
-                points = (m.select("version", pl.col(heldout).alias("heldout_accuracy"), "time/step_end")
+                points = (m.select("version", pl.col(heldout).alias("heldout_accuracy"), "seconds/step_end")
                           .filter(pl.col("heldout_accuracy").is_not_null()))
             frames.append(points.with_columns(pl.lit(strategy).alias("strategy"), pl.lit(seed).alias("seed"),
-                                              (pl.col("time/step_end") - start).alias("seconds_from_enter")))
+                                              (pl.col("seconds/step_end") - start).alias("seconds_from_enter")))
             done += 1
             print(f"[evidence outcome {done}/{total}, {time.time() - started:.0f} s] {strategy} seed {seed}", flush=True)
     return pl.concat(frames, how="diagonal_relaxed")

@@ -152,13 +152,13 @@ def run_one(setting: str, strategy: str, seed: int, args, path: Path) -> None:
                                   *study_evaluations(pipe, args.eval_every, config.steps, path.parent)]
     rows, started = [], time.time()
     for _, row in iter_in_process(pipe, store, range(config.steps), lag=config.max_staleness):
-        row["time/step_end"] = time.time() - started
+        row["seconds/elapsed"] = time.time() - started  # since the run started
         rows.append(row)
         print(f"  [{setting} {strategy} seed {seed}] step {row['step']:2d}: reward {row['reward/mean']:.3f}, "
               f"rows {row['rows_trained']}/{row['rows']}, staleness {row.get('staleness/mean', 0):.2f}"
               + (f", held-out sampled {row['heldout/sampled_accuracy']:.3f}"
                  if row.get("heldout/sampled_accuracy") is not None else "")
-              + f", {row['time/step_end']:.0f} s", flush=True)
+              + f", {row['seconds/elapsed']:.0f} s", flush=True)
     frame = pl.from_dicts(rows, infer_schema_length=None).with_columns(
         pl.lit(setting).alias("setting"), pl.lit(strategy).alias("strategy"), pl.lit(seed).alias("seed"))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,9 @@ def run(args) -> None:
 def load(work: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Every finished run's per-step rows, and the gradient probes', of a work dir."""
     files = sorted(work.glob("*/*.parquet"))
-    rows = [pl.read_parquet(p) for p in files if not p.name.endswith(".gradients.parquet")]
+    # runs written before the metric keys took one shape said time/step_end for seconds/elapsed
+    rows = [pl.read_parquet(p).rename(lambda c: "seconds/elapsed" if c == "time/step_end" else c)
+            for p in files if not p.name.endswith(".gradients.parquet")]
     probes = [pl.read_parquet(p) for p in files if p.name.endswith(".gradients.parquet")]
     return (pl.concat(rows, how="diagonal_relaxed"),
             pl.concat(probes, how="diagonal_relaxed") if probes else pl.DataFrame())
@@ -212,7 +214,7 @@ def per_run(rows: pl.DataFrame) -> pl.DataFrame:
         pl.col("clip/frac").mean().alias("clip"),
         pl.col("split/var_log_rd").mean().alias("var_log_rd"),
         pl.col("split/var_log_rs").mean().alias("var_log_rs"),
-        pl.col("time/step_end").max().alias("seconds"))
+        pl.col("seconds/elapsed").max().alias("seconds"))
 
 
 def outcome_rows(runs: pl.DataFrame, column: str) -> list[dict]:

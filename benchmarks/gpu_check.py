@@ -240,7 +240,7 @@ def tokens_per_second(run: Steps) -> tuple[float, float]:
     generated = sum(len(r) for r in batch["response_tokens"].to_pylist())
     trained = sum(len(p) + len(r) for p, r in zip(batch["prompt_tokens"].to_pylist(),
                                                    batch["response_tokens"].to_pylist()))
-    return generated / row["seconds/generate_seconds"], trained / row["seconds/train_seconds"]
+    return generated / row["seconds/generate"], trained / row["seconds/train"]
 
 
 def finite(row: dict, *keys: str) -> bool:

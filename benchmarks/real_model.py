@@ -173,7 +173,7 @@ def learning_result(run_dir: Path, command: str, wall: float, output: str) -> di
     return {"command": command, "wall_s": wall, "curve": curve, "run_dir": str(run_dir),
             "summary": [line for line in output.splitlines() if "held-out accuracy" in line],
             "reward": m.sort("step")["reward/mean"].to_list(),
-            "seconds_per_step": float(m.sort("step")["time/step_end"].diff().drop_nulls().mean() or 0.0),
+            "seconds_per_step": float(m.sort("step")["seconds/step_end"].diff().drop_nulls().mean() or 0.0),
             "eval_prompts": int(config["eval_prompts"]), "settings": {
                 k: config[k] for k in ("steps", "prompts_per_step", "group_size", "max_staleness", "inference_dtype")}
             | {"lr": config["optimizer"]["lr"], "max_new_tokens": config["sampling"]["max_new_tokens"],

@@ -84,8 +84,8 @@ def timed_start_ray(*args, **kwargs):
 def timed_status_line(row, *args, **kwargs):
     calls["status_line"] += 1
     if calls["status_line"] == 1:
-        mark("step 1 row", startup={k: v for k, v in row.items() if k.startswith("startup_seconds/")},
-             stages={k: v for k, v in row.items() if k.startswith("stage_seconds/")})
+        mark("step 1 row", startup={k: v for k, v in row.items() if k.startswith("seconds/startup/")},
+             stages={k: v for k, v in row.items() if k.startswith("seconds/stage/")})
     return status_line(row, *args, **kwargs)
 
 
@@ -292,8 +292,8 @@ def details(result: dict) -> str:
     """Markdown: the driver's phases, every process of the tree, what the actors report."""
     from benchmarks.common import table
 
-    actors = "; ".join(f"{k.removeprefix('startup_seconds/')} {v:.2f}" for k, v in result["actors"].items())
-    stages = "; ".join(f"{k.removeprefix('stage_seconds/')} {v:.2f}" for k, v in result["step 1 stages"].items())
+    actors = "; ".join(f"{k.removeprefix('seconds/startup/')} {v:.2f}" for k, v in result["actors"].items())
+    stages = "; ".join(f"{k.removeprefix('seconds/stage/')} {v:.2f}" for k, v in result["step 1 stages"].items())
     return "\n\n".join([
         "Driver phases (wall from the interpreter's start; the driver's own CPU seconds):\n\n"
         + table(result["phases"]),

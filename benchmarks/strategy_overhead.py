@@ -31,8 +31,8 @@ def run(steps: int = 30, max_staleness: int = 2) -> list[dict]:
             if "snapshot/bytes" in m.columns else 0.0,
             "max versions held": int(m["snapshot/max_versions_held"].max())
             if "snapshot/max_versions_held" in m.columns else 1,
-            "old log-prob s/step": round(float(m["seconds/old_logprob_seconds"].mean()), 3)
-            if "seconds/old_logprob_seconds" in m.columns else 0.0,
+            "old log-prob s/step": round(float(m["seconds/old_logprobs"].mean()), 3)
+            if "seconds/old_logprobs" in m.columns else 0.0,
         })
     return rows
 

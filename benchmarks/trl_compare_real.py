@@ -159,7 +159,7 @@ def run_trajflow(spec: dict, overrides: dict, work: Path, name: str) -> dict:
         cut += int(pc.sum(pc.equal(table["finish_reason"], "length")).as_py() or 0)
         trained = table.filter(pc.is_null(table["filter_reason"]))
         trained_tokens += int(pc.sum(pc.list_value_length(trained["response_tokens"])).as_py() or 0)
-    ends = metrics.sort("step")["time/step_end"].to_list()
+    ends = metrics.sort("step")["seconds/step_end"].to_list()
     for weights in ("checkpoints", "versions"):  # GBs per run; the logs, metrics and trajectories stay
         shutil.rmtree(run_dir / weights, ignore_errors=True)
     return {"wall": wall, "pss": tree.peak_pss_bytes, "processes": tree.peak_processes, "completions": completions,

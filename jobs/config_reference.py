@@ -29,6 +29,15 @@ from trajflow.jobs.config import JobConfig
 from trajflow.jobs.trackers import TRACKERS
 from trajflow.operators.strategies.registry import STRATEGIES
 from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.config.auto import (
+    ACTIVATION_SHARE,
+    SMALL_MODEL_PARAMETERS,
+    Machine,
+    ModelShape,
+    auto_microbatch_tokens,
+    auto_threads,
+)
+from trajflow.pipelines.config.pipeline import RunSettings
 from trajflow.pipelines.config.sections import AdvantageSection, settings_section
 from trajflow.registry import IMPORT_PATH, Registry
 
@@ -181,9 +190,47 @@ def render() -> str:
         doc = " ".join((section.section.__doc__ or "").split())
         lines += [f"## `{section.name}:`", "", section.description, "", *([doc, ""] if doc else []),
                   *_table(fields, prefix=f"{section.name}."), ""]
+    lines += _auto()
     for heading, registry, registry_name, given in PARTS:
         lines += _parts(heading, registry, registry_name, given)
     return "\n".join(lines).rstrip() + "\n"
+
+
+# the machine the examples of `auto` are computed for (this repository's test machine), and a
+# real model's shape for them: SmolLM2-135M's config.json (jobs/configs/smollm2.yaml)
+EXAMPLE_MACHINE = Machine(cpus=2, memory_bytes=24 * 2**30)
+SMOLLM2_SHAPE = ModelShape.from_config({
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 8192})
+
+
+def _auto() -> list[str]:
+    """The `auto` settings: the rules (pipelines/config/auto.py) and what they give here."""
+    from trajflow.jobs.config import load_job_config
+
+    m = EXAMPLE_MACHINE
+    quick = load_job_config("quickstart").pipeline_config()
+    tiny = ModelShape.of(quick.model_path)
+    rows = [("quickstart (its micro-batches set to 4,096)", RunSettings(quick, m).auto_choices())]
+    for staleness in (0, 1):
+        threads = ", ".join(f"{s} {auto_threads(s, SMOLLM2_SHAPE, m, staleness == 0)}"
+                            for s in ("generator", "scorer", "trainer"))
+        tokens = auto_microbatch_tokens(SMOLLM2_SHAPE, m, 32 * (160 + 96))  # its 32 rows x prompt + response
+        rows.append((f"smollm2, max_staleness {staleness}", f"torch threads {threads}; micro-batches of {tokens} tokens"))
+    return ["## `auto`: threads and micro-batches", "",
+            "`torch_threads: auto` (generator, scorer, trainer) and `trainer.max_tokens_per_microbatch: auto`, the "
+            "defaults, are chosen when the run is built, from the model's config.json, the CPUs and the memory "
+            "(pipelines/config/auto.py says why each rule is what it is); an explicit number wins, and the run's "
+            "header prints what was chosen. Threads: a model under "
+            f"{SMALL_MODEL_PARAMETERS / 1e6:.0f}M parameters gets 1 per process; a larger one gets every CPU "
+            "when synchronous (max_staleness 0: one process), and asynchronous every CPU for the trainer and "
+            "half of them for the generator and scorer; a stage on a GPU the CPUs it reserves. Micro-batches: "
+            f"the padded tokens whose activations fit in {ACTIVATION_SHARE:.3g} of the machine's memory (a power "
+            "of two), or the whole update when the largest one fits; a GPU trainer: the whole update.", "",
+            f"What they choose on a machine of {m.cpus} CPUs and {m.memory_bytes / 2**30:.0f} GiB (this "
+            f"repository's test machine; SmolLM2-135M: {SMOLLM2_SHAPE.activation_bytes_per_token() / 1e6:.2f} MB "
+            f"of activations per token, the quickstart's model {tiny.activation_bytes_per_token() / 1e3:.0f} KB):",
+            "", "| config | auto chose |", "|---|---|", *[f"| {name} | {chosen} |" for name, chosen in rows], ""]
 
 
 def _parts(heading: str, registry: Registry, registry_name: str, given: str) -> list[str]:

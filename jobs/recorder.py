@@ -211,7 +211,8 @@ def logged_steps(paths: RunPaths) -> list[int]:
 
 # metric keys renamed to the one style (docs/design.md §4a) -> their names now; a run written
 # before reads under the new names. heldout_accuracy was the held-out mean reward whatever the
-# reward (an accuracy only for 0/1 rewards), so that is what it reads as.
+# reward (an accuracy only for 0/1 rewards), so that is what it reads as. Durations were
+# `seconds/<what>_seconds`, `trainer/allreduce_seconds`, `stage_seconds/` and `startup_seconds/`.
 RENAMED_METRICS = {
     "reward_mean": "reward/mean",
     "heldout_accuracy": "heldout/mean_reward",
@@ -220,14 +221,32 @@ RENAMED_METRICS = {
     "snapshot_bytes": "snapshot/bytes",
     "snapshot_max_versions_held": "snapshot/max_versions_held",
     "trainer_busy_frac": "trainer/busy_frac",
-    "train_seconds": "seconds/train_seconds",
+    "train_seconds": "seconds/train",
     "over_stale_tokens_dropped": "staleness/over_stale_tokens",
+    "trainer/allreduce_seconds": "seconds/allreduce",
+    "time/step_end": "seconds/step_end",
+    "staleness_ratio/max_abs_log": "staleness/max_abs_log_ratio",
+    "seconds/old_logprob_seconds": "seconds/old_logprobs",
 }
+RENAMED_METRIC_PREFIXES = {"stage_seconds/": "seconds/stage/", "startup_seconds/": "seconds/startup/"}
+
+
+def current_metric_name(key: str) -> str:
+    """A metric key as it is named now (unchanged when it never was renamed)."""
+    if key in RENAMED_METRICS:
+        return RENAMED_METRICS[key]
+    for old, new in RENAMED_METRIC_PREFIXES.items():
+        if key.startswith(old):
+            return new + key.removeprefix(old)
+    if key.startswith("seconds/") and key.endswith("_seconds"):
+        return key.removesuffix("_seconds")
+    return key
 
 
 def current_metric_names(metrics):
     """A metrics DataFrame with the keys renamed since it was written under their names now."""
-    renamed = {old: new for old, new in RENAMED_METRICS.items() if old in metrics.columns and new not in metrics.columns}
+    renamed = {k: current_metric_name(k) for k in metrics.columns}
+    renamed = {old: new for old, new in renamed.items() if new != old and new not in metrics.columns}
     return metrics.rename(renamed) if renamed else metrics
 
 
@@ -297,7 +316,7 @@ class RunRecorder:
         step, version = int(metrics["step"]), int(metrics["version"])
         # which node trained (get_runtime_context() would start a Ray outside of one: check first)
         metrics["trainer_node"] = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-        metrics["time/step_end"] = time.time()  # wall clock: report's seconds_per_step is its difference
+        metrics["seconds/step_end"] = time.time()  # Unix time: report's seconds_per_step is its difference
         if self.data_state is not None:
             metrics["data/epoch"] = step * self.data_state["prompts_per_step"] // self.data_state["epoch_size"]
             metrics["data/prompts_too_long"] = self.data_state["prompts_dropped_too_long"]

@@ -14,7 +14,7 @@ strategy(ies), and one legend. Also works on metrics DataFrames from a notebook
 
 Steps are the pipeline's step index (0-based, as in the metrics). `seconds_per_step` is the wall
 time per step: the mean time between consecutive steps' metrics rows within a session (resumes
-excluded), from `time/step_end`; `seconds_to_first_step` is the start-up of the first session.
+excluded), from `seconds/step_end`; `seconds_to_first_step` is the start-up of the first session.
 """
 
 from __future__ import annotations
@@ -124,13 +124,13 @@ def _as_runs(runs: dict[str, Run | pl.DataFrame]) -> dict[str, Run]:
 
 def step_seconds(run: Run) -> pl.DataFrame:
     """(step, seconds_per_step): wall time from the previous step's end to this one's, within a
-    session; empty without `time/step_end` (runs from a notebook, or from before it was logged)."""
+    session; empty without `seconds/step_end` (runs from a notebook, or from before it was logged)."""
     m = run.metrics
-    if "time/step_end" not in m.columns:
+    if "seconds/step_end" not in m.columns:
         return pl.DataFrame({"step": [], "seconds_per_step": []}, schema={"step": pl.Int64, "seconds_per_step": pl.Float64})
     starts = set(run.session_starts())
-    m = m.select("step", "time/step_end").drop_nulls().sort("step")
-    diffs = m.with_columns(seconds_per_step=pl.col("time/step_end").diff(),
+    m = m.select("step", "seconds/step_end").drop_nulls().sort("step")
+    diffs = m.with_columns(seconds_per_step=pl.col("seconds/step_end").diff(),
                            consecutive=pl.col("step").diff() == 1)
     return diffs.filter(pl.col("consecutive") & ~pl.col("step").is_in(list(starts))).select("step", "seconds_per_step")
 
@@ -153,8 +153,8 @@ def summarize(label: str, run: Run | pl.DataFrame) -> dict:
     first_session = (run.state.get("sessions") or [{}])[0]
     first_end = m.filter(pl.col("step") == first_session.get("first_step", 0))
     to_first = None
-    if first_session.get("started") and "time/step_end" in m.columns and first_end.height:
-        to_first = round(float(first_end["time/step_end"][0]) - float(first_session["started"]), 1)
+    if first_session.get("started") and "seconds/step_end" in m.columns and first_end.height:
+        to_first = round(float(first_end["seconds/step_end"][0]) - float(first_session["started"]), 1)
     return {
         "run": label,
         "path": str(run.path) if run.path else None,

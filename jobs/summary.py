@@ -32,7 +32,7 @@ SUMMARY_COLUMNS = (
     ("stale", "staleness/mean", "{:.2f}"),
     ("stale max", "staleness/max", "{:.0f}"),
     ("loss", "loss", "{:+.4f}"),
-    ("train s", "seconds/train_seconds", "{:.2f}"),
+    ("train s", "seconds/train", "{:.2f}"),
 )
 
 

@@ -1,7 +1,7 @@
 """Reading a tracker's run back (`trajflow compare`, jobs/report.py): `load_tracked_run` takes a
 W&B run directory (offline, RUN/wandb/offline-run-*: read from its transaction log, no network) or
 `mlflow:RUN_ID` (on MLFLOW_TRACKING_URI or `mlflow:URI#RUN_ID`) and returns the metrics (under
-today's keys, as jobs/recorder.py's RENAMED_METRICS has them), config and summary as
+today's keys: jobs/recorder.py's current_metric_name), config and summary as
 jobs/report.py's `Run`. Writing to the trackers during a run is jobs/trackers.py.
 """
 

@@ -8,7 +8,7 @@ IS ESS and staleness have been under that strategy at that step?
 "The trainer's weights of that step" are the weights of version k for train step k (the trainer
 trains step k at version k and publishes k + 1), taken from the store; a replay therefore needs
 every version's weights (`save_all_versions: true`). The step is the train step's own code: the
-same staleness bound, the same rows, `StepBatch`, `correct` (the strategy's proximal, tokens
+same staleness bound, the same rows, `StepBatch`, `correct` (the strategy's old_logprobs, tokens
 outside the sampling support taken out, its trust mask, the decoupled loss) and
 `step_diagnostics`, with current = pi_theta(version k) under no_grad and the same training
 numerics. With one minibatch per step, diagnosing a logged run under its own strategy

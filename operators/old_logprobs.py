@@ -114,10 +114,19 @@ class OldLogprobsAtBehaviorVersion:
         for version in {v for vs in versions for v in vs}:
             self.store.release(version)
         self.store.add_counters(
-            {"old_logprob_seconds": time.perf_counter() - started, "old_logprob_version_switches": float(len(needed))}
+            {"old_logprobs_seconds": time.perf_counter() - started, "old_logprob_version_switches": float(len(needed))}
         )
         batch = replace_column(batch, "old_logprobs", pa.array(old, pa.list_(pa.float32())))
         if supports is not None:
             k = next((r.shape[1] for r in supports if r is not None), 0)
             batch = replace_column(batch, "top_k_old_logprobs", nested_array(old_top_k, pa.float32(), k))
         return mark_filtered(batch, over_stale, "over_stale") if over_stale.any() else batch
+
+
+class InferenceAsOld:
+    """The old log-prob stage where its forward pass would repeat the inference log-probs in the
+    same numerics (PipelineConfig.old_is_inference): `old_logprobs` := `inference_logprobs`, a
+    column copy (a light stage: no model, no store)."""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return replace_column(batch, "old_logprobs", batch["inference_logprobs"])

@@ -70,7 +70,7 @@ from trajflow.operators.trainer.state import learner_dir
 from trajflow.operators.trainer.weight_server import WeightServer
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 from trajflow.schemas import conform
-from trajflow.schemas.columns import PROXIMAL_COLUMN, replace_column
+from trajflow.schemas.columns import LOSS_OLD_COLUMN, replace_column
 
 NO_METRICS = pa.table({})  # a step that trains nothing here emits no metrics row
 
@@ -333,8 +333,8 @@ class TrainStep(TrainerReplica):
         metrics[f"{RECOVERY_PREFIX}restarts"] = self.restarts
         for hook in self.after_step:
             hook(self, batch, metrics)
-        metrics["seconds/train_seconds"] = time.perf_counter() - started
-        self.busy_seconds += metrics["seconds/train_seconds"]
+        metrics["seconds/train"] = time.perf_counter() - started
+        self.busy_seconds += metrics["seconds/train"]
         metrics["trainer/busy_frac"] = self.busy_seconds / max(time.perf_counter() - self.started, 1e-9)
         if self.on_step is not None:
             self.on_step(self, logged, metrics)
@@ -374,7 +374,7 @@ class TrainStep(TrainerReplica):
             metrics.update(parallel)
             if old_used is not None:
                 old[trained] = old_used
-        batch = replace_column(batch, PROXIMAL_COLUMN, pa.array(old.tolist(), pa.list_(pa.float32())))
+        batch = replace_column(batch, LOSS_OLD_COLUMN, pa.array(old.tolist(), pa.list_(pa.float32())))
         metrics.update(self._finish_step(diagnostics, train_policy))
         metrics["version"] = self.version
         metrics["optimizer_steps"] = self.policy.optimizer_steps
@@ -474,7 +474,7 @@ class TrainStep(TrainerReplica):
         for name in ("policy", "critic"):  # each learner's update, the slowest worker's
             done = [getattr(r, name) for r in results if getattr(r, name) is not None]
             if done:
-                parallel[f"seconds/{name}_update_seconds"] = max(d.seconds for d in done)
+                parallel[f"seconds/{name}_update"] = max(d.seconds for d in done)
         return diagnostics, old, parallel
 
     def _policy_diagnostics(self, results: list, batch: StepBatch, trainer_version: int) -> tuple[dict, list]:
@@ -494,7 +494,7 @@ class TrainStep(TrainerReplica):
     def _parallel_metrics(self, results: list) -> dict:
         """The data-parallel metrics of the step (the policy's update; the critic's in its warm-up)."""
         return {"trainer/microbatches": sum(r.microbatches for r in results),
-                "trainer/allreduce_seconds": max(r.allreduce_seconds for r in results),
+                "seconds/allreduce": max(r.allreduce_seconds for r in results),
                 **({"trainer/dummy_passes": sum(r.dummy_passes for r in results)} if self.sharded else {}),
                 **{f"trainer/{kind}_bytes": max(r.state_bytes.get(kind, 0) for r in results)
                    for kind in ("parameter", "gradient", "optimizer") if results[0].state_bytes}}

@@ -25,8 +25,8 @@ which process runs a stage, never the order of stages or what a stage computes.
   either is marked `own_process` (`dedicated`'s scorer: its own CPU/GPU share by definition).
 
 Each group also times its stages and hands the times on in the batch's schema metadata; the
-last group adds them to the metrics row as `stage_seconds/<stage>` (and, in the first row, where
-start-up went: `startup_seconds/...`, and which node each stage's process runs on:
+last group adds them to the metrics row as `seconds/stage/<stage>` (and, in the first row, where
+start-up went: `seconds/startup/...`, and which node each stage's process runs on:
 `node/<stage class>`), so a step's wall time can be read against the compute inside it, and the
 placement recorded, without any extra call (Ray's state API needs the dashboard, and without one
 it spins ~40 s before failing).
@@ -114,9 +114,9 @@ class StageGroup:
 
     `timings`: "off"; "carry" (add this group's measurements to those the batch brought and hand
     them on in the schema metadata); "emit" (the last group: add them to the output rows as
-    columns). Measured: `stage_seconds/<stage>`, the seconds each stage took on this batch; and,
-    on a group's first batch only, `startup_seconds/<stage>` (constructing the stage: model loads),
-    `startup_seconds/<first stage>.process` (from the actor process's creation to the group's
+    columns). Measured: `seconds/stage/<stage>`, the seconds each stage took on this batch; and,
+    on a group's first batch only, `seconds/startup/<stage>` (constructing the stage: model loads),
+    `seconds/startup/<first stage>.process` (from the actor process's creation to the group's
     constructor: worker start and imports) and `node/<stage class>` (the Ray node id of this
     process, "" outside Ray). The stages never see the metadata.
 
@@ -163,9 +163,9 @@ class StageGroup:
                 batch = fn(batch)
             return batch
         measured, batch = pop_measurements(batch)
-        seconds = measured.setdefault("stage_seconds", {})
+        seconds = measured.setdefault("seconds/stage", {})
         if self.startup:
-            measured.setdefault("startup_seconds", {}).update(self.startup)
+            measured.setdefault("seconds/startup", {}).update(self.startup)
             measured.setdefault(NODE_AREA, {}).update(self.node)
             self.startup = {}
         for name, fn in self.stages:

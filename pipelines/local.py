@@ -64,7 +64,7 @@ def run_in_process(pipe: RLPipeline, final_weights: bool = False, *, steps: rang
     if not 0 <= lag <= pipe.config.max_staleness:
         raise ValueError(f"lag: {lag} must be in [0, max_staleness = {pipe.config.max_staleness}]")
     if store is None:
-        store = InProcessStore(pipe.config.max_staleness, pipe.strategy.keep_history)
+        store = InProcessStore(pipe.config.max_staleness, pipe.config.keeps_history(pipe.strategy))
         pipe.publish_start(store, steps.start)  # the model at model_path (and a critic's start)
     rows = [row for _, row in iter_in_process(pipe, store, steps, workers, lag)]
     metrics = pl.from_dicts(rows, infer_schema_length=None)

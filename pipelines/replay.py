@@ -163,22 +163,24 @@ def load_trajectories(path: str | Path, allow_nonfinite: bool = False) -> dict[i
 
 
 def _prepare(table: pa.Table) -> pa.Table:
-    """Drop what the replay recomputes: filter reasons, old, proximal, reference and teacher
+    """Drop what the replay recomputes: filter reasons, old, the loss's old, reference and teacher
     log-probs (pi_old's and the teacher's on the top-k ids too), the KL penalty, advantages and
     GAE's returns. The sampler's top-k (ids, mu) and a critic's values are the log's, like the
     tokens."""
     from trajflow.schemas.columns import (
         FILTER_REASON,
         KL_PENALTY_COLUMN,
-        PROXIMAL_COLUMN,
+        FORMER_LOSS_OLD_COLUMN,
+        LOSS_OLD_COLUMN,
         REFERENCE_COLUMN,
         RETURNS_COLUMN,
         TOKEN_ADVANTAGE_COLUMN,
         replace_column,
     )
 
-    recomputed = (FILTER_REASON, PROXIMAL_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN, TOKEN_ADVANTAGE_COLUMN,
-                  RETURNS_COLUMN, "top_k_old_logprobs", "teacher_logprobs", "top_k_teacher_logprobs")
+    recomputed = (FILTER_REASON, LOSS_OLD_COLUMN, REFERENCE_COLUMN, KL_PENALTY_COLUMN, TOKEN_ADVANTAGE_COLUMN,
+                  RETURNS_COLUMN, "top_k_old_logprobs", "teacher_logprobs", "top_k_teacher_logprobs",
+                  FORMER_LOSS_OLD_COLUMN)
     table = table.drop_columns([c for c in recomputed if c in table.column_names])
     table = replace_column(table, "old_logprobs", pa.nulls(table.num_rows, pa.list_(pa.float32())))
     return replace_column(table, "advantage", pa.nulls(table.num_rows, pa.float32()))

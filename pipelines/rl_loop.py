@@ -184,7 +184,8 @@ class RLPipeline:
     def stage_context(self) -> StageContext:
         """What a strategy's operator stages are built from."""
         s = self.settings
-        return StageContext(self.model_path, self.sampling, s.numerics, s.scorer, s.weight_sync)
+        return StageContext(self.model_path, self.sampling, s.numerics, s.scorer, s.weight_sync,
+                            old_is_inference=self.config.old_is_inference(self.strategy))
 
     def failed_reward_steps(self) -> FailedRewardSteps:
         """A count of consecutive steps whose reward failed on every row (reward_max_failed_steps)."""
@@ -317,11 +318,11 @@ class RLPipeline:
         # where the versions' tensors and the trainer's server address are not the store's)
         rebuilt = (self.version_archive is not None and c.recovery.max_restarts > 0
                    and c.weight_sync.method != "collective")
-        self.store = RayStore.start(c.max_staleness, self.strategy.keep_history, final_version=final,
+        self.store = RayStore.start(c.max_staleness, c.keeps_history(self.strategy), final_version=final,
                                     reconnect_seconds=RECONNECT_SECONDS if rebuilt else 0.0)
         self.publish_start(self.store, initial_version, initial_weights)
         if rebuilt:
-            spec = StoreConfig(c.max_staleness, self.strategy.keep_history, c.recovery.max_restarts, c.lora.r > 0)
+            spec = StoreConfig(c.max_staleness, c.keeps_history(self.strategy), c.recovery.max_restarts, c.lora.r > 0)
             self.store_guard = StoreGuard(self.store, self.version_archive, spec, lambda: self.restarts,
                                           self._store_rebuilt)
         return self.store
@@ -414,6 +415,10 @@ class RLPipeline:
             f"training numerics: {self.settings.numerics.describe()}{off}\n"
             f"max_staleness {c.max_staleness}, inference_dtype {c.inference_dtype}, "
             f"{c.steps} steps x {c.rows_per_step} rows"
+            + (f"\n{auto}" if (auto := self.settings.auto_choices()) else "")
+            + ("\nold log-probs: the inference ones, reused (the same numerics: torch engine, float32, no weight "
+               "change inside a rollout; old_logprob_forward: always recomputes them)"
+               if c.old_is_inference(s) else "")
         )
 
     def iter_metrics(self, first_step: int = 0):

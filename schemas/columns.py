@@ -12,7 +12,8 @@ FILTER_REASON = "filter_reason"  # null = kept for training; otherwise why the r
 REWARD_ERROR = "reward_error"
 # pi_old as the train step's loss used it (every strategy; -inf: a token outside the sampling
 # support). `old_logprobs` keeps its one meaning: what an upstream operator supplied (exact strategies).
-PROXIMAL_COLUMN = "proximal_logprobs"
+LOSS_OLD_COLUMN = "loss_old_logprobs"
+FORMER_LOSS_OLD_COLUMN = "proximal_logprobs"  # its name in logs written before: replay drops both
 # the KL to a frozen reference (operators/reference.py): log pi_ref per token, and under
 # `kl.in: reward` the per-row penalty the advantage subtracts from the reward
 REFERENCE_COLUMN = "reference_logprobs"

@@ -65,7 +65,7 @@ RESERVED_COLUMNS = (
     "trajectory_id", "group_id", "prompt_id", "prompt_tokens", "response_tokens", "loss_mask",
     "inference_logprobs", "versions", "old_logprobs", "finish_reason", "reward", "advantage",
     "rollout_step", "filter_reason", "trainer_version", "turns", "reward_error", "step",
-    "proximal_logprobs", "reference_logprobs", "kl_penalty", "token_advantages", "prompts", "completions",
+    "loss_old_logprobs", "reference_logprobs", "kl_penalty", "token_advantages", "prompts", "completions",
     "top_k_ids", "top_k_inference_logprobs", "top_k_old_logprobs", "top_k_teacher_logprobs", "teacher_logprobs",
     "values", "value_versions", "train_values", "returns",
 )

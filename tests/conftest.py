@@ -143,7 +143,7 @@ class HalfwayOld(Strategy):
     def correction(self, base):
         return dataclasses.replace(base, eps_low=0.1, eps_high=0.1)
 
-    def proximal(self, batch, current, trainer):
+    def old_logprobs(self, batch, current, trainer):
         return 0.5 * (batch.inference + current.detach())
 
 

@@ -118,21 +118,21 @@ def test_stage_group_constructs_class_stages_and_carries_timings():
     out = first(pa.table({"x": [1, 2]}))
     assert out["x"].to_pylist() == [2, 4] and out["tag"].to_pylist() == ["S", "S"]
     measured, bare = pop_measurements(out)
-    carried = measured["stage_seconds"]
+    carried = measured["seconds/stage"]
     assert set(carried) == {"double", "tag"} and all(v >= 0 for v in carried.values())
-    assert set(measured["startup_seconds"]) == {"double.process", "tag"}  # the first batch only
+    assert set(measured["seconds/startup"]) == {"double.process", "tag"}  # the first batch only
     assert bare.schema.metadata is None  # the stages themselves never see the timing metadata
-    assert not {"startup_seconds", "node"} & set(pop_measurements(first(pa.table({"x": [1]})))[0])
+    assert not {"seconds/startup", "node"} & set(pop_measurements(first(pa.table({"x": [1]})))[0])
 
     seen = []
     last = StageGroup([Stage("spy", lambda t: seen.append(t.schema.metadata) or t.slice(0, 1))], timings="emit")
     row = last(out)
     assert seen == [None]
     assert row.num_rows == 1
-    assert set(row.column_names) == {"x", "tag", "stage_seconds/double", "stage_seconds/tag", "stage_seconds/spy",
-                                     "startup_seconds/double.process", "startup_seconds/tag",
-                                     "startup_seconds/spy.process", "node/function", "node/AddColumn"}
-    assert row["stage_seconds/double"][0].as_py() == carried["double"]
+    assert set(row.column_names) == {"x", "tag", "seconds/stage/double", "seconds/stage/tag", "seconds/stage/spy",
+                                     "seconds/startup/double.process", "seconds/startup/tag",
+                                     "seconds/startup/spy.process", "node/function", "node/AddColumn"}
+    assert row["seconds/stage/double"][0].as_py() == carried["double"]
     # where each stage's process runs (a lambda's class is `function`): no Ray here, no node id
     import ray
 

@@ -67,7 +67,7 @@ def test_real_model_learning_result_reads_a_run_dir(tmp_path, keys):
     (tmp_path / "metrics").mkdir()
     for step, (acc, r) in enumerate([(None, 0.1), (0.20, 0.3)]):
         row = {"step": step, "version": step + 1, heldout: acc, f"{heldout}_start": 0.08 if step == 0 else None,
-               reward: r, "time/step_end": 100.0 + 10.0 * step}
+               reward: r, "seconds/step_end": 100.0 + 10.0 * step}
         pl.DataFrame([row], schema_overrides={heldout: pl.Float64, f"{heldout}_start": pl.Float64}).write_parquet(
             tmp_path / "metrics" / f"step={step:06d}.parquet")
     config = {"eval_prompts": 100, "steps": 2, "prompts_per_step": 8, "group_size": 4, "max_staleness": 0,

@@ -409,6 +409,6 @@ def test_reserved_columns_cover_every_column_trajflow_writes():
     for text in sources:
         for literal, constant, key in setter.findall(text):
             written.add(constants[constant] if constant else literal or key)
-    assert {"filter_reason", "trainer_version", "turns", "proximal_logprobs", "kl_penalty", "rollout_step"} <= written
+    assert {"filter_reason", "trainer_version", "turns", "loss_old_logprobs", "kl_penalty", "rollout_step"} <= written
     assert sorted(written - set(RESERVED_COLUMNS) - {"prompt"}) == []
     assert "prompt" in reserved_columns("question") and "prompt" not in reserved_columns("prompt")

@@ -119,7 +119,7 @@ def test_steps_write_logs_checkpoints_and_versions(tmp_path):
 
     # the node of the process that trained: none outside Ray (unless this test process started one)
     assert metrics[0]["trainer_node"] == (ray.get_runtime_context().get_node_id() if ray.is_initialized() else "")
-    ends = read_metrics(paths)["time/step_end"].to_list()  # wall clock at each step's end, in order
+    ends = read_metrics(paths)["seconds/step_end"].to_list()  # wall clock at each step's end, in order
     assert ends == sorted(ends) and abs(ends[-1] - __import__("time").time()) < 60
     part = read_parquet(paths.trajectory_file(3))
     assert part["trainer_version"].to_pylist() == [3] * 4

@@ -29,16 +29,18 @@ def write_run(root: Path, rewards: list[float], step_ends: list[float] | None = 
               sessions: list[dict] | None = None, heldout: dict[int, float] | None = None,
               old_keys: bool = False) -> Path:
     """A run dir as the recorder writes it; `old_keys`: with the metric keys of runs written
-    before they took one style (reward_mean, heldout_accuracy, train_seconds)."""
+    before they took one style (reward_mean, heldout_accuracy, timings as seconds/train_seconds,
+    stage_seconds/<stage>, time/step_end)."""
     paths = RunPaths(root)
-    reward_key, heldout_key, seconds_key = (("reward_mean", "heldout_accuracy", "seconds/train_seconds") if old_keys
-                                            else ("reward/mean", "heldout/accuracy", "seconds/train_seconds"))
+    reward_key, heldout_key, seconds_key, stage_key, end_key = (
+        ("reward_mean", "heldout_accuracy", "seconds/train_seconds", "stage_seconds/generate", "time/step_end")
+        if old_keys else ("reward/mean", "heldout/accuracy", "seconds/train", "seconds/stage/generate", "seconds/step_end"))
     for step, reward in enumerate(rewards):
         row = {"step": step, "version": step + 1, "strategy": strategy, reward_key: reward, "rows": 32,
                "rows_trained": 16, "mask/token_kept_frac": 0.99, "clip/frac": 0.01, "staleness/mean": 1.0,
-               "staleness/max": 1, seconds_key: 0.1}
+               "staleness/max": 1, seconds_key: 0.1, stage_key: 0.2}
         if step_ends is not None:
-            row["time/step_end"] = step_ends[step]
+            row[end_key] = step_ends[step]
         if heldout and step in heldout:
             row[heldout_key] = heldout[step]
         write_table_atomic(pa.Table.from_pylist([row]), paths.metrics_file(step))
@@ -85,6 +87,8 @@ def test_report_and_compare_read_a_run_written_with_the_old_metric_keys(tmp_path
     assert "reward_mean" in on_disk and "reward/mean" not in on_disk
     runs = load_runs([old, new])
     assert "reward/mean" in runs["old/run"].metrics.columns and "heldout/mean_reward" in runs["old/run"].metrics.columns
+    assert set(runs["old/run"].metrics.columns) == set(runs["new/run"].metrics.columns) - {"heldout/accuracy"} | {
+        "heldout/mean_reward"}  # every timing under its name now (seconds/train, seconds/stage/..., step_end)
     was, now = summarize("old/run", runs["old/run"]), summarize("new/run", runs["new/run"])
     for key in ("final_reward", "final_reward_steps", "final_heldout", "best_heldout", "seconds_per_step", "mask_kept"):
         assert was[key] == now[key], key
@@ -187,7 +191,7 @@ def test_status_lines_fit_100_columns_and_number_steps_from_0(steps):
 def test_summary_table_fits_100_columns():
     rows = [{"step": s, "reward/mean": 0.5, "rows_trained": 4096, "mask/token_kept_frac": 0.5, "clip/frac": 0.5,
              "mismatch/k3": 1e-3, "staleness/mean": 12.5, "staleness/max": 100, "loss": -123.4567,
-             "seconds/train_seconds": 1234.5} for s in (0, 999_999)]
+             "seconds/train": 1234.5} for s in (0, 999_999)]
     table = format_table(rows, list(SUMMARY_COLUMNS))
     assert all(len(line) <= WIDTH for line in table.splitlines()), table
     assert table.splitlines()[-1].split()[0] == "999999"

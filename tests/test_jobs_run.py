@@ -15,7 +15,7 @@
   test's subprocess; a SIGKILL's target stays a subprocess): each `trajflow` subprocess pays an
   interpreter, torch and Ray's start-up that is not what those tests show;
 - each status line is printed when its step ends: after the step's end and before the next
-  step's end (timestamps of the lines as they arrive, against the trainer's `time/step_end`).
+  step's end (timestamps of the lines as they arrive, against the trainer's `seconds/step_end`).
 
 The other runs are the quickstart at its old, small size (8 prompts x 4 samples per step, ROWS).
 
@@ -109,6 +109,10 @@ def test_quickstart_run_writes_a_complete_run_dir(quick_run):
     assert metrics["version"].to_list() == list(range(1, QUICK_STEPS + 1))
     assert metrics["trainer_node"].n_unique() == 1 and len(metrics["trainer_node"][0]) > 8
     assert (metrics["rows"] == ROWS).all()
+    # one key shape: every timing in seconds under seconds/, no unit suffix (docs/design.md §4a)
+    timings = [c for c in metrics.columns if "seconds" in c or c.startswith("time/")]
+    assert {"seconds/generate", "seconds/train", "seconds/step_end"} <= set(timings), timings
+    assert all(c.startswith("seconds/") and not c.endswith("_seconds") for c in timings), timings
     # placement.json, from the node each stage's process reported (no state API: no dashboard here)
     from trajflow.pipelines.colocation import stage_class
     from trajflow.pipelines.rl_loop import RLPipeline
@@ -195,7 +199,7 @@ def _warm_start_accuracy(prompts: int) -> float:
 def test_status_lines_are_printed_as_their_steps_end(tmp_path):
     """`trajflow` (the installed entry point) on a tiny synchronous config whose steps take at
     least 6 x 0.3 s of (simulated) decoding each: the line of step k arrives after step k ended
-    (the trainer's wall-clock `time/step_end`) and before step k+1 ended. A driver that holds the
+    (the trainer's wall-clock `seconds/step_end`) and before step k+1 ended. A driver that holds the
     lines back (e.g. a 40 s call after the first row) prints them in a burst after the last step."""
     steps, run_dir = 4, tmp_path / "timed"
     entry = Path(sys.executable).with_name("trajflow")
@@ -219,7 +223,7 @@ def test_status_lines_are_printed_as_their_steps_end(tmp_path):
             proc.kill()
     # a finished run leaves no Ray session dir behind and keeps no Ray logs (tests/test_ray_sessions.py)
     assert sessions_of({proc.pid}) == [] and not (run_dir / "ray-logs").exists()
-    ended = pl.read_parquet(run_dir / "metrics.parquet").sort("step")["time/step_end"].to_list()
+    ended = pl.read_parquet(run_dir / "metrics.parquet").sort("step")["seconds/step_end"].to_list()
     assert sorted(arrived) == list(range(steps)) and len(ended) == steps, "".join(lines)
     for k in range(steps):
         assert arrived[k] >= ended[k], (k, arrived[k] - ended[k])
@@ -518,10 +522,10 @@ from trajflow.operators.strategies.snapshot import Snapshot
 class Loud(Snapshot):
     name = "loud"
 
-    def proximal(self, batch, current, trainer):
+    def old_logprobs(self, batch, current, trainer):
         warnings.warn("loud: a warning from the strategy")
         print("loud: a line on stderr", file=sys.stderr, flush=True)
-        return super().proximal(batch, current, trainer)
+        return super().old_logprobs(batch, current, trainer)
 """
 
 

@@ -103,14 +103,14 @@ def test_placement_json_comes_from_the_rows_node_columns(tmp_path, ray_session):
     paths = RunPaths(tmp_path / "run")
     paths.root.mkdir()
     placement: dict[str, list[str]] = {}
-    first = {"step": 0, "node/Generate": here, "node/TrainStep": here, "stage_seconds/generate": 0.1}
+    first = {"step": 0, "node/Generate": here, "node/TrainStep": here, "seconds/stage/generate": 0.1}
     assert record_placement(paths, placement, first)
     assert placement == {"Generate": [here], "TrainStep": [here]}
     written = json.loads((paths.root / "placement.json").read_text())
     assert written["stages"] == placement and here in written["nodes"]
     assert "resources" in written["nodes"][here] and written["nodes"][here]["resources"].get("CPU", 0) > 0
     # later rows without node columns, or with nodes already known, change nothing
-    assert not record_placement(paths, placement, {"step": 1, "stage_seconds/generate": 0.1})
+    assert not record_placement(paths, placement, {"step": 1, "seconds/stage/generate": 0.1})
     assert not record_placement(paths, placement, first)
     # a second generator actor of the pool reports from its own first batch: the stage lists both
     assert record_placement(paths, placement, {"step": 1, "node/Generate": "another-node"})

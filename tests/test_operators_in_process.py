@@ -18,7 +18,7 @@ import torch
 
 from trajflow.engines.models import load_tokenizer
 from trajflow.operators.diagnose import Diagnose
-from trajflow.operators.old_logprobs import OldLogprobsAtBehaviorVersion
+from trajflow.operators.old_logprobs import InferenceAsOld, OldLogprobsAtBehaviorVersion
 from trajflow.operators.train_step import TrainStep
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.policy_store import InProcessStore
@@ -41,8 +41,9 @@ def without_ray(monkeypatch):
 
 
 def _config(**overrides) -> PipelineConfig:
+    """float32 on both sides, with the old log-probs' forward pass (the operator under test)."""
     base = dict(strategy="snapshot", prompts_per_step=4, group_size=4, max_staleness=1, inference_dtype="float32",
-                drop_zero_variance_groups=False, seed=3, steps=3)
+                drop_zero_variance_groups=False, seed=3, steps=3, old_logprob_forward="always")
     return PipelineConfig(**{**base, **overrides})
 
 
@@ -54,7 +55,7 @@ def _build(pipe: RLPipeline, store) -> dict:
 def _store(pipe: RLPipeline) -> InProcessStore:
     from trajflow.engines.models import load_model
 
-    store = InProcessStore(pipe.config.max_staleness, pipe.strategy.keep_history)
+    store = InProcessStore(pipe.config.max_staleness, pipe.config.keeps_history(pipe.strategy))
     store.publish(load_model(pipe.model_path).state_dict(), 0)
     return store
 
@@ -117,7 +118,7 @@ def test_snapshot_pipeline_runs_step_by_step_in_one_process(without_ray, one_tor
     ops["train"].on_step = lambda step, batch, m: logged.append(batch)
     ops["train"](ops["old_logprobs"](pc_set_filtered(ops["filter"](ops["advantage"](ops["reward"](
         ops["generate"](_prompt_rows(pipe, 3))))))))
-    assert logged[0]["proximal_logprobs"].null_count == logged[0].num_rows == 16
+    assert logged[0]["loss_old_logprobs"].null_count == logged[0].num_rows == 16
 
 
 @pytest.mark.timeout(300)
@@ -195,6 +196,29 @@ def test_dedicated_scores_right_after_generate_every_row(without_ray, one_torch_
     batch = ops["old_logprobs"](ops["generate"](_prompt_rows(pipe, 0)))
     assert batch["old_logprobs"].null_count == 0  # every row, before any filter
     assert _max_gap(batch) < 1e-5
+
+
+def test_the_redundant_forward_is_skipped_only_where_it_is_exactly_redundant(without_ray, one_torch_thread):
+    """`old_logprob_forward: auto` (the default): in float32 with the torch engine the exact
+    strategies' old log-probs would be the inference ones recomputed, so they are copied (no model,
+    no snapshots kept) and the header says so; any source of mismatch keeps the forward pass."""
+    for strategy in ("snapshot", "dedicated"):
+        pipe = RLPipeline(_config(strategy=strategy, old_logprob_forward="auto"))
+        assert pipe.config.old_is_inference(pipe.strategy) and not pipe.config.keeps_history(pipe.strategy)
+        assert "old log-probs: the inference ones, reused" in pipe.describe()
+        ops = _build(pipe, _store(pipe))
+        assert isinstance(ops["old_logprobs"], InferenceAsOld)
+        batch = ops["old_logprobs"](ops["generate"](_prompt_rows(pipe, 0)))
+        assert batch["old_logprobs"].equals(batch["inference_logprobs"])
+    for mismatch in ({"inference_dtype": "bfloat16"}, {"inference_dtype": "fp8"}, {"partial_rollout": True},
+                     {"optimizer": {"mixed_precision": "bf16"}}, {"sampling": {"top_p": 0.9}},
+                     {"sampling": {"top_k": 4}}, {"top_k_logprobs": 2}, {"lora": {"r": 2}},
+                     {"old_logprob_forward": "always"}, {"strategy": "interrupt"}):
+        pipe = RLPipeline(_config(**{"old_logprob_forward": "auto", **mismatch}))
+        assert not pipe.config.old_is_inference(pipe.strategy), mismatch
+        assert "reused" not in pipe.describe()
+        stages = {stage.name: stage for stage in pipe.stages}  # interrupt scores inside generation
+        assert "old_logprobs" not in stages or stages["old_logprobs"].is_actor, mismatch  # the forward's actor
 
 
 @pytest.mark.timeout(300)

@@ -15,7 +15,10 @@ from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.local import run_in_process
 from trajflow.pipelines.rl_loop import RLPipeline, Stage
 
-SMALL = dict(steps=8, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1)
+# float32 on both sides: the exact strategies' forward pass kept (`auto` would reuse the inference
+# log-probs, and this file is where the forward's exactness is checked)
+SMALL = dict(steps=8, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1,
+             old_logprob_forward="always")
 
 
 def run(**overrides) -> pl.DataFrame:

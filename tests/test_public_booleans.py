@@ -90,11 +90,11 @@ ARGS: dict[str, Callable[[], dict[str, Any]]] = {
     "trajflow.algorithms.objective.off_policy_sequence_mask": lambda: dict(
         log_rd=torch.zeros(2, 3), log_rs=torch.zeros(2, 3), advantages=-torch.ones(2, 3), loss_mask=_mask(),
         delta=1e-4),
-    "trajflow.algorithms.proximal.loglinear_alpha": lambda: dict(
+    "trajflow.algorithms.old_logprobs.loglinear_alpha": lambda: dict(
         versions=torch.zeros(2, 3, dtype=torch.long), theta_version=2),
-    "trajflow.algorithms.proximal.loglinear_logprobs": lambda: dict(
+    "trajflow.algorithms.old_logprobs.loglinear_logprobs": lambda: dict(
         current_logprobs=_lp(), inference_logprobs=_lp(), alpha=0.5),
-    "trajflow.algorithms.proximal.linear_logprobs": lambda: dict(
+    "trajflow.algorithms.old_logprobs.linear_logprobs": lambda: dict(
         current_logprobs=_lp(), inference_logprobs=_lp(), alpha=0.5),
     "trajflow.algorithms.schedules.lr_multiplier": lambda: dict(
         update=0, total_updates=10, config=trajflow.OptimizerConfig()),
@@ -165,7 +165,7 @@ def test_the_walk_finds_the_public_api_and_the_table_is_current():
     assert {("trajflow.algorithms.objective.decoupled_loss", "denominator"),
             ("trajflow.algorithms.config.CorrectionConfig.paper", "c_ti"),
             ("trajflow.algorithms.ewma.EwmaProximal", "reset_threshold"),
-            ("trajflow.algorithms.proximal.loglinear_logprobs", "alpha"),
+            ("trajflow.algorithms.old_logprobs.loglinear_logprobs", "alpha"),
             ("trajflow.algorithms.masked.masked_mean", "dim"),
             ("trajflow.algorithms.schedules.lr_multiplier", "total_updates"),
             ("trajflow.algorithms.score_centering.centering_coefficients", "tis_cap"),

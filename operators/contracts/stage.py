@@ -11,7 +11,7 @@ import inspect
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from trajflow.settings import check_number, check_settings, setting
 
@@ -28,7 +28,9 @@ class ResourceConfig:
     resources: dict[str, float] = setting(
         doc="custom Ray resources of each actor, e.g. {gen_node: 0.1} to place it on the nodes that offer "
         "gen_node", default_factory=dict, ge=0.0)
-    torch_threads: int = setting(1, "torch intra-op threads in each actor (torch.set_num_threads)", ge=1)
+    torch_threads: int | Literal["auto"] = setting(
+        "auto", "torch intra-op threads in each actor (torch.set_num_threads); auto: from the CPUs, the model's "
+        "size and sync or async (pipelines/config/auto.py; the run's header says what it chose)", ge=1)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -14,7 +14,7 @@ What the rest of trajflow asks a strategy (and nothing else: no other file compa
   old_from_column           pi_old is the `old_logprobs` column, filled upstream (exact strategies)
   follows_updates           the strategy's state follows the weights after each optimizer update
                             (EWMA); a --diagnose replay then also needs version k + 1 per step
-  old_distribution          proximal_top_k gives pi_old on the sampler's top-k ids (the
+  old_distribution          old_top_k gives pi_old on the sampler's top-k ids (the
                             distribution-level mismatch and its mask, `correction.dist_mask`)
   uses_current_top_k        the loss needs pi_theta on the top-k ids too (Score Centering)
   stages(ctx)               operator stages the strategy inserts, placed relative to named stages
@@ -25,8 +25,9 @@ and, inside the process that trains (TrainStep) or diagnoses (Diagnose), per tra
 
   bind(trainer)             once, when that process starts (EWMA copies the weights here)
   before_step(batch, trainer)            before the first update of the step (whole step batch)
-  proximal(batch, current, trainer)      pi_old for a (mini)batch, [B, T], detached
-  proximal_top_k(batch)     pi_old on the batch's top-k ids [B, T, K], or None (old_distribution)
+  old_logprobs(batch, current, trainer)  pi_old for a (mini)batch, [B, T], detached (`proximal`
+                            before this release: still read, with a notice)
+  old_top_k(batch)          pi_old on the batch's top-k ids [B, T, K], or None (old_distribution)
   begin_update(log_ratios, gather)       if `needs_update_pass`: before each optimizer update,
                             log pi_theta - pi_old over this worker's loss tokens of the whole
                             update (1-D, no grad); `gather(t)` concatenates a 1-D tensor over all
@@ -81,6 +82,9 @@ class StageContext:
     numerics: TrainingNumerics
     scorer: ResourceConfig  # resources of old log-prob scoring actors
     weight_sync: WeightSyncConfig = WeightSyncConfig()  # how scorers receive versions
+    # the inference log-probs are the old ones in the same numerics (PipelineConfig.old_is_inference):
+    # the old log-prob stage copies them instead of a forward pass
+    old_is_inference: bool = False
 
 
 class Trainer(Protocol):
@@ -113,6 +117,18 @@ class Strategy:
     uses_current_top_k: ClassVar[bool] = False
 
     Settings: ClassVar[type | None] = None  # its settings: a frozen settings dataclass (trajflow/settings.py)
+
+    # hooks renamed in this release: a subclass that still defines the old name works, with a notice
+    RENAMED_HOOKS: ClassVar[dict[str, str]] = {"proximal": "old_logprobs", "proximal_top_k": "old_top_k"}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old, new in Strategy.RENAMED_HOOKS.items():
+            if old in vars(cls) and new not in vars(cls):
+                from trajflow.deprecations import notice
+
+                notice(f"{cls.__qualname__}.{old}()", f"{new}()")
+                setattr(cls, new, vars(cls)[old])
 
     @classmethod
     def from_config(cls, config: Any, options: dict[str, Any] | None = None) -> "Strategy":
@@ -161,10 +177,10 @@ class Strategy:
     def before_step(self, batch: "StepBatch", trainer: Trainer) -> None:
         pass
 
-    def proximal(self, batch: "StepBatch", current: Tensor, trainer: Trainer) -> Tensor:
-        raise NotImplementedError(f"strategy {self.name!r} does not define proximal()")
+    def old_logprobs(self, batch: "StepBatch", current: Tensor, trainer: Trainer) -> Tensor:
+        raise NotImplementedError(f"strategy {self.name!r} does not define old_logprobs()")
 
-    def proximal_top_k(self, batch: "StepBatch") -> Tensor | None:
+    def old_top_k(self, batch: "StepBatch") -> Tensor | None:
         return None
 
     def begin_update(self, log_ratios: Tensor, gather: Callable[[Tensor], Tensor]) -> None:
@@ -200,19 +216,23 @@ class OldLogprobsColumn(Strategy):
     old_from_column = True
     old_distribution = True
 
-    def proximal(self, batch: "StepBatch", current: Tensor, trainer: Trainer) -> Tensor:
+    def old_logprobs(self, batch: "StepBatch", current: Tensor, trainer: Trainer) -> Tensor:
         if batch.old is None:
             raise RuntimeError(f"strategy {self.name}: rows reached the trainer without old_logprobs")
         return batch.old
 
-    def proximal_top_k(self, batch: "StepBatch") -> Tensor | None:
+    def old_top_k(self, batch: "StepBatch") -> Tensor | None:
         return batch.top_k_old  # scored with old_logprobs, at each token's own version
 
 
-def old_logprob_stage(ctx: StageContext, skip_filtered: bool) -> Stage:
-    """The operator that scores every token under its own version's weights (operators/old_logprobs.py)."""
-    from trajflow.operators.old_logprobs import OldLogprobsAtBehaviorVersion
+def old_logprob_stage(ctx: StageContext, skip_filtered: bool, own_process: bool = False) -> Stage:
+    """The operator that scores every token under its own version's weights (operators/old_logprobs.py),
+    or, where that would repeat the inference log-probs in the same numerics, the light stage that
+    copies them. `own_process`: the scoring actor runs alone (dedicated's own CPU/GPU share)."""
+    from trajflow.operators.old_logprobs import InferenceAsOld, OldLogprobsAtBehaviorVersion
 
+    if ctx.old_is_inference:
+        return Stage("old_logprobs", InferenceAsOld())
     kwargs = dict(model_path=ctx.model_path, sampling=ctx.sampling, numerics=ctx.numerics,
                   skip_filtered=skip_filtered, torch_threads=ctx.scorer.torch_threads, weight_sync=ctx.weight_sync)
-    return Stage("old_logprobs", OldLogprobsAtBehaviorVersion, kwargs, ctx.scorer)
+    return Stage("old_logprobs", OldLogprobsAtBehaviorVersion, kwargs, ctx.scorer, own_process=own_process)

@@ -20,10 +20,10 @@ class Behavior(Strategy):
     meaning = "old := inference log-probs (r_d = 1): one clip absorbs both numerics and staleness"
     old_distribution = True
 
-    def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
-        from trajflow.algorithms.proximal import behavior_logprobs
+    def old_logprobs(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+        from trajflow.algorithms.old_logprobs import behavior_logprobs
 
         return behavior_logprobs(batch.inference)
 
-    def proximal_top_k(self, batch) -> Tensor | None:
+    def old_top_k(self, batch) -> Tensor | None:
         return batch.top_k_inference  # the sampler's own distribution: no mismatch by definition

@@ -19,6 +19,5 @@ class Dedicated(OldLogprobsColumn):
     keep_history = True  # until the batch carrying a version is scored
 
     def stages(self, ctx: StageContext) -> list[Placement]:
-        stage = old_logprob_stage(ctx, skip_filtered=False)
-        stage.own_process = True  # its own actor and CPU/GPU share, overlapping generation and training
-        return [Placement(stage, after="generate")]
+        # its own actor and CPU/GPU share, overlapping generation and training
+        return [Placement(old_logprob_stage(ctx, skip_filtered=False, own_process=True), after="generate")]

@@ -77,7 +77,7 @@ class Ewma(Strategy):
         self._model = trainer.policy_copy()
         self._stale_model = True
 
-    def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+    def old_logprobs(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
         if self._stale_model:
             self._model.load_state_dict(self.ewma.prox_state_dict())
             self._stale_model = False

@@ -40,8 +40,8 @@ class Loglinear(Strategy):
     def __init__(self, alpha: float | None = LoglinearSettings.alpha) -> None:
         self.alpha = LoglinearSettings(alpha=alpha).alpha  # checked (SettingError)
 
-    def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
-        from trajflow.algorithms.proximal import loglinear_alpha, loglinear_logprobs
+    def old_logprobs(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+        from trajflow.algorithms.old_logprobs import loglinear_alpha, loglinear_logprobs
 
         alpha = self.alpha
         if alpha is None:  # the trainer holds version k and produces k + 1

@@ -64,8 +64,8 @@ class M2po(Strategy):
     def before_step(self, batch, trainer: Trainer) -> None:
         self._sums = dict.fromkeys(self._sums, 0.0)
 
-    def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
-        from trajflow.algorithms.proximal import behavior_logprobs
+    def old_logprobs(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+        from trajflow.algorithms.old_logprobs import behavior_logprobs
 
         return behavior_logprobs(batch.inference)
 

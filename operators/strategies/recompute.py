@@ -34,9 +34,9 @@ class Recompute(Strategy):
             self._before_update = torch.zeros((int(batch.rows.max()) + 1, scores.shape[1]), dtype=scores.dtype)
             self._before_update[batch.rows] = scores
 
-    def proximal(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
+    def old_logprobs(self, batch, current: Tensor, trainer: Trainer) -> Tensor:
         if self._before_update is not None:
             return self._before_update[batch.rows]
-        from trajflow.algorithms.proximal import recompute_logprobs
+        from trajflow.algorithms.old_logprobs import recompute_logprobs
 
         return recompute_logprobs(current)

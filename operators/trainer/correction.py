@@ -2,13 +2,13 @@
 
     StepBatch.from_table(rows, k)       the step's tensors from Arrow (right-padded [B, T])
     correct(strategy, batch, current, trainer, config)
-        1. old = strategy.proximal(...)                        pi_old, detached
+        1. old = strategy.old_logprobs(...)                        pi_old, detached
         2. tokens whose current, old or inference log-prob is not finite leave the loss: a token
            outside the sampling filter's support (top-k / top-p) scores -inf under training
            numerics. They are counted (`support/outside_tokens`) and never reach the loss, its
            denominator or the diagnostics, so they can never turn into a NaN gradient.
         3. strategy.trust_mask(...)                            e.g. M2PO's second-moment mask
-        4. the distribution-level mask (`dist_mask`: mu against strategy.proximal_top_k on the
+        4. the distribution-level mask (`dist_mask`: mu against strategy.old_top_k on the
            top-k ids) and, distilling, the per-token advantages (algorithms/distillation.py)
         5. decoupled_loss(..., strategy.correction(config))   algorithms/objective.py
         6. added in sum form: the forward KL to the teacher (distilling), strategy.extra_loss
@@ -199,14 +199,14 @@ def correct(strategy: Strategy, batch: StepBatch, current: Tensor, trainer: Trai
     enters the loss when `kl.in_` is "loss"; `entropy` [B, T] when `config.entropy_coef` > 0.
     `distill`: the distillation's terms (the batch carries the teacher's log-probs);
     `current_top_k`: pi_theta on the top-k ids [B, T, K] with gradient, when a term needs it."""
-    old = strategy.proximal(batch, current, trainer).detach()
+    old = strategy.old_logprobs(batch, current, trainer).detach()
     loss_mask = finite_loss_mask(batch, current, old)
     trust = strategy.trust_mask(batch, current.detach(), old, loss_mask)
     config = strategy.correction(config)
     keep = None
     real = not batch.dummy  # a sharded worker's dummy pass carries no distributions and counts nothing
     if config.dist_mask is not None and real:
-        distance = mismatch(batch.top_k_inference.double(), strategy.proximal_top_k(batch).double(),
+        distance = mismatch(batch.top_k_inference.double(), strategy.old_top_k(batch).double(),
                             config.dist_mask_metric)
         keep = distribution_keep(distance, loss_mask, config.dist_mask, config.dist_mask_level)
     advantages = batch.advantages
@@ -299,7 +299,7 @@ def step_diagnostics(merged: LossOutput, batch: StepBatch, trainer_version: int,
     if config is not None and config.rejection:  # on the step's loss tokens, as the loss applied them
         d.update(rejection_metrics(merged.log_rd, merged.loss_mask, config.rejection))
     if batch.top_k_inference is not None:
-        old_top_k = strategy.proximal_top_k(batch) if strategy is not None else None
+        old_top_k = strategy.old_top_k(batch) if strategy is not None else None
         d.update(distribution_diagnostics(batch.top_k_inference, old_top_k, merged.loss_mask))
         if config is not None and config.dist_mask is not None and old_top_k is not None:
             distance = mismatch(batch.top_k_inference.double(), old_top_k.double(), config.dist_mask_metric)

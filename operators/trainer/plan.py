@@ -26,7 +26,7 @@ micro-batch's forward pass (the r_d mask and the sampling-support filter decide 
 count), so gradients must be scaled after the reduction anyway, a worker may have no rows in an
 update (DDP would need a dummy forward), and micro-batch accumulation would need `no_sync`. One
 all-reduce of one flat buffer per update does all of it with the collective torch ships (the
-`trainer/allreduce_seconds` metric measures its cost); DDP's overlap of communication with the
+`seconds/allreduce` metric measures its cost); DDP's overlap of communication with the
 backward pass matters for large models on GPUs and is the next step there.
 
 With `trainer.sharding: fsdp` (operators/trainer/fsdp.py) the workers hold 1/N of the parameters,
@@ -65,9 +65,10 @@ class TrainerConfig(ResourceConfig):
     num_workers: int = setting(
         1, "data-parallel workers (one torch.distributed group: gloo on CPU, NCCL on CUDA); losses are "
         "normalised over all of them, so N workers give the one-worker update", ge=1)
-    max_tokens_per_microbatch: int | None = setting(
-        None, "padded tokens (rows x longest prompt+response) per forward/backward; gradients accumulate over "
-        "the micro-batches of an update (null: one micro-batch per minibatch and worker)", ge=1)
+    max_tokens_per_microbatch: int | Literal["auto"] | None = setting(
+        "auto", "padded tokens (rows x longest prompt+response) per forward/backward; gradients accumulate over "
+        "the micro-batches of an update (null: one micro-batch per minibatch and worker; auto: what fits an "
+        "eighth of the machine's memory, null if the largest update does: pipelines/config/auto.py)", ge=1)
     gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass (less memory)")
     sharding: Literal["none", "fsdp"] = setting(
         "none", "none: a full replica per worker; fsdp: parameters, gradients and optimizer state sharded over "

@@ -136,7 +136,7 @@ class PolicyLearner(Learner[StepBatch, PolicyResult], PolicyHolder):
         ratios = [torch.zeros(0)]
         for batch in minibatch:
             current = self.current(batch, grad=False)
-            old = self.strategy.proximal(batch, current, self).detach()
+            old = self.strategy.old_logprobs(batch, current, self).detach()
             ratios.append((current - old)[finite_loss_mask(batch, current, old)])
         self.strategy.begin_update(torch.cat(ratios), self.collective.all_gather)
 

@@ -96,4 +96,6 @@ class StoreStatistics:
                 "snapshot/bytes": stats.snapshot_bytes,
                 "snapshot/max_versions_held": stats.max_versions_held,
             })
-        metrics.update({f"seconds/{k}" if k.endswith("seconds") else k: v for k, v in stats.counters.items()})
+        # a timing counter `<what>_seconds` is the metric `seconds/<what>` (one shape for durations)
+        metrics.update({f"seconds/{k.removesuffix('_seconds')}" if k.endswith("_seconds") else k: v
+                        for k, v in stats.counters.items()})

@@ -33,6 +33,9 @@ from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, Distil
 from trajflow.algorithms.estimators import ESTIMATORS
 from trajflow.engines.factory import ENGINES
 from trajflow.operators.strategies.registry import STRATEGIES
+from trajflow.operators.contracts.stage import ResourceConfig
+from trajflow.operators.trainer.plan import TrainerConfig
+from trajflow.pipelines.config.auto import AUTO, Machine, ModelShape, auto_microbatch_tokens, auto_threads
 from trajflow.pipelines.config.deprecations import migrate_deprecated_keys
 from trajflow.pipelines.config.sections import (
     AdvantageSection,
@@ -115,6 +118,11 @@ class PipelineConfig(_Strict):
                               "(engine: vllm only)")
     partial_rollout: bool = Field(
         False, description="take new weights between decode steps (always on for `interrupt`)")
+    old_logprob_forward: Literal["auto", "always"] = Field(
+        "auto", description="auto: an exact strategy reuses the inference log-probs as old log-probs where its "
+        "forward pass would repeat them in the same numerics (torch engine, float32 inference and training, no "
+        "weight change inside a rollout, no sampling filter, no top-k record, no LoRA, no environment), and the "
+        "run's header says so; always: the forward pass in every case")
     simulate_decode_seconds: float = Field(
         0.0, ge=0.0, description="sleep per decode step: emulate a slower inference engine (staleness studies)")
     sampling: SamplingSection = Field(default_factory=SamplingSection, description="how responses are sampled")
@@ -362,13 +370,29 @@ class PipelineConfig(_Strict):
             raise ValueError("weight_sync.method: collective sends full weights; a lora adapter version is small: "
                              "use object_store")
 
+    def old_is_inference(self, strategy) -> bool:
+        """Whether an exact strategy's old log-probs would be the inference ones recomputed in the
+        same numerics (`old_logprob_forward: auto`): then they are reused, not recomputed. The
+        forward pass stays wherever the two could differ beyond float summation order."""
+        s = self.sampling
+        return (self.old_logprob_forward == "auto" and strategy.old_from_column and not strategy.scores_at_switch
+                and self.engine == "torch" and self.inference_dtype == "float32"
+                and self.optimizer.mixed_precision == "no" and not self.partial_rollout
+                and s.top_k == 0 and s.top_p == 1.0 and self.top_k_logprobs == 0 and self.lora.r == 0
+                and self.env is None)
+
+    def keeps_history(self, strategy) -> bool:
+        """Whether the policy store keeps every version in the staleness window (old log-probs
+        scored after generation, unless they are the inference ones)."""
+        return strategy.keep_history and not self.old_is_inference(strategy)
+
     def reader_dtypes(self, strategy) -> tuple[str, ...]:
         """The dtypes the trainer serves under `collective` (operators/trainer/weight_sync.py): the
         generators' (float32 when they score prefixes), and float32 for an old log-prob scorer."""
         from trajflow.operators.trainer.weight_sync import reader_dtype
 
         dtypes = {reader_dtype(self.inference_dtype, exact=strategy.scores_at_switch)}
-        if strategy.keep_history:
+        if self.keeps_history(strategy):
             dtypes.add("float32")
         return tuple(sorted(dtypes))
 
@@ -377,8 +401,67 @@ class RunSettings:
     from the config when asked (so it can never drift from it). Derived defaults: the loss's
     token-sum-norm budget and DAPO's overlong budget are `sampling.max_new_tokens` unless given."""
 
-    def __init__(self, config: PipelineConfig) -> None:
+    def __init__(self, config: PipelineConfig, machine: Machine | None = None) -> None:
         self._config = config
+        self._machine = machine  # what `auto` chooses for (None: this machine)
+        self._auto: tuple[ModelShape | None, Machine] | None = None
+
+    # -- `auto`: threads per section and micro-batches, from the machine and the model (auto.py)
+    def _model_and_machine(self) -> tuple[ModelShape | None, Machine]:
+        if self._auto is None:
+            self._auto = (ModelShape.of(self._config.model_path), self._machine or Machine.here())
+        return self._auto
+
+    def _threads(self, section: str) -> Any:
+        spec = getattr(self._config, section).spec()
+        if spec.torch_threads != AUTO:
+            return spec
+        model, machine = self._model_and_machine()
+        threads = auto_threads(section, model, machine, synchronous=self._config.max_staleness == 0,
+                               num_gpus=spec.num_gpus, num_cpus=spec.num_cpus)
+        return dataclasses.replace(spec, torch_threads=threads)
+
+    @property
+    def generator(self) -> ResourceConfig:
+        return self._threads("generator")
+
+    @property
+    def scorer(self) -> ResourceConfig:
+        return self._threads("scorer")
+
+    @property
+    def trainer(self) -> TrainerConfig:
+        """The trainer's section, its `auto` threads and micro-batch size resolved."""
+        spec = self._threads("trainer")
+        if spec.max_tokens_per_microbatch != AUTO:
+            return spec
+        c = self._config
+        if spec.num_gpus > 0:  # its device's memory is not known before it starts: one micro-batch
+            return dataclasses.replace(spec, max_tokens_per_microbatch=None)
+        model, machine = self._model_and_machine()
+        rows = -(-c.rows_per_step // (c.optimizer.minibatches_per_step * spec.num_workers))
+        data = self.data
+        positions = model.max_positions if model is not None else 0
+        prompt = (data.max_prompt_tokens if data is not None else None) or positions
+        longest = min(positions, prompt + c.sampling.max_new_tokens) if positions else prompt + c.sampling.max_new_tokens
+        tokens = auto_microbatch_tokens(model, machine, rows * longest)
+        return dataclasses.replace(spec, max_tokens_per_microbatch=tokens)
+
+    def auto_choices(self) -> str:
+        """What `auto` chose, one line for the run's header ("" when nothing is auto)."""
+        c = self._config
+        threads = [f"{name} {getattr(self, name).torch_threads}" for name in ("generator", "scorer", "trainer")
+                   if getattr(c, name).spec().torch_threads == AUTO]
+        chosen = [f"torch threads {', '.join(threads)}"] if threads else []
+        if c.trainer.spec().max_tokens_per_microbatch == AUTO:
+            tokens = self.trainer.max_tokens_per_microbatch
+            chosen.append("the whole update per backward" if tokens is None else f"micro-batches of {tokens} tokens")
+        if not chosen:
+            return ""
+        model, machine = self._model_and_machine()
+        mode = "sync" if c.max_staleness == 0 else "async"
+        size = f"{model.parameters / 1e6:.1f}M parameters" if model is not None else "no config.json shape"
+        return f"auto: {'; '.join(chosen)} ({machine.cpus} CPUs, {machine.memory_bytes / 2**30:.0f} GiB, {size}, {mode})"
 
     def __getattr__(self, name: str) -> Any:  # a section without a derived default: as declared
         section = getattr(self._config, name)

@@ -1,4 +1,4 @@
-"""Train-time proximal ("old") log-probs, hand-computed (the strategies that use them: test_strategies.py)."""
+"""Train-time old log-probs (pi_old), hand-computed (the strategies that use them: test_strategies.py)."""
 
 import math
 

@@ -1,4 +1,5 @@
-"""The train-time proximal ("old") log-probs that are pure functions of the batch's tensors.
+"""The train-time old log-probs (pi_old, decoupled PPO's proximal policy) that are pure functions
+of the batch's tensors.
 
 The objective (objective.py) takes `old_logprobs` as given; each strategy (one file each in
 operators/strategies/) decides what goes there and calls these. Exact strategies and EWMA produce
