@@ -148,13 +148,14 @@ def build_model_dir(directory: Path, shape: Shape) -> tuple[Path, int]:
 
 def pipeline_config(model_dir: Path, shape: Shape, **settings):
     """The run's config: the addition task's prompts, `varied_reward`, no held-out evaluation,
-    every group trained (the reward of a random model is noise), then `settings`."""
+    every group trained (the reward of a random model is noise), the exact strategies' old
+    log-prob forward kept (the check measures it), then `settings`."""
     from trajflow.pipelines.config import PipelineConfig
 
     base = dict(model=model_dir, task="addition", reward=f"{Path(__file__).resolve()}:varied_reward", steps=2,
                 prompts_per_step=shape.prompts_per_step, group_size=shape.group_size, max_staleness=1,
                 inference_dtype="float32", sampling={"max_new_tokens": shape.max_new_tokens, "temperature": 1.0},
-                drop_zero_variance_groups=False, eval_every=0, seed=0)
+                drop_zero_variance_groups=False, eval_every=0, seed=0, old_logprob_forward="always")
     return PipelineConfig(**{**base, **settings})
 
 

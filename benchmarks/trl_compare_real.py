@@ -79,6 +79,7 @@ print("RESULT " + json.dumps({
 
 
 TRL_NAME = "TRL GRPOTrainer (sync, every row)"
+DEFAULTS = "defaults"  # a system's overrides with this key set no thread counts: trajflow chooses them
 
 
 def _systems(all_rows_async: int, threads: int) -> dict[str, tuple[str, dict | None]]:
@@ -86,6 +87,11 @@ def _systems(all_rows_async: int, threads: int) -> dict[str, tuple[str, dict | N
     every_row_async = {"max_staleness": all_rows_async, "drop_zero_variance_groups": False}
     return {
         TRL_NAME: ("trl", None),
+        # what a user's config gets: `auto` threads and micro-batches, `old_logprob_forward: auto`
+        "trajflow sync, every row, defaults": ("sync_default", {"max_staleness": 0, "drop_zero_variance_groups": False,
+                                                               DEFAULTS: True}),
+        f"trajflow async (max_staleness {all_rows_async}), every row, defaults": (
+            "async_default", {**every_row_async, DEFAULTS: True}),
         "trajflow sync, every row": ("sync_all", {"max_staleness": 0, "drop_zero_variance_groups": False}),
         f"trajflow async (max_staleness {all_rows_async}), every row": ("async_all", every_row_async),
         # the trainer is async's bottleneck (a train step at 1 thread takes 1.9x its 2-thread time):
@@ -131,13 +137,16 @@ def run_trajflow(spec: dict, overrides: dict, work: Path, name: str) -> dict:
     from trajflow.pipelines.replay import load_trajectories
 
     run_dir = work / name
-    # sync: one process runs every stage in turn and gets all threads; async: a process per side
+    overrides = dict(overrides)
+    # hand-set threads (unless the system takes the defaults): sync, one process runs every stage
+    # in turn and gets all threads; async, a process per side
     threads = spec["threads"] if overrides.get("max_staleness", 0) == 0 else 1
+    hand_set = {} if overrides.pop(DEFAULTS, False) else {
+        "trainer.torch_threads": threads, "generator.torch_threads": threads, "scorer.torch_threads": threads}
     sets = {"model": spec["model"], "steps": spec["steps"], "prompts_per_step": spec["prompts"],
             "group_size": spec["group"], "sampling.max_new_tokens": spec["max_new_tokens"], "optimizer.lr": spec["lr"],
             "seed": spec["seed"], "inference_dtype": "float32", "eval_every": 0, "report_to": [],
-            "checkpoint_every": 0, "trainer.torch_threads": threads, "generator.torch_threads": threads,
-            "scorer.torch_threads": threads, **overrides}
+            "checkpoint_every": 0, **hand_set, **overrides}
     command = [sys.executable, "-m", "trajflow.jobs.cli", "run", "smollm2", "--run-dir", str(run_dir), "--no-progress"]
     for key, value in sets.items():
         command += ["--set", f"{key}={json.dumps(value) if isinstance(value, bool) else value}"]

@@ -17,7 +17,8 @@ def names(groups):
 
 
 def layout(**config):
-    return names(RLPipeline(PipelineConfig(**config)).process_groups())
+    """Process groups of a config's stages, the exact strategies' old log-prob forward included."""
+    return names(RLPipeline(PipelineConfig(**{"old_logprob_forward": "always", **config})).process_groups())
 
 
 def test_sync_runs_every_stage_in_one_process():

@@ -209,7 +209,8 @@ def test_exact_strategies_on_episodes_spanning_versions(ray_session, publish_ins
     from trajflow.pipelines.rl_loop import RLPipeline
 
     max_staleness = 1
-    config = PipelineConfig(**MULTI, strategy=strategy, max_staleness=max_staleness)
+    config = PipelineConfig(**MULTI, strategy=strategy, max_staleness=max_staleness,
+                            old_logprob_forward="always")  # the operator's forward over environment tokens
     # A publish lands between the turns (snapshot) or inside a turn (interrupt) of every rollout
     # that runs ahead of the trainer.
     pipe = publish_inside_rollouts(RLPipeline(config))

@@ -280,7 +280,8 @@ def test_a_killed_policy_store_is_one_line_naming_resume(ray_session):
 # async: every version kept (a rebuilt store reads its window back); a trainer worker killed at
 # step 2, before the first periodic checkpoint (3), the policy store at 4, the train step at 6
 ASYNC = [{"max_staleness=0": "max_staleness=2", "save_all_versions=false": "save_all_versions=true"}.get(a, a)
-         for a in SYNC] + ["--set", "strategy=snapshot", *SLOW_DECODE]
+         for a in SYNC] + ["--set", "strategy=snapshot", *SLOW_DECODE,
+                           "--set", "old_logprob_forward=always"]  # the snapshots the store rebuild restores
 ASYNC_KILLS = [("trainer_worker", 2), ("store", 4), ("train_step", 6)]
 
 

@@ -120,6 +120,7 @@ def test_a_run_prints_trajflow_lines_only_and_the_workers_lines_go_to_its_log(br
     # stderr: the one stop line (above), not the worker's line on stderr nor its warning
     assert [line for line in proc.stderr.splitlines() if not line.startswith("trajflow: ")] == [], explain(proc)
     own = re.compile(r"^(trajflow: |step +\d+ \( *\d+%\) \| |strategy |stages: |training numerics: |max_staleness |"
+                     r"auto: |old log-probs: |"
                      r"  \S)")  # the description's wrapped lines are indented
     assert re.search(r"^step +2 \(", proc.stdout, re.M), explain(proc)  # the lines of every step that ran
     others = [line for line in proc.stdout.splitlines() if line and not own.match(line)]

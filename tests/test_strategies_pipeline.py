@@ -87,7 +87,8 @@ def test_a_dropout_checkpoint_keeps_old_logprobs_exact(tmp_path):
     model, tokenizer = load_model(WARM_START_DIR), load_tokenizer(WARM_START_DIR)
     model.config.attention_dropout = 0.1
     save_model(model, tokenizer, tmp_path / "dropout")
-    pipe = RLPipeline(PipelineConfig(**SMALL, steps=3, max_staleness=0, model=tmp_path / "dropout"))
+    pipe = RLPipeline(PipelineConfig(**SMALL, steps=3, max_staleness=0, model=tmp_path / "dropout",
+                                     old_logprob_forward="always"))  # the forward under test
     assert "the checkpoint's attention_dropout 0.1 is off" in pipe.describe()
     m = run_in_process(pipe)  # synchronous (S=0): the pipeline's own stages, in this process
     print(f"\ndropout 0.1 checkpoint: max|log r_s| {m['staleness/max_abs_log_ratio'].max():.2e}, "

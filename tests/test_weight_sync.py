@@ -405,7 +405,8 @@ def test_exact_old_logprobs_with_fsdp_and_collective_sync_on_ray_data(ray_sessio
 
     config = PipelineConfig(steps=4, prompts_per_step=4, group_size=4, drop_zero_variance_groups=False, seed=1,
                             strategy=strategy, max_staleness=1, trainer={"sharding": "fsdp", "num_workers": 2},
-                            weight_sync=COLLECTIVE, recovery=NO_RESTARTS)
+                            weight_sync=COLLECTIVE, recovery=NO_RESTARTS,
+                            old_logprob_forward="always")  # the scorers' forward on the collective's weights
     m = publish_inside_rollouts(RLPipeline(config)).run(progress=False)
     print(f"\n{strategy} S=1, fsdp x2, collective: max|log old - log inference| "
           f"{m['mismatch/max_abs_log_rd'].max():.2e}, rows spanning versions {m['rows_spanning_versions'].sum()}, "
