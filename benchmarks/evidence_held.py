@@ -60,6 +60,12 @@ BASE = {
     "eval_prompts": 200,
     "eval_every": 0,  # the study's own evaluations (StudyEvaluation)
     "checkpoint_every": 0,
+    # what smollm2.yaml set when the study began (it now leaves them `auto`, which in the study's
+    # one process at max_staleness 2 would choose other threads): the same float order, the same runs
+    "generator.torch_threads": 2,
+    "scorer.torch_threads": 2,
+    "trainer.torch_threads": 2,
+    "trainer.max_tokens_per_microbatch": 1024,
     "report_to": "[]",
 }
 
