@@ -199,9 +199,11 @@ def render() -> str:
 # the machine the examples of `auto` are computed for (this repository's test machine), and a
 # real model's shape for them: SmolLM2-135M's config.json (jobs/configs/smollm2.yaml)
 EXAMPLE_MACHINE = Machine(cpus=2, memory_bytes=24 * 2**30)
-SMOLLM2_SHAPE = ModelShape.from_config({
-    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-    "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 8192})
+SMOLLM2_CONFIG = {
+    "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
+    "max_position_embeddings": 8192}
+SMOLLM2_SHAPE = ModelShape.from_config(SMOLLM2_CONFIG)
 
 
 def _auto() -> list[str]:

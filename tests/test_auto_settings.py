@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from trajflow.jobs.config import build_job_config, load_job_config
-from trajflow.jobs.config_reference import SMOLLM2_SHAPE
+from trajflow.jobs.config_reference import SMOLLM2_CONFIG, SMOLLM2_SHAPE
 from trajflow.pipelines.config.auto import (
     SMALL_MODEL_PARAMETERS,
     Machine,
@@ -21,9 +21,6 @@ from trajflow.pipelines.config.auto import (
 from trajflow.pipelines.config.pipeline import RunSettings
 
 HERE = Machine(cpus=2, memory_bytes=24 * 2**30)
-SMOLLM2_CONFIG = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                  "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
-                  "max_position_embeddings": 8192}
 
 
 def test_the_model_shape_counts_parameters_as_torch_does():

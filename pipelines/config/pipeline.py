@@ -439,11 +439,11 @@ class RunSettings:
         if spec.num_gpus > 0:  # its device's memory is not known before it starts: one micro-batch
             return dataclasses.replace(spec, max_tokens_per_microbatch=None)
         model, machine = self._model_and_machine()
+        if model is None:  # no shape to size by: the whole update at once, as before `auto`
+            return dataclasses.replace(spec, max_tokens_per_microbatch=None)
         rows = -(-c.rows_per_step // (c.optimizer.minibatches_per_step * spec.num_workers))
-        data = self.data
-        positions = model.max_positions if model is not None else 0
-        prompt = (data.max_prompt_tokens if data is not None else None) or positions
-        longest = min(positions, prompt + c.sampling.max_new_tokens) if positions else prompt + c.sampling.max_new_tokens
+        prompt = (self.data.max_prompt_tokens if self.data is not None else None) or model.max_positions
+        longest = min(model.max_positions, prompt + c.sampling.max_new_tokens)
         tokens = auto_microbatch_tokens(model, machine, rows * longest)
         return dataclasses.replace(spec, max_tokens_per_microbatch=tokens)
 
