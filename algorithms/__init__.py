@@ -65,6 +65,7 @@ _EXPORTS = {
     "EwmaProximal": "trajflow.algorithms.ewma",
     "ewma_beta": "trajflow.algorithms.ewma",
     "ewma_mean_age": "trajflow.algorithms.ewma",
+    "ReferenceKL": "trajflow.algorithms.kl",
     "kl_estimate": "trajflow.algorithms.kl",
     "kl_metrics": "trajflow.algorithms.kl",
     "kl_penalized_rewards": "trajflow.algorithms.kl",
@@ -87,6 +88,7 @@ _EXPORTS = {
     "masked_sum": "trajflow.algorithms.masked",
     "LossOutput": "trajflow.algorithms.objective",
     "LossSum": "trajflow.algorithms.objective",
+    "WholeUpdate": "trajflow.algorithms.objective",
     "aggregation_weights": "trajflow.algorithms.objective",
     "decoupled_loss": "trajflow.algorithms.objective",
     "discrepancy_mask": "trajflow.algorithms.objective",
@@ -117,15 +119,15 @@ if TYPE_CHECKING:
     from .distillation import distillation_advantages, forward_kl_tokens
     from .distributions import distribution_keep, support_kl, support_tv, effective_sample_size, mismatch_kl, staleness_stats
     from .ewma import EwmaProximal, ewma_beta, ewma_mean_age
-    from .kl import kl_estimate, kl_metrics, kl_penalized_rewards
+    from .kl import ReferenceKL, kl_estimate, kl_metrics, kl_penalized_rewards
     from .losses import (
         PolicyTerm, cispo_term, covariance_selection, dppo_term, dppo_trust_region, kl_cov_term,
         ppo_term, sapo_term, token_covariance)
     from .m2po import M2Mask, m2_cutoff, m2po_mask
     from .masked import LOG_RATIO_CLAMP, broadcast_to_tokens, log_ratio, masked_mean, masked_sum
     from .objective import (
-        LossOutput, LossSum, aggregation_weights, decoupled_loss, discrepancy_mask, discrepancy_weights,
-        loss_denominator, off_policy_sequence_mask, prompt_token_counts)
+        LossOutput, LossSum, WholeUpdate, aggregation_weights, decoupled_loss, discrepancy_mask,
+        discrepancy_weights, loss_denominator, off_policy_sequence_mask, prompt_token_counts)
     from .old_logprobs import (
         behavior_logprobs, linear_logprobs, loglinear_alpha, loglinear_logprobs, recompute_logprobs)
     from .schedules import lr_multiplier

@@ -19,8 +19,9 @@ and `algorithm.kl_penalty` for the reward; SkyRL
 `kl_estimator_type` k1, k2, k3 (clamped as low_var), abs.
 
 Where it enters (KLConfig.in_):
-    loss    decoupled_loss(..., reference_logprobs=, kl=) adds beta x the aggregate of KL_t over
-            the counted tokens, with the policy term's weights (TRL beta, veRL use_kl_loss)
+    loss    decoupled_loss(..., reference=ReferenceKL(logprobs, config)) adds beta x the aggregate
+            of KL_t over the counted tokens, with the policy term's weights (TRL beta, veRL
+            use_kl_loss)
     reward  kl_penalized_rewards: r_i - beta x sum_t KL_t over the trajectory's loss tokens, before
             the advantage (veRL use_kl_in_reward: its token-level penalty summed by the outcome
             estimators). The KL is then a constant of the loss (no gradient path).
@@ -29,13 +30,25 @@ The metric either way: kl_metrics -> {"kl/mean": mean of KL_t over loss tokens}.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from trajflow.settings import check_number
 
-from .config import KL_ESTIMATORS, KLEstimator
+from .config import KL_ESTIMATORS, KLConfig, KLEstimator
 from .masked import log_ratio, masked_mean, masked_sum
+
+
+@dataclass(frozen=True)
+class ReferenceKL:
+    """The KL term of the loss, one argument of decoupled_loss (`reference=`): pi_ref's log-probs
+    of the sampled tokens [B, T] and the KLConfig that weighs them (beta, estimator; its `in_`
+    must be "loss": a KL in the reward is kl_penalized_rewards')."""
+
+    logprobs: Tensor
+    config: KLConfig = KLConfig()
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:

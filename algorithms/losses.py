@@ -185,7 +185,7 @@ def covariance_selection(current: Tensor, advantages: Tensor, mask: Tensor, conf
     kl_cov:   the k largest covariances among `mask` tokens (torch.topk).
 
     A statistic of the whole batch: when rows are trained in shards, compute it once on the
-    whole update and hand each shard its rows (decoupled_loss(cov_selected=...))."""
+    whole update and hand each shard its rows (decoupled_loss(whole=WholeUpdate(cov_selected=...)))."""
     n = int(mask.sum())
     selected = torch.zeros_like(mask)
     if n == 0:

@@ -31,8 +31,9 @@ strategy supplies as pi_old, see old_logprobs.py):
        clip_cov, kl_cov). r_s is per token, or at clip_level "sequence" (GSPO-token) the value
        exp(mean_t log r_s) shared by the sequence's tokens with a per-token gradient:
        s_i · exp(log pi_t - sg(log pi_t)); clip_level "none" removes the loss's bound on r_s
-  KL   optional, given reference log-probs: per-token estimator of KL(pi_theta || pi_ref)
-       (algorithms/kl.py), `kl.beta` x its aggregate added (KLConfig.in_ = "loss")
+  KL   optional, given the reference (`reference=ReferenceKL(logprobs, kl)`): per-token estimator
+       of KL(pi_theta || pi_ref) (algorithms/kl.py), `kl.beta` x its aggregate added
+       (KLConfig.in_ = "loss")
   H    optional, given per-token entropies: `entropy_coef` x their aggregate subtracted
   agg  over the counted tokens with the aggregation's weights (one set of weights for all terms):
          counted     `denominator` kept: tokens kept by M_d;  all: every loss token (an M_d-dropped
@@ -51,10 +52,11 @@ division) together with the aggregation's count (`LossOutput.count`, loss_denomi
 divided once (`LossSum`: loss = loss_sum / max(count, 1)). Every count is a sum over rows, so the
 shards of a batch (data-parallel workers, micro-batches) add their (loss_sum, count) pairs and
 divide at the end — the train step does exactly that, gradients included — or are each given
-the global count (`denominator=`): either way they give the whole batch's loss and gradient. Two
-statistics are not per row: prompt-mean's per-prompt counts (`group_counts`, prompt_token_counts)
-and Clip-Cov / KL-Cov's selection (`cov_selected`, losses.covariance_selection); compute them on
-the whole update (e.g. decoupled_loss on it without gradient) and hand each shard its rows.
+the global count (`whole=WholeUpdate(denominator=...)`): either way they give the whole batch's
+loss and gradient. Two statistics are not per row: prompt-mean's per-prompt counts
+(`WholeUpdate.group_counts`, prompt_token_counts) and Clip-Cov / KL-Cov's selection
+(`WholeUpdate.cov_selected`, losses.covariance_selection); compute them on the whole update (e.g.
+decoupled_loss on it without gradient) and hand each shard its rows.
 
 Gradient flows only through `current_logprobs` (and `entropy`, when given). Masked tokens
 (loss_mask false, dropped by M_d, outside a policy-side mask) contribute exactly zero gradient to
@@ -67,14 +69,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from trajflow.deprecations import notice
 from trajflow.settings import check_number
 
-from .config import AGGREGATIONS, CLIP_LEVELS, LOSSES, MASK_LEVELS, CorrectionConfig, KLConfig
-from .kl import kl_estimate
+from .config import AGGREGATIONS, CLIP_LEVELS, LOSSES, MASK_LEVELS, CorrectionConfig
+from .kl import ReferenceKL, kl_estimate
 from .losses import (
     PolicyTerm,
     cispo_term,
@@ -89,8 +93,34 @@ from .masked import LOG_RATIO_CLAMP, broadcast_to_tokens, log_ratio, masked_mean
 from .rejection import rejection_mask
 
 __all__ = ["AGGREGATIONS", "CLIP_LEVELS", "LOG_RATIO_CLAMP", "LOSSES", "MASK_LEVELS", "CorrectionConfig",
-           "LossOutput", "LossSum", "aggregation_weights", "decoupled_loss", "discrepancy_mask", "discrepancy_weights",
-           "loss_denominator", "off_policy_sequence_mask", "prompt_token_counts"]
+           "LossOutput", "LossSum", "ReferenceKL", "WholeUpdate", "aggregation_weights", "decoupled_loss",
+           "discrepancy_mask", "discrepancy_weights", "loss_denominator", "off_policy_sequence_mask",
+           "prompt_token_counts"]
+
+
+@dataclass(frozen=True)
+class WholeUpdate:
+    """Statistics of the whole update when the rows given to decoupled_loss are a shard of it (a
+    data-parallel worker's, a micro-batch), each at these rows: so the shards' losses add up to the
+    whole update's (module docstring, Normalisation). A field left None is counted on these rows.
+
+    denominator   the aggregation's count over the whole update (loss_denominator summed over the
+                  shards). The train step instead adds the shards' `loss_sum` and `count` and
+                  divides once (LossSum).
+    groups        [B] integers: the prompt of each row (prompt-mean)
+    group_counts  [B]: each row's prompt count over the whole update (prompt_token_counts;
+                  default: on these rows, from `groups`)
+    cov_selected  [B, T] bool: Clip-Cov / KL-Cov's selection over the whole update (default:
+                  covariance_selection on these rows)
+    """
+
+    denominator: float | Tensor | None = None
+    groups: Tensor | None = None
+    group_counts: Tensor | None = None
+    cov_selected: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_number("WholeUpdate", denominator=self.denominator)
 
 
 @dataclass(frozen=True)
@@ -127,7 +157,7 @@ class LossOutput:
                       entropy) only
     loss_sum          scalar, the loss in sum form (before the division; with gradient)
     count             scalar, what the aggregation divides by: loss_denominator on this batch,
-                      or the `denominator` given
+                      or the WholeUpdate.denominator given
     loss_mask         [B, T] bool, as given
     discrepancy_mask  [B, T] bool, loss tokens kept by the r_d mask (M_d & loss_mask)
     counted           [B, T] bool, the tokens the aggregation counts: discrepancy_mask
@@ -307,6 +337,56 @@ def _check_mask(name: str, t: Tensor | None, like: Tensor) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, loss_mask has {tuple(like.shape)}")
 
 
+# decoupled_loss's arguments before ReferenceKL and WholeUpdate grouped them: each still works for
+# one release, with a notice (trajflow/deprecations.py); old name -> (argument, field) of the new form
+_RENAMED: dict[str, tuple[str, str]] = {
+    "reference_logprobs": ("reference", "logprobs"), "kl": ("reference", "config"),
+    "denominator": ("whole", "denominator"), "groups": ("whole", "groups"),
+    "group_counts": ("whole", "group_counts"), "cov_selected": ("whole", "cov_selected"),
+}
+_GROUPS = {"reference": ReferenceKL, "whole": WholeUpdate}
+# the old form's arguments after `config` by position -> what replaces them
+_BY_POSITION = {"trust_mask": "trust_mask=...", "denominator": "whole=WholeUpdate(denominator=...)"}
+
+
+def _regrouped(legacy: tuple[Any, ...], renamed: dict[str, Any], trust_mask: Tensor | None,
+               reference: ReferenceKL | None,
+               whole: WholeUpdate | None) -> tuple[Tensor | None, ReferenceKL | None, WholeUpdate | None]:
+    """decoupled_loss's old form in the new one: `trust_mask` and `denominator` by position after
+    `config`, the keywords of _RENAMED; one notice each. A TypeError, as for any call that does not
+    bind: an unknown keyword, an argument given twice, an old name next to the group replacing it."""
+    if len(legacy) > len(_BY_POSITION):
+        raise TypeError(f"decoupled_loss() takes from 5 to 8 positional arguments but {6 + len(legacy)} were given")
+    unknown = [name for name in renamed if name not in _RENAMED]
+    if unknown:
+        raise TypeError(f"decoupled_loss() got an unexpected keyword argument {unknown[0]!r}")
+    by_position = dict(zip(_BY_POSITION, legacy))
+    twice = [name for name in by_position if name in renamed or (name == "trust_mask" and trust_mask is not None)]
+    if twice:
+        raise TypeError(f"decoupled_loss() got multiple values for argument {twice[0]!r}")
+    moved = {**by_position, **renamed}
+    trust_mask = moved.pop("trust_mask", trust_mask)
+    given = {"reference": reference, "whole": whole}
+    mixed = [old for old in moved if given[_RENAMED[old][0]] is not None]
+    if mixed:
+        group = _RENAMED[mixed[0]][0]
+        raise TypeError(f"decoupled_loss(): {mixed[0]} is part of {group}= ({_GROUPS[group].__name__}): "
+                        "give one or the other")
+    for name in by_position:
+        notice(f"decoupled_loss(): {name} by position", _BY_POSITION[name], stacklevel=4)
+    fields: dict[str, dict[str, Any]] = {"reference": {}, "whole": {}}
+    for old, value in moved.items():
+        group, field = _RENAMED[old]
+        if old in renamed:
+            notice(f"decoupled_loss({old}=...)", f"{group}={_GROUPS[group].__name__}({field}=...)", stacklevel=4)
+        fields[group][field] = value
+    if fields["reference"].get("logprobs") is not None:  # `kl` without reference log-probs adds nothing, as before
+        reference = ReferenceKL(**fields["reference"])
+    if fields["whole"]:
+        whole = WholeUpdate(**fields["whole"])
+    return trust_mask, reference, whole
+
+
 def decoupled_loss(
     current_logprobs: Tensor,
     old_logprobs: Tensor,
@@ -314,56 +394,55 @@ def decoupled_loss(
     advantages: Tensor,
     loss_mask: Tensor,
     config: CorrectionConfig = CorrectionConfig(),
+    *legacy: Any,
     trust_mask: Tensor | None = None,
-    denominator: float | Tensor | None = None,
-    *,
-    reference_logprobs: Tensor | None = None,
-    kl: KLConfig = KLConfig(),
     entropy: Tensor | None = None,
-    groups: Tensor | None = None,
-    group_counts: Tensor | None = None,
-    cov_selected: Tensor | None = None,
+    reference: ReferenceKL | None = None,
+    whole: WholeUpdate | None = None,
     distribution_keep: Tensor | None = None,
+    **renamed: Any,
 ) -> LossOutput:
-    """The decoupled objective of the module docstring.
+    """The decoupled objective of the module docstring, one pure function (AReaL's ppo_actor_loss_fn).
 
     current_logprobs [B, T] (with grad), old_logprobs / inference_logprobs [B, T] (treated as
-    constants), advantages [B] or [B, T], loss_mask [B, T] bool, trust_mask [B, T] bool or None
-    (None: every token may carry gradient). `denominator`: the aggregation's count over the
-    whole batch when these rows are a shard of it (loss_denominator summed over the shards);
-    None: this batch's own count. (The train step instead adds the shards' `loss_sum` and
-    `count` and divides once: LossSum.)
+    constants), advantages [B] or [B, T], loss_mask [B, T] bool. trust_mask [B, T] bool or None
+    (None: every token may carry gradient). entropy [B, T]: per-token entropy of pi_theta (with
+    grad), required when config.entropy_coef > 0. reference: pi_ref's log-probs [B, T] and the
+    KLConfig (ReferenceKL); adds beta x the aggregate of its estimator (its in_ must be "loss").
+    whole: the whole update's statistics when these rows are a shard of it (WholeUpdate; None:
+    these rows are the update). distribution_keep [B, T] bool: tokens the distribution-level mask
+    keeps, part of M_d.
 
-    reference_logprobs [B, T]: pi_ref of the sampled tokens; adds kl.beta x the aggregated
-    estimator `kl.estimator` (kl.in_ must be "loss"). entropy [B, T]: per-token entropy of
-    pi_theta (with grad), required when config.entropy_coef > 0. groups [B] integers: prompt of
-    each row (prompt-mean); group_counts [B]: each row's prompt count over the whole batch
-    (default: prompt_token_counts on these rows). cov_selected [B, T] bool: Clip-Cov / KL-Cov's
-    selection over the whole batch (default: covariance_selection on these rows).
-    distribution_keep [B, T] bool: tokens the distribution-level mask keeps, part of M_d.
+    `legacy` and `renamed`: the old form, for one release with a notice each (TrajflowDeprecation):
+    trust_mask and denominator by position after `config`; the keywords reference_logprobs and kl
+    (now `reference`), denominator, groups, group_counts and cov_selected (now `whole`).
 
     Every loss token must have finite log-probs: a token the sampling filter excludes under
     training numerics (-inf) is taken out of `loss_mask` by the caller and counted there.
     """
-    check_number("decoupled_loss", denominator=denominator)
+    if legacy or renamed:
+        trust_mask, reference, whole = _regrouped(legacy, renamed, trust_mask, reference, whole)
+    whole = WholeUpdate() if whole is None else whole
+    group_counts = whole.group_counts
     if loss_mask.dtype != torch.bool:
         raise TypeError(f"loss_mask must be bool, got {loss_mask.dtype}")
     named = [("current_logprobs", current_logprobs), ("old_logprobs", old_logprobs),
-             ("inference_logprobs", inference_logprobs), ("reference_logprobs", reference_logprobs),
-             ("entropy", entropy)]
+             ("inference_logprobs", inference_logprobs),
+             ("reference.logprobs", None if reference is None else reference.logprobs), ("entropy", entropy)]
     for name, t in named:
         if t is not None and t.shape != loss_mask.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, loss_mask has {tuple(loss_mask.shape)}")
     _check_mask("trust_mask", trust_mask, loss_mask)
-    _check_mask("cov_selected", cov_selected, loss_mask)
+    _check_mask("cov_selected", whole.cov_selected, loss_mask)
     _check_mask("distribution_keep", distribution_keep, loss_mask)
     if config.entropy_coef > 0 and entropy is None:
         raise ValueError("CorrectionConfig.entropy_coef > 0 needs the per-token `entropy`")
-    if reference_logprobs is not None and kl.in_ != "loss":
-        raise ValueError("reference_logprobs given to the loss, but KLConfig.in_ is 'reward' "
+    if reference is not None and reference.config.in_ != "loss":
+        raise ValueError("a reference given to the loss, but KLConfig.in_ is 'reward' "
                          "(the KL is in the reward: kl_penalized_rewards)")
-    if config.aggregation == "prompt-mean" and groups is None and group_counts is None:
-        raise ValueError("CorrectionConfig.aggregation prompt-mean needs `groups` (the prompt of each row)")
+    if config.aggregation == "prompt-mean" and whole.groups is None and group_counts is None:
+        raise ValueError("CorrectionConfig.aggregation prompt-mean needs `groups` (the prompt of each row: "
+                         "whole=WholeUpdate(groups=...))")
     m = loss_mask
     zero = torch.zeros((), dtype=current_logprobs.dtype, device=current_logprobs.device)
 
@@ -400,22 +479,22 @@ def decoupled_loss(
     else:
         dropped = torch.zeros_like(m)
     policy = trusted & ~dropped
-    term, selected = _policy_term(config, log_rs, cur, old, adv, m, policy, cov_selected)
+    term, selected = _policy_term(config, log_rs, cur, old, adv, m, policy, whole.cov_selected)
     if config.loss == "clip_cov":
         policy = policy & ~selected
 
     counted = keep if config.denominator == "kept" else m.clone()
     if config.aggregation == "prompt-mean" and group_counts is None:
-        group_counts = prompt_token_counts(counted, groups)
+        group_counts = prompt_token_counts(counted, whole.groups)
     # The loss in sum form and its count, divided once (LossSum): shards add both, then divide.
     weights = aggregation_weights(counted, config, group_counts)
-    count = loss_denominator(counted, config, group_counts) if denominator is None else denominator
+    count = loss_denominator(counted, config, group_counts) if whole.denominator is None else whole.denominator
     per_token = torch.where(policy, -w_d * term.value, zero)
     loss_sum = (per_token * weights).sum()
-    if reference_logprobs is not None:
-        ref = torch.where(m, reference_logprobs.detach().to(cur.dtype), zero)
-        kl_tokens = torch.where(m, kl_estimate(cur, ref, kl.estimator), zero)
-        loss_sum = loss_sum + kl.beta * (kl_tokens * weights).sum()
+    if reference is not None:
+        ref = torch.where(m, reference.logprobs.detach().to(cur.dtype), zero)
+        kl_tokens = torch.where(m, kl_estimate(cur, ref, reference.config.estimator), zero)
+        loss_sum = loss_sum + reference.config.beta * (kl_tokens * weights).sum()
     else:
         kl_tokens = torch.zeros_like(cur)
     if config.entropy_coef > 0:

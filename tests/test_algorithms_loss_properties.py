@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajflow.algorithms import (AGGREGATIONS, LOSSES, CorrectionConfig, KLConfig, correction_diagnostics,
-                                 decoupled_loss, loss_denominator, prompt_token_counts)
+from trajflow.algorithms import (AGGREGATIONS, LOSSES, CorrectionConfig, KLConfig, ReferenceKL, WholeUpdate,
+                                 correction_diagnostics, decoupled_loss, loss_denominator, prompt_token_counts)
 
 DENOMINATORS = ("kept", "all")
 
@@ -77,8 +77,11 @@ def test_shards_with_the_global_counts_add_up_to_the_whole_batch(batch, policy, 
     cur, old, inf, ref, adv, mask, groups = batch
     cfg = CorrectionConfig(**policy, **discrepancy, aggregation=aggregation, loss_norm_tokens=4,
                            entropy_coef=0.01 if extra else 0.0)
-    terms = dict(reference_logprobs=ref, kl=KLConfig(beta=0.1), entropy=-cur) if extra else {}
-    whole, whole_grad = loss_and_grad(cur, old, inf, adv, mask, cfg, groups=groups, **terms)
+
+    def terms(rows: torch.Tensor | slice = slice(None)) -> dict:
+        return dict(reference=ReferenceKL(ref[rows], KLConfig(beta=0.1)), entropy=-cur[rows]) if extra else {}
+
+    whole, whole_grad = loss_and_grad(cur, old, inf, adv, mask, cfg, whole=WholeUpdate(groups=groups), **terms())
     counts = prompt_token_counts(whole.counted, groups) if aggregation == "prompt-mean" else None
     total = loss_denominator(whole.counted, cfg, counts)
 
@@ -87,10 +90,11 @@ def test_shards_with_the_global_counts_add_up_to_the_whole_batch(batch, policy, 
     shards = [s for s in torch.tensor_split(order, [c for c in cuts if c < len(cur)]) if len(s)]
     loss_sum, grad, count = 0.0, torch.zeros_like(cur), 0.0
     for rows in shards:
-        shard_terms = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in terms.items()}
-        out, g = loss_and_grad(cur[rows], old[rows], inf[rows], adv[rows], mask[rows], cfg, denominator=total,
-                               groups=groups[rows], group_counts=None if counts is None else counts[rows],
-                               cov_selected=whole.cov_selected[rows], **shard_terms)
+        shard_whole = WholeUpdate(denominator=total, groups=groups[rows],
+                                  group_counts=None if counts is None else counts[rows],
+                                  cov_selected=whole.cov_selected[rows])
+        out, g = loss_and_grad(cur[rows], old[rows], inf[rows], adv[rows], mask[rows], cfg, whole=shard_whole,
+                               **terms(rows))
         loss_sum += float(out.loss.detach())
         grad[rows] += g
         count += float(loss_denominator(out.counted, cfg, None if counts is None else counts[rows]))
@@ -108,8 +112,8 @@ def test_discrepancy_settings_are_inert_when_old_equals_inference(batch, policy,
     cur, old, _, _, adv, mask, groups = batch
     base = CorrectionConfig(**policy, mask_level="none", aggregation=aggregation)
     varied = CorrectionConfig(**policy, **discrepancy, aggregation=aggregation)
-    plain, plain_grad = loss_and_grad(cur, old, old, adv, mask, base, groups=groups)
-    out, grad = loss_and_grad(cur, old, old, adv, mask, varied, groups=groups)
+    plain, plain_grad = loss_and_grad(cur, old, old, adv, mask, base, whole=WholeUpdate(groups=groups))
+    out, grad = loss_and_grad(cur, old, old, adv, mask, varied, whole=WholeUpdate(groups=groups))
     assert torch.equal(out.loss, plain.loss) and torch.equal(grad, plain_grad)
     assert torch.equal(out.discrepancy_mask, mask) and torch.equal(out.counted, mask)
 
@@ -127,7 +131,7 @@ def test_extreme_logprobs_give_finite_values_and_exact_zero_gradient_off_active(
     for x in (cur, old, inf, ref, *([adv] if adv.dim() == 2 else [])):
         x[~mask] = garbage  # what padding holds
     cfg = CorrectionConfig(**policy, **discrepancy, aggregation=aggregation)
-    out, grad = loss_and_grad(cur, old, inf, adv, mask, cfg, groups=groups)
+    out, grad = loss_and_grad(cur, old, inf, adv, mask, cfg, whole=WholeUpdate(groups=groups))
     assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
     # exactly zero, not merely small: padding, discrepancy-masked, clipped, outside a trust region
     assert (grad[~mask] == 0.0).all() and (grad[~out.discrepancy_mask] == 0.0).all()
@@ -142,8 +146,9 @@ def test_extreme_logprobs_give_finite_values_and_exact_zero_gradient_off_active(
     assert diag["mismatch/k3"] >= 0.0
     # the KL and entropy terms at the same extremes
     with_terms = CorrectionConfig(**policy, **discrepancy, aggregation=aggregation, entropy_coef=0.1)
-    out, grad = loss_and_grad(cur, old, inf, adv, mask, with_terms, groups=groups, reference_logprobs=ref,
-                              kl=KLConfig(beta=1.0, estimator="k3"), entropy=torch.where(mask, -cur, garbage))
+    out, grad = loss_and_grad(cur, old, inf, adv, mask, with_terms, whole=WholeUpdate(groups=groups),
+                              reference=ReferenceKL(ref, KLConfig(beta=1.0, estimator="k3")),
+                              entropy=torch.where(mask, -cur, garbage))
     assert torch.isfinite(out.loss) and torch.isfinite(grad).all() and torch.isfinite(out.kl).all()
     assert (grad[~out.counted] == 0.0).all()
     assert np.isfinite(correction_diagnostics(out, reference=True)["kl/mean"])

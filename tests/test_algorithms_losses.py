@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajflow.algorithms import (CorrectionConfig, KLConfig, correction_diagnostics, covariance_selection,
-                                 decoupled_loss, loss_denominator, prompt_token_counts)
+from trajflow.algorithms import (CorrectionConfig, KLConfig, ReferenceKL, WholeUpdate, correction_diagnostics,
+                                 covariance_selection, decoupled_loss, loss_denominator, prompt_token_counts)
 
 ln = math.log
 
@@ -138,7 +138,8 @@ def test_prompt_mean_is_skyrls_mean_over_prompts_of_their_token_mean():
     adv = [[4.0, 0.0, 0.0], [1.0, 2.0, 3.0], [5.0, 7.0, 0.0]]
     zeros = [[0.0] * 3] * 3
     groups = torch.tensor([0, 0, 1])
-    out, grad = run(zeros, zeros, zeros, adv, mask, aggregation="prompt-mean", kwargs=dict(groups=groups))
+    out, grad = run(zeros, zeros, zeros, adv, mask, aggregation="prompt-mean",
+                    kwargs=dict(whole=WholeUpdate(groups=groups)))
     assert close(out.loss, -(10 / 4 + 6) / 2)
     # -A / (prompts x its prompt's tokens)
     assert close(grad, [[-4 / 8, 0, 0], [-1 / 8, -2 / 8, -3 / 8], [-5 / 4, -7 / 4, 0]])
@@ -295,13 +296,14 @@ def test_off_policy_sequence_mask_drops_only_drifted_negative_sequences():
 def test_kl_term_in_the_loss_by_hand():
     # x = log pi - log pi_ref = [0.5, -1]: k3 = e^-x - 1 + x = [0.10653, 0.71828]; A = 0: only the KL
     cur, ref = [[-1.0, -2.0]], t([[-1.5, -1.0]])
-    out, grad = run(cur, cur, cur, [0.0], mask_level="none", kwargs=dict(reference_logprobs=ref, kl=KLConfig(beta=0.1)))
+    out, grad = run(cur, cur, cur, [0.0], mask_level="none",
+                    kwargs=dict(reference=ReferenceKL(ref, KLConfig(beta=0.1))))
     k3 = [math.exp(-0.5) - 1 + 0.5, math.exp(1.0) - 1 - 1]
     assert close(out.kl, [k3]) and close(out.loss, 0.1 * sum(k3) / 2)
     assert close(grad, [[0.05 * (1 - math.exp(-0.5)), 0.05 * (1 - math.exp(1.0))]])
     assert correction_diagnostics(out, reference=True)["kl/mean"] == pytest.approx(sum(k3) / 2, rel=1e-5)
     with pytest.raises(ValueError, match="in the reward"):
-        run(cur, cur, cur, [0.0], kwargs=dict(reference_logprobs=ref, kl=KLConfig(beta=0.1, in_="reward")))
+        run(cur, cur, cur, [0.0], kwargs=dict(reference=ReferenceKL(ref, KLConfig(beta=0.1, in_="reward"))))
 
 
 def test_entropy_term_by_hand():
@@ -489,10 +491,10 @@ def test_every_loss_matches_the_float64_reference(batch, with_kl):
     cur, old, inf, ref, adv, mask, groups, selected, fields = batch
     cfg = CorrectionConfig(**fields)
     entropy = -cur  # any per-token values
-    kwargs = dict(groups=torch.from_numpy(groups), cov_selected=torch.from_numpy(selected),
+    kwargs = dict(whole=WholeUpdate(groups=torch.from_numpy(groups), cov_selected=torch.from_numpy(selected)),
                   entropy=torch.from_numpy(entropy) if cfg.entropy_coef else None)
     if with_kl:
-        kwargs.update(reference_logprobs=torch.from_numpy(ref), kl=KLConfig(beta=0.2))
+        kwargs.update(reference=ReferenceKL(torch.from_numpy(ref), KLConfig(beta=0.2)))
     out = decoupled_loss(*(torch.from_numpy(x) for x in (cur, old, inf, adv, mask)), cfg, **kwargs)
     expected = reference_loss(cur, old, inf, adv, mask, cfg, groups, selected, ref if with_kl else None, 0.2,
                               entropy if cfg.entropy_coef else None)
@@ -511,7 +513,7 @@ def test_covariance_selection_is_a_whole_batch_statistic(loss):
     assert int(whole.cov_selected.sum()) == 1
     total = loss_denominator(whole.counted, CorrectionConfig(**cfg))
     shard = lambda r, sel: run([cur[r]], [old[r]], [old[r]], [COV_ADV[r]], **cfg,
-                               kwargs=dict(denominator=total, cov_selected=sel))[0].loss.item()
+                               kwargs=dict(whole=WholeUpdate(denominator=total, cov_selected=sel)))[0].loss.item()
     given = sum(shard(r, whole.cov_selected[r: r + 1]) for r in (0, 1))
     alone = sum(shard(r, None) for r in (0, 1))
     assert given == pytest.approx(whole.loss.item(), abs=1e-6)

@@ -1,11 +1,14 @@
 """Hand-computed values for the decoupled objective: a few tokens, written out."""
 
+import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
 
-from trajflow.algorithms import CorrectionConfig, decoupled_loss
+from trajflow.algorithms import CorrectionConfig, KLConfig, ReferenceKL, WholeUpdate, decoupled_loss
+from trajflow.deprecations import TrajflowDeprecation
 
 ln = math.log
 
@@ -269,3 +272,51 @@ def test_shape_errors_name_the_argument():
         decoupled_loss(x, torch.zeros(2, 4), x, torch.zeros(2), torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match="loss_mask"):
         decoupled_loss(x, x, x, torch.zeros(2), torch.ones(2, 3))
+
+
+def test_the_old_arguments_give_the_same_loss_with_one_notice_each():
+    """reference_logprobs/kl and denominator/groups/group_counts/cov_selected as keywords, trust_mask
+    and denominator by position: the numbers of ReferenceKL and WholeUpdate, bit for bit, for one
+    release (a TrajflowDeprecation per old name)."""
+    torch.manual_seed(0)
+    cur, old, inf, ref = (torch.randn(4, 5) * 0.3 for _ in range(4))
+    adv, mask = torch.randn(4), torch.rand(4, 5) > 0.2
+    trust, selected = torch.rand(4, 5) > 0.3, torch.rand(4, 5) > 0.7
+    groups, counts, kl = torch.tensor([0, 0, 1, 1]), torch.tensor([9.0, 9.0, 6.0, 6.0]), KLConfig(beta=0.1)
+    config = CorrectionConfig(loss="clip_cov", mask_level="token", aggregation="prompt-mean", entropy_coef=0.01)
+
+    def loss(*args, **kwargs):
+        current = cur.clone().requires_grad_(True)
+        out = decoupled_loss(current, old, inf, adv, mask, config, *args, entropy=-cur, **kwargs)
+        out.loss.backward()
+        return out, current.grad
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new form: no notice
+        whole = WholeUpdate(denominator=7.0, groups=groups, group_counts=counts, cov_selected=selected)
+        new, new_grad = loss(trust_mask=trust, reference=ReferenceKL(ref, kl), whole=whole)
+    renamed = dict(reference_logprobs=ref, kl=kl, groups=groups, group_counts=counts, cov_selected=selected)
+    for args, kwargs, by_position in [((), dict(trust_mask=trust, denominator=7.0, **renamed), []),
+                                      ((trust, 7.0), renamed, ["trust_mask", "denominator"])]:
+        with pytest.warns(TrajflowDeprecation) as caught:
+            out, grad = loss(*args, **kwargs)
+        expected = [f"decoupled_loss(): {name} by position" for name in by_position]
+        expected += [f"decoupled_loss({name}=...)" for name in kwargs if name != "trust_mask"]
+        assert [str(w.message).split(": use ")[0] for w in caught] == expected
+        assert all(w.filename == __file__ for w in caught)  # the notice points at the caller
+        for field in dataclasses.fields(new):
+            assert torch.equal(getattr(out, field.name), getattr(new, field.name)), field.name
+        assert torch.equal(grad, new_grad)
+    # every group reached the loss: the count, the selection, the KL and the trust mask given
+    assert new.count.item() == 7.0 and new.cov_selected.any() and not (new.cov_selected & ~selected).any()
+    assert new.kl.any() and new.trust_masked.any()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'denominatr'"):
+        loss(denominatr=7.0)
+    with pytest.raises(TypeError, match=r"denominator is part of whole= \(WholeUpdate\)"):
+        loss(denominator=7.0, whole=WholeUpdate(groups=groups))
+    with pytest.raises(TypeError, match=r"kl is part of reference= \(ReferenceKL\)"):
+        loss(kl=kl, reference=ReferenceKL(ref, kl))
+    with pytest.raises(TypeError, match="multiple values for argument 'trust_mask'"):
+        loss(trust, trust_mask=trust)
+    with pytest.raises(TypeError, match="from 5 to 8 positional arguments but 9 were given"):
+        loss(trust, 7.0, None)

@@ -84,9 +84,6 @@ ARGS: dict[str, Callable[[], dict[str, Any]]] = {
     "trajflow.algorithms.masked.masked_sum": lambda: dict(x=_lp(), mask=_mask()),
     "trajflow.algorithms.masked.masked_count": lambda: dict(mask=_mask()),
     "trajflow.algorithms.masked.masked_mean": lambda: dict(x=_lp(), mask=_mask()),
-    "trajflow.algorithms.objective.decoupled_loss": lambda: dict(
-        current_logprobs=_lp(), old_logprobs=_lp(), inference_logprobs=_lp(), advantages=torch.ones(2),
-        loss_mask=_mask()),
     "trajflow.algorithms.objective.off_policy_sequence_mask": lambda: dict(
         log_rd=torch.zeros(2, 3), log_rs=torch.zeros(2, 3), advantages=-torch.ones(2, 3), loss_mask=_mask(),
         delta=1e-4),
@@ -162,7 +159,7 @@ def test_the_walk_finds_the_public_api_and_the_table_is_current():
     """The walk reaches what the old hand list named (and the settings and YAML models); every
     entry of ARGS is a walked callable its arguments bind to."""
     cases = {(case.values[0], case.values[1]) for case in _cases()}
-    assert {("trajflow.algorithms.objective.decoupled_loss", "denominator"),
+    assert {("trajflow.algorithms.objective.WholeUpdate", "denominator"),
             ("trajflow.algorithms.config.CorrectionConfig.paper", "c_ti"),
             ("trajflow.algorithms.ewma.EwmaProximal", "reset_threshold"),
             ("trajflow.algorithms.old_logprobs.loglinear_logprobs", "alpha"),

@@ -25,7 +25,7 @@ import ray
 import torch
 from support import SYNC, max_abs_difference, run_with_final_weights, step_rows
 
-from trajflow.algorithms.objective import CorrectionConfig, decoupled_loss, loss_denominator
+from trajflow.algorithms.objective import CorrectionConfig, WholeUpdate, decoupled_loss, loss_denominator
 from trajflow.engines.training_numerics import TrainingNumerics, choose_device
 from trajflow.operators.trainer.collective import choose_backend
 from trajflow.operators.trainer.plan import padded_tokens, plan_shards
@@ -67,7 +67,7 @@ def test_loss_over_two_shards_with_the_global_denominator_equals_the_whole_batch
     losses = []
     for rows in shards:
         out = decoupled_loss(shard_current[rows], logp[rows], logp[rows], advantages[rows], loss_mask[rows], config,
-                             denominator=total)
+                             whole=WholeUpdate(denominator=total))
         out.loss.backward()  # gradients accumulate, as over micro-batches or summed over workers
         losses.append(float(out.loss.detach()))
     assert sum(losses) == pytest.approx(expected, abs=1e-7)

@@ -30,7 +30,7 @@ import torch
 from support import scored_step
 from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, RejectionRule
 from trajflow.algorithms.discounted import discounted_returns, masked_whiten, reinforce_plus_plus_discounted
-from trajflow.algorithms.kl import kl_estimate
+from trajflow.algorithms.kl import ReferenceKL, kl_estimate
 from trajflow.algorithms.objective import decoupled_loss
 from trajflow.algorithms.rejection import rejection_mask, rejection_metrics
 
@@ -203,7 +203,7 @@ def test_straight_through_in_the_loss():
     def loss(estimator):
         current = cur.clone().requires_grad_(True)
         out = decoupled_loss(current, cur, cur, torch.tensor([1.0, -1.0, 0.5]), mask, CorrectionConfig(),
-                             reference_logprobs=ref, kl=KLConfig(beta=0.5, estimator=estimator))
+                             reference=ReferenceKL(ref, KLConfig(beta=0.5, estimator=estimator)))
         out.loss.backward()
         return out.loss.item(), current.grad
 

@@ -10,7 +10,8 @@ and `trajflow --help` import neither torch nor Ray):
     metrics = run_in_process(pipe)            # the same operators in this process, synchronously
 
     Strategy                 subclass it for a correction of your own (operators/strategies/base.py)
-    decoupled_loss, CorrectionConfig, ...     the loss as one pure function (algorithms/objective.py)
+    decoupled_loss, CorrectionConfig, ...     the loss as one pure function (algorithms/objective.py);
+                                              WholeUpdate, ReferenceKL: its optional groups of arguments
     Replay                   a logged run again under other strategies (pipelines/replay.py)
     load_job_config, run_job                  what `trajflow run` does (jobs/)
 """
@@ -35,6 +36,8 @@ _EXPORTS = {
     "resolve_strategy": "trajflow.operators.strategies.registry",
     "decoupled_loss": "trajflow.algorithms.objective",
     "LossOutput": "trajflow.algorithms.objective",
+    "WholeUpdate": "trajflow.algorithms.objective",
+    "ReferenceKL": "trajflow.algorithms.kl",
     "CorrectionConfig": "trajflow.algorithms.config",
     "AdvantageConfig": "trajflow.algorithms.config",
     "KLConfig": "trajflow.algorithms.config",
@@ -48,7 +51,8 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:
     from trajflow.algorithms.config import AdvantageConfig, CorrectionConfig, KLConfig, OptimizerConfig
-    from trajflow.algorithms.objective import LossOutput, decoupled_loss
+    from trajflow.algorithms.kl import ReferenceKL
+    from trajflow.algorithms.objective import LossOutput, WholeUpdate, decoupled_loss
     from trajflow.jobs.config import JobConfig, load_job_config
     from trajflow.jobs.run import resume_job, run_job
     from trajflow.operators.contracts.stage import Placement, Stage

@@ -199,7 +199,7 @@ class NotANumber(TypeError, ValueError):
 
 def check_number(function: str, **values: Any) -> None:
     """The one check that a public function's numeric arguments are numbers: a boolean is refused
-    (`decoupled_loss(denominator=True)` is a typo, not 1) as settings refuse it. None passes (an
+    (`WholeUpdate(denominator=True)` is a typo, not 1) as settings refuse it. None passes (an
     optional argument left out), and so do tensors and arrays (they carry their own dtype).
     NotANumber (a TypeError and a ValueError) naming `function(name=...)`."""
     for name, value in values.items():

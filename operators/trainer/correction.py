@@ -35,8 +35,8 @@ from trajflow.algorithms.config import DistillConfig, KLConfig
 from trajflow.algorithms.diagnostics import correction_diagnostics
 from trajflow.algorithms.distillation import distillation_advantages, distillation_diagnostics, forward_kl_tokens
 from trajflow.algorithms.distributions import distribution_diagnostics, distribution_keep, mismatch
-from trajflow.algorithms.kl import kl_estimate
-from trajflow.algorithms.objective import CorrectionConfig, LossOutput, LossSum, decoupled_loss
+from trajflow.algorithms.kl import ReferenceKL, kl_estimate
+from trajflow.algorithms.objective import CorrectionConfig, LossOutput, LossSum, WholeUpdate, decoupled_loss
 from trajflow.algorithms.rejection import rejection_metrics
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
@@ -195,7 +195,7 @@ def correct(strategy: Strategy, batch: StepBatch, current: Tensor, trainer: Trai
             distill: DistillConfig | None = None, current_top_k: Tensor | None = None) -> Correction:
     """The strategy's loss on `batch` (see the module docstring). `group_counts` /
     `cov_selected`: prompt-mean's per-prompt counts and Clip-Cov/KL-Cov's token selection over
-    the whole update (None: this batch's own). `kl`: the KL to the reference (`batch.reference`)
+    the whole update (the loss's WholeUpdate; None: this batch's own). `kl`: the KL to the reference (`batch.reference`)
     enters the loss when `kl.in_` is "loss"; `entropy` [B, T] when `config.entropy_coef` > 0.
     `distill`: the distillation's terms (the batch carries the teacher's log-probs);
     `current_top_k`: pi_theta on the top-k ids [B, T, K] with gradient, when a term needs it."""
@@ -215,10 +215,9 @@ def correct(strategy: Strategy, batch: StepBatch, current: Tensor, trainer: Trai
         advantages = distillation_advantages(student, batch.teacher, batch.advantages, distill.reverse_kl_coef,
                                              distill.task_advantage_coef)
     in_loss = batch.reference is not None and kl.in_ == "loss"
-    out = decoupled_loss(current, old, batch.inference, advantages, loss_mask, config,
-                         trust_mask=trust,
-                         reference_logprobs=batch.reference if in_loss else None, kl=kl, entropy=entropy,
-                         groups=batch.groups, group_counts=group_counts, cov_selected=cov_selected,
+    out = decoupled_loss(current, old, batch.inference, advantages, loss_mask, config, trust_mask=trust,
+                         entropy=entropy, reference=ReferenceKL(batch.reference, kl) if in_loss else None,
+                         whole=WholeUpdate(groups=batch.groups, group_counts=group_counts, cov_selected=cov_selected),
                          distribution_keep=keep)
     if batch.reference is not None and not in_loss:  # the KL is in the reward: measure it, as the loss would
         ref = torch.where(loss_mask, batch.reference, current.detach())
