@@ -157,7 +157,9 @@ class Generate:
             self.top_k_semantics = TopKSemantics(rollout.top_k_logprobs, vocab)
         self.weight_load_seconds = 0.0  # of the current call
 
-    def _take_newest(self, pins: set[int]) -> None:
+    def load_newest(self, pins: set[int]) -> None:
+        """Load the store's newest version into the engine (if it is not resident); its pin is
+        added to `pins` (the caller releases those no generated token carries)."""
         started = time.perf_counter()
         version, payload = self.source.newest()
         if version in pins:
@@ -181,7 +183,7 @@ class Generate:
         if self.store.latest_version() > self.engine.version:
             if old_logprobs is not None:
                 self._score_resident(views(), old_logprobs, supports() if supports else None, old_top_k)
-            self._take_newest(pins)
+            self.load_newest(pins)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         step = rollout_step_of(batch)
@@ -191,7 +193,7 @@ class Generate:
         pins: set[int] = set()
         # the generator's idle time on new versions: waiting for, fetching and loading weights
         self.weight_load_seconds = 0.0
-        self._take_newest(pins)
+        self.load_newest(pins)
 
         prompt_tokens = batch["prompt_tokens"].to_pylist()
         self.engine.generator.manual_seed(self.seed * 1_000_003 + step)

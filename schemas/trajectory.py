@@ -60,6 +60,10 @@ _OPTIONAL: dict[str, pa.DataType] = {
     "value_versions": pa.list_(pa.int32()),
     "train_values": _FLOAT_LIST,
     "returns": _FLOAT_LIST,
+    # Team episodes (tasks/team.py): the agent whose learner trains the row, and each response
+    # token's producer (null: an environment token); loss tokens are the row's agent's own
+    "agent": pa.string(),
+    "token_agents": pa.list_(pa.string()),
 }
 # the critic's per-token columns (finite floats; versions >= 0)
 VALUE_COLUMNS: tuple[str, ...] = ("values", "value_versions", "train_values", "returns")
@@ -234,6 +238,7 @@ def validate(table: pa.Table, *, allow_nonfinite: bool = False) -> None:
                          "trajflow.schemas.conform() to cast")
     _validate_distributions(table, allow_nonfinite)
     _validate_values(table, allow_nonfinite)
+    _validate_agents(table)
 
     n_resp = pc.list_value_length(table.column("response_tokens"))
     for name in PER_TOKEN_COLUMNS:
@@ -345,6 +350,26 @@ def _validate_values(table: pa.Table, allow_nonfinite: bool) -> None:
         if bad is not None:
             row, position = _row_of(col, bad)
             raise _error(name, row, f"{what} {flat[bad].as_py()} at token {position}")
+
+
+def _validate_agents(table: pa.Table) -> None:
+    """Team rows, when present: `token_agents` has one entry per response token, and every loss
+    token of a row was produced by the row's `agent` (another agent's tokens are context)."""
+    if "token_agents" not in table.column_names:
+        return
+    _check_row_lengths(table, "token_agents", pc.list_value_length(table.column("response_tokens")))
+    if "agent" not in table.column_names:
+        raise _error("token_agents", None, "needs the column agent (whose learner trains the row)")
+    producers = pc.list_flatten(table.column("token_agents"))
+    parents = pc.list_parent_indices(table.column("token_agents"))
+    owner = pc.take(table.column("agent"), parents)
+    foreign = pc.and_(pc.list_flatten(table.column("loss_mask")),
+                      pc.fill_null(pc.not_equal(producers, owner), True))
+    bad = _first_true(foreign)
+    if bad is not None:
+        row, position = _row_of(table.column("token_agents"), bad)
+        raise _error("token_agents", row, f"loss token {position} was produced by {producers[bad].as_py()!r}, "
+                     f"not the row's agent {owner[bad].as_py()!r}")
 
 
 def _check_row_lengths(table: pa.Table, name: str, n_resp: pa.Array) -> None:

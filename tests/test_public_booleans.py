@@ -48,6 +48,16 @@ def _pipeline() -> Any:
     return trajflow.RLPipeline(trajflow.PipelineConfig())
 
 
+def _addition() -> Any:
+    from trajflow.tasks.addition import AdditionTask
+
+    return AdditionTask()
+
+
+def _team() -> Any:
+    return trajflow.TeamPipeline.of(trajflow.PipelineConfig(), trajflow.RelayEnv(_addition()))
+
+
 # valid values of each walked callable's required arguments (all others keep their defaults)
 ARGS: dict[str, Callable[[], dict[str, Any]]] = {
     "trajflow.algorithms.advantages.grpo": lambda: dict(rewards=[1.0, 0.0], group_ids=[0, 0]),
@@ -100,6 +110,8 @@ ARGS: dict[str, Callable[[], dict[str, Any]]] = {
     "trajflow.operators.contracts.stage.Stage": lambda: dict(name="identity", fn=lambda batch: batch),
     "trajflow.pipelines.policy_store.InProcessStore": lambda: dict(max_staleness=1, keep_history=False),
     "trajflow.pipelines.local.run_in_process": lambda: dict(pipe=_pipeline()),
+    "trajflow.pipelines.team.run_team_in_process": lambda: dict(team=_team()),
+    "trajflow.tasks.team.RelayEnv": lambda: dict(task=_addition()),
 }
 
 

@@ -13,6 +13,8 @@ and `trajflow --help` import neither torch nor Ray):
     decoupled_loss, CorrectionConfig, ...     the loss as one pure function (algorithms/objective.py);
                                               WholeUpdate, ReferenceKL: its optional groups of arguments
     Replay                   a logged run again under other strategies (pipelines/replay.py)
+    TeamPipeline, run_team_in_process, RelayEnv   a team of agents, each its own policy
+                                              (pipelines/team.py, tasks/team.py; in this process)
     load_job_config, run_job                  what `trajflow run` does (jobs/)
 """
 
@@ -31,6 +33,9 @@ _EXPORTS = {
     "run_in_process": "trajflow.pipelines.local",
     "PipelineConfig": "trajflow.pipelines.config",
     "Replay": "trajflow.pipelines.replay",
+    "TeamPipeline": "trajflow.pipelines.team",
+    "run_team_in_process": "trajflow.pipelines.team",
+    "RelayEnv": "trajflow.tasks.team",
     "InProcessStore": "trajflow.pipelines.policy_store",
     "Strategy": "trajflow.operators.strategies.base",
     "resolve_strategy": "trajflow.operators.strategies.registry",
@@ -63,6 +68,8 @@ if TYPE_CHECKING:
     from trajflow.pipelines.policy_store import InProcessStore
     from trajflow.pipelines.replay import Replay
     from trajflow.pipelines.rl_loop import RLPipeline
+    from trajflow.pipelines.team import TeamPipeline, run_team_in_process
+    from trajflow.tasks.team import RelayEnv
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

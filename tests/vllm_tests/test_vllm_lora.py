@@ -130,8 +130,8 @@ def test_a_lora_run_on_vllm_keeps_exactness_with_several_adapters_resident(ray_s
     class GenerateRecordingAdapters(generate.fn):
         """After each version switch, the versions whose adapters vLLM holds (asked from vLLM)."""
 
-        def _take_newest(self, pins) -> None:
-            super()._take_newest(pins)
+        def load_newest(self, pins) -> None:
+            super().load_newest(pins)
             with open(log, "a") as f:
                 f.write(json.dumps([self.engine.version, self.engine.resident_adapters()]) + "\n")
 

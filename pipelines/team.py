@@ -1,0 +1,214 @@
+"""A team of agents, each its own policy: the RL loop for team episodes, in this process.
+
+Every agent's policy is a learner of its own: an `RLPipeline` built from its own config (its
+optimizer, strategy, trainer, store), of which the team uses every stage after generate and
+reward (old log-probs, advantage, filter, train step: the same operators as a single-agent run).
+One `GenerateTeam` (operators/generate_team.py) plays the episodes, each turn sampled by the
+acting agent's policy, and writes one row per agent per episode; each agent's rows go through
+its own learner's stages. Agents may share one policy (`share_policy=True` in `TeamPipeline.of`:
+one learner, one store, both agents' rows in its train step, parameter sharing); the rows are
+still per agent (groups per agent, per-agent metrics).
+
+Staleness per learner, held exactly (`lags`, as `run_in_process(lag=S)` holds it for one
+policy): learner L's tokens of rollout step b come from its version max(0, b - S_L), and it
+trains them at version b. So the agents' policies run at different lags behind their rollouts:
+
+    for r in steps:
+        generate rollout r (each learner's newest: L's version r - S_L)
+        run each learner's stages before its train step on its rows (as in the pipeline, where
+            they follow generation)
+        for each learner L: train L on rollout r - S_L's rows (publishes L's version r - S_L + 1)
+
+Per step one metrics row: each learner's train row under `<learner>/` (`lead/loss`,
+`lead/clip/frac`, ...), and per agent from its trained rows `<agent>/reward/mean`,
+`<agent>/staleness/mean`, `<agent>/staleness/max` (the learner's version at its train step minus
+each own token's version) and `<agent>/version`; every `eval_every` steps the team's greedy
+held-out reward per agent (`heldout/<agent>`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from trajflow.operators.contracts.store import PolicyStoreClient
+from trajflow.operators.generate import EngineConfig, RolloutConfig
+from trajflow.operators.generate_team import GenerateTeam
+from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.local import build, run_stage
+from trajflow.pipelines.policy_store import InProcessStore
+from trajflow.pipelines.rl_loop import RLPipeline
+from trajflow.settings import check_number
+from trajflow.tasks.team import TeamEnvironment
+
+SHARED = "shared"  # the learner's name when every agent shares one policy
+
+# the stages a single-agent pipeline runs before the team's rows exist
+ROLLOUT_STAGES = ("generate", "reward")
+
+
+@dataclass
+class TeamPipeline:
+    """The team: its environment, one `RLPipeline` per learner and which learner each agent is."""
+
+    environment: TeamEnvironment
+    learners: dict[str, RLPipeline]
+    learner_of: dict[str, str]
+
+    def __post_init__(self) -> None:
+        unknown = {a: n for a, n in self.learner_of.items() if n not in self.learners}
+        if unknown or set(self.learner_of) != set(self.environment.agents):
+            raise ValueError(f"TeamPipeline: learner_of must name a learner for every agent of "
+                             f"{self.environment.agents}, got {self.learner_of}")
+        for name, pipe in self.learners.items():
+            if pipe.config.eval_every:
+                raise ValueError(f"TeamPipeline: learner {name!r} has eval_every {pipe.config.eval_every}; the team "
+                                 "evaluates its episodes itself (run_team_in_process's eval_every)")
+
+    @classmethod
+    def of(cls, config: PipelineConfig, environment: TeamEnvironment, share_policy: bool = False,
+           agent_configs: Mapping[str, PipelineConfig] | None = None) -> "TeamPipeline":
+        """The team on `config`: one learner per agent (each on `agent_configs[agent]` if given,
+        else `config`), or with `share_policy` one learner for every agent."""
+        if share_policy:
+            if agent_configs:
+                raise ValueError("TeamPipeline.of: agent_configs need a policy per agent (share_policy=False)")
+            return cls(environment, {SHARED: RLPipeline(config)}, {a: SHARED for a in environment.agents})
+        configs = dict(agent_configs or {})
+        return cls(environment, {a: RLPipeline(configs.get(a, config)) for a in environment.agents},
+                   {a: a for a in environment.agents})
+
+    @property
+    def config(self) -> PipelineConfig:
+        """The rollout's settings (group size, sampling, numerics, seed, steps): the first learner's."""
+        return next(iter(self.learners.values())).config
+
+    def generator(self, stores: Mapping[str, PolicyStoreClient]) -> GenerateTeam:
+        """The team's generate operator on the learners' `stores` (by learner name), with the
+        first learner's rollout settings."""
+        c, first = self.config, next(iter(self.learners.values()))
+        s = first.settings
+        rollout = RolloutConfig(group_size=c.group_size, sampling=first.sampling, seed=c.seed)
+        engine = EngineConfig(name=c.engine, inference_dtype=c.inference_dtype, settings=s.engine)
+        return GenerateTeam(stores, self.learner_of, {n: p.model_path for n, p in self.learners.items()},
+                            first.workload, self.environment, rollout, engine, s.numerics, s.weight_sync,
+                            s.generator.torch_threads)
+
+    def prompt_rows(self, step: int) -> pa.Table:
+        """The prompt rows of rollout step `step` (the first learner's prompt source)."""
+        return next(iter(self.learners.values())).prompts.step_rows(step)
+
+
+def run_team_in_process(team: TeamPipeline, lags: Mapping[str, int] | None = None, eval_every: int = 0,
+                        eval_prompts: int = 200):
+    """Run the team for its config's steps here; the metrics as a polars DataFrame, one row per
+    step (module docstring). `lags`: per learner, how many steps its rollouts run ahead of its
+    trainer (default 0; at most its max_staleness); every `eval_every` steps (0: never) the team's
+    greedy held-out reward on `eval_prompts` prompts."""
+    import polars as pl
+
+    rows = [row for _, row in iter_team_in_process(team, lags, eval_every, eval_prompts)]
+    return pl.from_dicts(rows, infer_schema_length=None)
+
+
+def iter_team_in_process(team: TeamPipeline, lags: Mapping[str, int] | None = None, eval_every: int = 0,
+                         eval_prompts: int = 200, stores: Mapping[str, PolicyStoreClient] | None = None
+                         ) -> Iterator[tuple[dict[str, pa.Table], dict]]:
+    """The loop itself: per step, each learner's batch as it reached its train step and the
+    step's metrics row. `stores`: each learner's policy store holding its version 0 (default: new
+    in-process ones with its model)."""
+    check_number("run_team_in_process", eval_every=eval_every, eval_prompts=eval_prompts, **(lags or {}))
+    unknown = sorted(set(lags or {}) - set(team.learners))
+    if unknown:
+        raise ValueError(f"lags: {unknown} name no learner of the team ({sorted(team.learners)})")
+    lags = {name: int((lags or {}).get(name, 0)) for name in team.learners}
+    for name, lag in lags.items():
+        if not 0 <= lag <= team.learners[name].config.max_staleness:
+            raise ValueError(f"lags: {name}'s {lag} must be in [0, its max_staleness = "
+                             f"{team.learners[name].config.max_staleness}]")
+    steps = team.config.steps
+    if stores is None:
+        stores = {name: new_store(pipe) for name, pipe in team.learners.items()}
+    generate = team.generator(stores)
+    stages = {name: [(s.name, build(s, stores[name])) for s in pipe.stages if s.name not in ROLLOUT_STAGES]
+              for name, pipe in team.learners.items()}
+    ready: dict[str, dict[int, pa.Table]] = {name: {} for name in team.learners}  # before the train step
+    rows: dict[int, dict] = {}
+    batches: dict[int, dict[str, pa.Table]] = {}
+    try:
+        for r in range(steps + max(lags.values())):
+            if r < steps:
+                batch = run_stage(("generate", generate), team.prompt_rows(r))
+                for name, learner_stages in stages.items():
+                    mine = batch.filter(pc.is_in(batch["agent"], pa.array(agents_of(team, name))))
+                    for stage in learner_stages[:-1]:
+                        mine = run_stage(stage, mine)
+                    ready[name][r] = mine
+            for name, learner_stages in stages.items():
+                step = r - lags[name]
+                if not 0 <= step < steps:
+                    continue
+                trained = ready[name].pop(step)
+                batches.setdefault(step, {})[name] = trained
+                version = stores[name].latest_version()
+                row = rows.setdefault(step, {"step": step})
+                for train_row in run_stage(learner_stages[-1], trained).to_pylist():
+                    row.update({f"{name}/{k}": v for k, v in train_row.items() if k != "step"})
+                for agent in agents_of(team, name):
+                    row.update(agent_metrics(trained, agent, version))
+            done = r - max(lags.values())
+            if 0 <= done < steps:
+                row = rows.pop(done)
+                if eval_every and (done + 1) % eval_every == 0:
+                    row.update(heldout(team, stores, eval_prompts))
+                yield batches.pop(done), row
+    finally:
+        for learner_stages in stages.values():
+            for _, operator in learner_stages:
+                if hasattr(operator, "close"):
+                    operator.close()
+
+
+def new_store(pipe: RLPipeline) -> InProcessStore:
+    """An in-process store for a learner's pipeline, holding its model as version 0."""
+    store = InProcessStore(pipe.config.max_staleness, pipe.config.keeps_history(pipe.strategy))
+    pipe.publish_start(store, 0)
+    return store
+
+
+def agents_of(team: TeamPipeline, learner: str) -> list[str]:
+    """The agents whose policy is `learner`."""
+    return [a for a, n in team.learner_of.items() if n == learner]
+
+
+def agent_metrics(batch: pa.Table, agent: str, version: int) -> dict[str, float]:
+    """`agent`'s reward and staleness on its rows of `batch`, trained at its learner's `version`."""
+    mine = batch.filter(pc.equal(batch["agent"], agent))
+    own = [v for vs, mask in zip(mine["versions"].to_pylist(), mine["loss_mask"].to_pylist())
+           for v, m in zip(vs, mask) if m]
+    staleness = version - np.asarray(own, np.int64) if own else np.zeros(0, np.int64)
+    return {f"{agent}/reward/mean": float(pc.mean(mine["reward"]).as_py() or 0.0),
+            f"{agent}/staleness/mean": float(staleness.mean()) if own else 0.0,
+            f"{agent}/staleness/max": int(staleness.max()) if own else 0,
+            f"{agent}/loss_tokens": len(own),
+            f"{agent}/version": version}
+
+
+def heldout(team: TeamPipeline, stores: Mapping[str, PolicyStoreClient], n: int) -> dict[str, float]:
+    """The team's greedy held-out reward per agent, each learner at its newest version."""
+    from trajflow.engines.models import load_model, load_tokenizer
+    from trajflow.tasks.team import heldout_team_rewards
+
+    models = {}
+    for name, pipe in team.learners.items():
+        model = load_model(pipe.model_path)
+        model.load_state_dict(dict(stores[name].weights()[1]))
+        models[name] = model.eval()
+    tokenizer = load_tokenizer(next(iter(team.learners.values())).model_path)
+    rewards = heldout_team_rewards({a: models[n_] for a, n_ in team.learner_of.items()}, team.environment,
+                                   tokenizer, n)
+    return {f"heldout/{a}": v for a, v in rewards.items()}

@@ -1,0 +1,142 @@
+"""Team episodes: several agents, each its own policy (tasks/team.py, operators/generate_team.py,
+pipelines/team.py). In-process, no Ray: the warm start of addition, the relay environment."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from trajflow.operators.old_logprobs import OldLogprobsAtBehaviorVersion
+from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.policy_store import InProcessStore
+from trajflow.pipelines.team import TeamPipeline, iter_team_in_process, new_store
+from trajflow.schemas import SchemaError, validate
+from trajflow.tasks.addition import AdditionTask
+from trajflow.tasks.base import Prompt
+from trajflow.tasks.team import RelayEnv, is_team_environment
+
+pytestmark = pytest.mark.timeout(300)
+
+BASE = dict(task="addition", steps=6, prompts_per_step=8, group_size=4, seed=1, max_staleness=2,
+            inference_dtype="float32", strategy="snapshot", old_logprob_forward="always",
+            drop_zero_variance_groups=False, sampling=dict(max_new_tokens=6))
+LAGS = {"lead": 2, "finish": 1}
+
+
+def relay() -> RelayEnv:
+    return RelayEnv(AdditionTask())
+
+
+def own_gap(batch: pa.Table) -> float:
+    """max |old - inference| over the rows' loss tokens (the agent's own)."""
+    gaps = [abs(o - i) for olds, infs, mask in zip(batch["old_logprobs"].to_pylist(),
+                                                 batch["inference_logprobs"].to_pylist(),
+                                                 batch["loss_mask"].to_pylist())
+            for o, i, m in zip(olds, infs, mask) if m]
+    return max(gaps)
+
+
+def test_relay_turns_and_team_reward():
+    env = relay()
+    assert is_team_environment(env) and env.agents == ("lead", "finish")
+    episode = env.reset(Prompt("p0", "12+34=", "46"))
+    assert episode.next_agent() == "lead"
+    step = episode.step("lead", "4", stopped=False)
+    assert not step.done and step.rewards == {"lead": 0.0, "finish": 0.0}
+    assert episode.next_agent() == "finish"
+    step = episode.step("finish", "6", stopped=True)
+    assert step.done and step.rewards == {"lead": 1.0, "finish": 1.0}
+    short = env.reset(Prompt("p1", "3+4=", "7"))
+    step = short.step("lead", "7", stopped=True)  # the lead's turn ends the answer: no finisher turn
+    assert step.done and step.rewards["finish"] == 1.0
+
+
+def test_schema_refuses_a_loss_token_of_another_agent():
+    row = dict(trajectory_id="t/lead", group_id="g/lead", prompt_id="p", prompt_tokens=[1], response_tokens=[5, 6],
+               loss_mask=[True, True], inference_logprobs=[-0.1, -0.2], versions=[0, 0], old_logprobs=None,
+               finish_reason="stop", reward=1.0, advantage=None, agent="lead", token_agents=["lead", "finish"])
+    from trajflow.schemas import conform
+
+    table = conform(pa.Table.from_pylist([row]))
+    with pytest.raises(SchemaError, match="token_agents.*produced by 'finish'"):
+        validate(table)
+    validate(conform(pa.Table.from_pylist([{**row, "loss_mask": [True, False]}])))
+
+
+@pytest.fixture(scope="module")
+def independent():
+    """Two independent policies, lead at lag 2 and finish at lag 1 with a larger lr (policies
+    moving at different rates), float32: each step's batches, rows, and finish's weights by version."""
+    config = PipelineConfig(**BASE)
+    team = TeamPipeline.of(config, relay(), agent_configs={"finish": PipelineConfig(**BASE, optimizer={"lr": 6e-4})})
+    stores = {name: new_store(pipe) for name, pipe in team.learners.items()}
+    steps, finish_weights = [], {}
+    for batches, row in iter_team_in_process(team, LAGS, stores=stores):
+        steps.append((batches, row))
+        version, weights = stores["finish"].weights()
+        finish_weights[version] = {k: t.clone() for k, t in weights.items()}
+    return team, steps, finish_weights
+
+
+def test_exact_old_logprobs_per_agent_at_held_staleness(independent):
+    team, steps, _ = independent
+    assert [row["step"] for _, row in steps] == list(range(BASE["steps"]))
+    for batches, row in steps:
+        k = row["step"]
+        for agent in ("lead", "finish"):
+            batch = batches[agent]
+            validate(batch)
+            assert set(batch["agent"].to_pylist()) == {agent}
+            assert batch.num_rows == BASE["prompts_per_step"] * BASE["group_size"]
+            assert own_gap(batch) < 1e-5, (k, agent)  # pi_old with its own agent's weights, own version
+            assert row[f"{agent}/staleness/max"] == min(k, LAGS[agent]), (k, agent)
+            assert row[f"{agent}/version"] == k
+            # another agent's tokens and the environment's are context: never a loss token
+            for producers, mask in zip(batch["token_agents"].to_pylist(), batch["loss_mask"].to_pylist()):
+                assert all(p == agent for p, m in zip(producers, mask) if m)
+        lead, finish = (batches[a]["response_tokens"].to_pylist() for a in ("lead", "finish"))
+        assert lead == finish  # one row per agent of the same episodes
+    assert "lead/loss" in steps[-1][1] and "finish/loss" in steps[-1][1]
+
+
+def test_scoring_with_the_other_agents_weights_is_detected(independent):
+    """The same invariant fails when a lead's tokens are scored with the finisher's weights at the
+    same version numbers: what an old log-prob at the wrong agent's weights looks like."""
+    team, steps, finish_weights = independent
+    batch = steps[-1][0]["lead"]  # lead's tokens of version 3 (lag 2 at step 5)
+    versions = sorted({v for vs, m in zip(batch["versions"].to_pylist(), batch["loss_mask"].to_pylist())
+                       for v, keep in zip(vs, m) if keep})
+    assert versions == [BASE["steps"] - 1 - LAGS["lead"]]
+    wrong = InProcessStore(2, keep_history=True)
+    wrong.publish(finish_weights[versions[0]], versions[0])
+    lead = team.learners["lead"]
+    s = lead.settings
+    scorer = OldLogprobsAtBehaviorVersion(wrong, lead.model_path, lead.sampling, skip_filtered=False,
+                                          numerics=s.numerics, torch_threads=1, weight_sync=s.weight_sync)
+    assert own_gap(batch) < 1e-5
+    assert own_gap(scorer(batch)) > 1e-3
+
+
+def test_shared_policy_trains_both_agents_rows_in_one_learner():
+    config = PipelineConfig(**{**BASE, "steps": 3})
+    team = TeamPipeline.of(config, relay(), share_policy=True)
+    assert list(team.learners) == ["shared"] and set(team.learner_of.values()) == {"shared"}
+    rows = []
+    for batches, row in iter_team_in_process(team, {"shared": 1}, eval_every=3, eval_prompts=32):
+        batch = batches["shared"]
+        assert set(batch["agent"].to_pylist()) == {"lead", "finish"}
+        assert own_gap(batch) < 1e-5
+        rows.append(row)
+    last = rows[-1]
+    assert last["lead/staleness/max"] == last["finish/staleness/max"] == 1  # one learner, one lag
+    assert last["lead/version"] == last["finish/version"] == 2
+    assert last["shared/rows"] == 2 * BASE["prompts_per_step"] * BASE["group_size"]
+    assert 0.0 <= last["heldout/lead"] <= 1.0 and last["heldout/lead"] == last["heldout/finish"]  # a team reward
+
+
+def test_team_pipeline_refuses_what_it_cannot_run():
+    config = PipelineConfig(**BASE)
+    with pytest.raises(ValueError, match="lags: lead's 3 must be in"):
+        next(iter_team_in_process(TeamPipeline.of(config, relay()), {"lead": 3}))
+    with pytest.raises(ValueError, match="eval_every"):
+        TeamPipeline.of(PipelineConfig(**BASE, eval_every=2), relay())
