@@ -201,6 +201,15 @@ def prepare_pipeline(config: JobConfig, verbose: bool = False):
 def run_job(config: JobConfig, *, progress: bool = True, verbose: bool = False) -> Path:
     """Start a new run; returns its run dir."""
     paths, config, estimate = plan_new_run(config)
+    if config.team is not None:  # in this process, without Ray (jobs/team.py)
+        from trajflow.jobs.team import run_team_job
+
+        paths.root.mkdir(parents=True, exist_ok=True)
+        ckpt.atomic_write_text(paths.config, config.to_yaml())
+        print(f"trajflow: run dir {paths.root}", flush=True)
+        with quiet_run(verbose):
+            run_team_job(config, paths, progress)
+        return paths.root
     pipeline = prepare_pipeline(config, verbose)
     paths.root.mkdir(parents=True, exist_ok=True)
     ckpt.atomic_write_text(paths.config, config.to_yaml())
@@ -218,6 +227,9 @@ def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *
     root = Path(run_dir).resolve()
     paths = RunPaths(root)
     config = load_run_config(root, overrides)
+    if config.team is not None:
+        raise RunError(f"{root}: --resume of a team run is not built yet (its learners' checkpoints are under "
+                       f"agents/); start a new run")
     state = read_state(paths)
     if state.get("state") == "running" and same_host(state) and state.get("pid") and pid_alive(int(state["pid"])) \
             and int(state["pid"]) != os.getpid():

@@ -126,6 +126,9 @@ def map_stages(ds: ray.data.Dataset, groups: list[list[Stage]], *, store: Policy
 class RLPipeline:
     def __init__(self, config: PipelineConfig, model_path: str | Path | None = None,
                  strategy: Strategy | None = None) -> None:
+        if config.team is not None:
+            raise ValueError("team: a team of agents runs with pipelines/team.py (TeamPipeline.from_config, "
+                             "run_team_in_process) or `trajflow run`, not RLPipeline")
         config = preflight(config)  # what needs the disk (model dir, dataset), before Ray starts
         self.config = config
         self.settings = config.settings  # every section as the settings dataclass its operators take

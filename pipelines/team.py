@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -39,13 +40,13 @@ from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.generate import EngineConfig, RolloutConfig
 from trajflow.operators.generate_team import GenerateTeam
 from trajflow.pipelines.config import PipelineConfig
+from trajflow.pipelines.config.team import SHARED
 from trajflow.pipelines.local import build, run_stage
 from trajflow.pipelines.policy_store import InProcessStore
 from trajflow.pipelines.rl_loop import RLPipeline
 from trajflow.settings import check_number
-from trajflow.tasks.team import TeamEnvironment
-
-SHARED = "shared"  # the learner's name when every agent shares one policy
+from trajflow.tasks.team import RelayEnv, TeamEnvironment, is_team_environment
+from trajflow.user_code import load_object
 
 # the stages a single-agent pipeline runs before the team's rows exist
 ROLLOUT_STAGES = ("generate", "reward")
@@ -81,6 +82,26 @@ class TeamPipeline:
         configs = dict(agent_configs or {})
         return cls(environment, {a: RLPipeline(configs.get(a, config)) for a in environment.agents},
                    {a: a for a in environment.agents})
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig, model_path: str | Path | None = None) -> "TeamPipeline":
+        """The team a config's `team:` section describes: its environment on the config's task,
+        and each learner on the config without `team:` and with its agent's keys; the learners
+        evaluate nothing (the team does, run_team_in_process's eval_every)."""
+        team = config.settings.team
+        if team is None:
+            raise ValueError("TeamPipeline.from_config: the config has no team: section")
+        base = config.model_dump(exclude={"team"}) | {"eval_every": 0}
+        environment = team_environment(team.environment, config)
+        if team.share_policy:
+            learners = {SHARED: RLPipeline(PipelineConfig(**base), model_path)}
+            return cls(environment, learners, {a: SHARED for a in environment.agents})
+        unknown = sorted(set(team.agents) - set(environment.agents))
+        if unknown:
+            raise ValueError(f"team.agents: {unknown} are not agents of {environment.name} {environment.agents}")
+        learners = {a: RLPipeline(PipelineConfig(**merged(base, team.agents.get(a, {}))), model_path)
+                    for a in environment.agents}
+        return cls(environment, learners, {a: a for a in environment.agents})
 
     @property
     def config(self) -> PipelineConfig:
@@ -171,6 +192,26 @@ def iter_team_in_process(team: TeamPipeline, lags: Mapping[str, int] | None = No
             for _, operator in learner_stages:
                 if hasattr(operator, "close"):
                     operator.close()
+
+
+def team_environment(spec: str, config: PipelineConfig) -> TeamEnvironment:
+    """The environment `spec` names (relay, or module:Class / file.py:Class) on `config`'s task."""
+    task = config.workload().task_object()
+    if spec == "relay":
+        return RelayEnv(task, finish_tokens=config.sampling.max_new_tokens)
+    environment = load_object(spec, "team.environment")(task)
+    if not is_team_environment(environment):
+        raise ValueError(f"team.environment: {spec} did not build a TeamEnvironment (agents, max_turns, "
+                         "max_response_tokens, turn_tokens, reset)")
+    return environment
+
+
+def merged(base: dict, changes: Mapping) -> dict:
+    """`base` with `changes` applied key by key, nested mappings merged (an agent's keys)."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def new_store(pipe: RLPipeline) -> InProcessStore:

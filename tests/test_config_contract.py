@@ -28,6 +28,7 @@ from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.recovery import RecoveryConfig
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 from trajflow.pipelines.config import SECTIONS, PipelineConfig
+from trajflow.pipelines.config.team import TeamConfig
 from trajflow.settings import SettingError, check_settings, setting
 from trajflow.operators.trainer.critic_config import CriticConfig
 from trajflow.tasks.dataset import DataConfig
@@ -37,9 +38,10 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULTS = {"sampling": SamplingConfig(), "correction": CorrectionConfig(), "advantage": AdvantageConfig(),
             "kl": KLConfig(), "distill": DistillConfig(), "optimizer": OptimizerConfig(), "lora": LoraConfig(), "vllm": VllmConfig(),
             "generator": ResourceConfig(), "scorer": ResourceConfig(num_cpus=0.25), "trainer": TrainerConfig(),
-            "recovery": RecoveryConfig(), "weight_sync": WeightSyncConfig(), "data": None, "critic": None}
+            "recovery": RecoveryConfig(), "weight_sync": WeightSyncConfig(), "data": None, "critic": None,
+            "team": None}
 # the settings dataclass of a section that is absent by default
-OPTIONAL_SECTIONS = {"data": DataConfig, "critic": CriticConfig}
+OPTIONAL_SECTIONS = {"data": DataConfig, "critic": CriticConfig, "team": TeamConfig}
 
 
 def test_every_section_is_a_settings_dataclass_and_yaml_defaults_are_the_library_defaults():

@@ -140,3 +140,59 @@ def test_team_pipeline_refuses_what_it_cannot_run():
         next(iter_team_in_process(TeamPipeline.of(config, relay()), {"lead": 3}))
     with pytest.raises(ValueError, match="eval_every"):
         TeamPipeline.of(PipelineConfig(**BASE, eval_every=2), relay())
+
+
+def test_team_job_writes_a_run_dir_per_learner(tmp_path, capsys):
+    """`trajflow run relay`: the team's rows, and per learner a single-agent run dir (its config
+    with its agent's keys, trajectories with the team columns, checkpoints) that resume refuses."""
+    from trajflow.jobs.config import load_job_config
+    from trajflow.jobs.errors import RunError
+    from trajflow.jobs.recorder import RunPaths, read_metrics
+    from trajflow.jobs.run import resume_job, run_job
+    from trajflow.pipelines.replay import load_trajectories
+
+    config = load_job_config("relay", [f"run_dir={tmp_path / 'run'}", "steps=2", "prompts_per_step=8", "group_size=4",
+                                       "eval_every=2", "eval_prompts=32", "team.agents.finish.optimizer.lr=6.0e-4"])
+    root = run_job(config, progress=True)
+    out = capsys.readouterr().out
+    assert "team: relay, agents lead, finish" in out and "held-out" in out
+    metrics = read_metrics(RunPaths(root))
+    assert metrics["step"].to_list() == [0, 1]
+    assert metrics["lead/staleness/max"].to_list() == [0, 1] and metrics["finish/version"].to_list() == [0, 1]
+    assert {"lead/loss", "finish/loss", "heldout/lead", "heldout/lead_start"} <= set(metrics.columns)
+    for agent, lr in (("lead", 3.0e-4), ("finish", 6.0e-4)):
+        own = root / "agents" / agent
+        learner = load_job_config(own / "config.yaml")
+        assert learner.team is None and learner.optimizer.lr == lr
+        logged = load_trajectories(own / "trajectories")
+        assert sorted(logged) == [0, 1]
+        for table in logged.values():
+            validate(table.drop_columns(["trainer_version"]))
+            assert set(table["agent"].to_pylist()) == {agent}
+        assert any((own / "checkpoints").iterdir())
+    with pytest.raises(RunError, match="resume of a team run is not built yet"):
+        resume_job(root)
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"partial_rollout": True}, "partial_rollout"),
+    ({"team": {"lags": {"lead": 3}}}, "team.lags.lead"),
+    ({"team": {"share_policy": True, "agents": {"lead": {"seed": 2}}}}, "agents"),
+    ({"team": {"environment": "nowhere"}}, "team.environment"),
+    ({"team": {"share_policy": True, "lags": {"lead": 1}}}, "team.lags"),
+])
+def test_team_config_refuses_by_key(change, key):
+    from trajflow.jobs.config import JobConfigError, build_job_config, load_job_config, resolve_config_path, safe_yaml
+
+    data, change = safe_yaml(resolve_config_path("relay").read_text()), dict(change)
+    data = {**data, "team": {**data["team"], **change.pop("team", {})}, **change}
+    with pytest.raises(JobConfigError, match=key.replace(".", r"\.")):
+        build_job_config(data)
+    assert load_job_config("relay").team is not None
+
+
+def test_rlpipeline_refuses_a_team_config():
+    from trajflow.pipelines.rl_loop import RLPipeline
+
+    with pytest.raises(ValueError, match="team: a team of agents runs with"):
+        RLPipeline(PipelineConfig(**BASE, team={"environment": "relay"}))

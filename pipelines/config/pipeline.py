@@ -37,6 +37,7 @@ from trajflow.operators.contracts.stage import ResourceConfig
 from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.pipelines.config.auto import AUTO, Machine, ModelShape, auto_microbatch_tokens, auto_threads
 from trajflow.pipelines.config.deprecations import migrate_deprecated_keys
+from trajflow.pipelines.config.team import SHARED
 from trajflow.pipelines.config.sections import (
     AdvantageSection,
     CorrectionSection,
@@ -49,6 +50,7 @@ from trajflow.pipelines.config.sections import (
     RecoverySection,
     ResourceSection,
     SamplingSection,
+    TeamSection,
     TrainerSection,
     VllmSection,
     WeightSyncSection,
@@ -134,6 +136,9 @@ class PipelineConfig(_Strict):
     critic: CriticSection | None = Field(
         None, description="PPO with a learned value function: a second learner trained beside the policy, whose "
         "values GAE turns into per-token advantages (with `advantage: gae`); null = no critic")
+    team: TeamSection | None = Field(
+        None, description="several agents, each its own policy (or one shared), playing a team environment's "
+        "episodes (docs/multi-agent.md); in one process, without Ray, for now; null = one policy")
     top_k_logprobs: int = Field(
         0, ge=0, description="record per response token the K most likely ids of the distribution it was sampled "
         "from and their log-probs (mu), and on them pi_old at the token's version (exact strategies) and the "
@@ -271,6 +276,7 @@ class PipelineConfig(_Strict):
             raise ValueError(f"advantage: {e}") from None
         self._check_distributions()
         self._check_critic()
+        self._check_team()
         self.build_strategy().check(self)  # its settings: a ValueError naming `strategy.<key>`
         rows = self.rows_per_step
         if rows % self.optimizer.minibatches_per_step:
@@ -290,6 +296,30 @@ class PipelineConfig(_Strict):
             if other.section and other is not engine and getattr(self, other.section) != \
                     type(self).model_fields[other.section].default_factory():
                 raise ValueError(f"{other.section}: settings given but engine is {engine.name}, not {other.name}")
+
+    def _check_team(self) -> None:
+        """What a team run does not cover (yet) is refused by key."""
+        team = self.team
+        if team is None:
+            return
+        if team.environment != "relay" and ":" not in team.environment:
+            raise ValueError(f"team.environment: {team.environment!r} is neither relay nor module:Class / "
+                             "file.py:Class of a TeamEnvironment")
+        refused = {"task": self.task is None, "partial_rollout": self.partial_rollout,
+                   "top_k_logprobs": self.top_k_logprobs > 0, "critic": self.critic is not None,
+                   "engine": self.engine != "torch", "weight_sync": self.weight_sync.method != "object_store",
+                   "strategy": self.build_strategy().scores_at_switch}
+        what = next((key for key, bad in refused.items() if bad), None)
+        if what is not None:
+            raise ValueError(f"{what}: not with team: a team plays a built-in task's prompts (task:) with the torch "
+                             "engine, whole turns of each learner's newest version, no critic and no collective "
+                             "weight sync, for now")
+        if team.share_policy and set(team.lags) - {SHARED}:
+            raise ValueError(f"team.lags: with share_policy the one learner is `{SHARED}`, got {sorted(team.lags)}")
+        for name, lag in team.lags.items():
+            bound = team.agents.get(name, {}).get("max_staleness", self.max_staleness)
+            if lag > bound:
+                raise ValueError(f"team.lags.{name}: {lag} exceeds that learner's max_staleness ({bound})")
 
     def _check_critic(self) -> None:
         """A critic and an estimator on its values (GAE) go together; what the critic does not
@@ -504,6 +534,11 @@ class RunSettings:
         return self._config.distill.spec() if self._config.teacher is not None else None
 
     @property
+    def team(self):
+        """The team's settings (pipelines/config/team.py), or None for one policy."""
+        return self._config.team.spec() if self._config.team is not None else None
+
+    @property
     def critic(self):
         """The critic's settings (its model directory resolved as `model` is), or None without one."""
         if self._config.critic is None:
@@ -533,4 +568,4 @@ def _engine_section(spec: str) -> str | None:
 
 # the sections `settings` reads back (the YAML keys whose value is a section)
 SECTIONS = ("sampling", "correction", "advantage", "kl", "distill", "optimizer", "lora", "vllm", "data", "generator",
-            "scorer", "trainer", "recovery", "weight_sync", "critic")
+            "scorer", "trainer", "recovery", "weight_sync", "critic", "team")

@@ -17,6 +17,7 @@ library argument share one declaration. Every section of the config is built thi
     recovery     RecoveryConfig      operators/trainer/recovery.py
     weight_sync  WeightSyncConfig    operators/trainer/weight_sync.py
     critic       CriticConfig        operators/trainer/critic_config.py
+    team         TeamConfig          pipelines/config/team.py
 
 A section reads back as its dataclass (`section.spec()`); the pipeline reads them all through
 `PipelineConfig.settings` (derived defaults filled in).
@@ -41,6 +42,7 @@ from trajflow.operators.trainer.critic_config import CriticConfig
 from trajflow.operators.trainer.plan import TrainerConfig
 from trajflow.operators.trainer.recovery import RecoveryConfig
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
+from trajflow.pipelines.config.team import TeamConfig
 from trajflow.settings import MAPPING, check_setting, described, field_types
 from trajflow.tasks.dataset import DataConfig
 
@@ -158,8 +160,9 @@ def settings_section(settings: type, name: str) -> type[_Section]:
 
 # the YAML model of each section, named after its dataclass (CorrectionConfig -> CorrectionSection)
 (SamplingSection, CorrectionSection, AdvantageSection, KLSection, DistillSection, OptimizerSection, VllmSection,
- RecoverySection, LoraSection, WeightSyncSection, DataSection, ResourceSection, TrainerSection, CriticSection) = (
+ RecoverySection, LoraSection, WeightSyncSection, DataSection, ResourceSection, TrainerSection, CriticSection,
+ TeamSection) = (
     settings_section(settings, settings.__name__.removesuffix("Config") + "Section")
     for settings in (SamplingConfig, CorrectionConfig, AdvantageConfig, KLConfig, DistillConfig, OptimizerConfig,
                      VllmConfig, RecoveryConfig, LoraConfig, WeightSyncConfig, DataConfig, ResourceConfig,
-                     TrainerConfig, CriticConfig))
+                     TrainerConfig, CriticConfig, TeamConfig))

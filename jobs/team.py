@@ -1,0 +1,110 @@
+"""`trajflow run` of a config with a `team:` section: the team's loop in this process, a run dir.
+
+    RUN/config.yaml              the team's config
+    RUN/metrics.parquet          one row per step: each learner's train-step metrics under
+                                 `<learner>/`, each agent's reward, staleness, version, and the
+                                 team's held-out reward per agent (pipelines/team.py)
+    RUN/agents/<learner>/        each learner's own run dir, as a single-agent run writes it: its
+                                 config.yaml (the team's config without `team:`, with its agent's
+                                 keys), trajectories (the rows it trained: `agent`, `token_agents`),
+                                 checkpoints, versions, metrics; `trajflow report`, `replay` and
+                                 `eval` read it as one run
+    RUN/summary.txt, run.json
+
+No Ray: the team runs in this process (pipelines/team.py); the Ray pipeline for teams, `--resume`
+of a team run and a learner healed after a fault are not built yet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import polars as pl
+import pyarrow as pa
+
+from trajflow.engines import checkpoint as ckpt
+from trajflow.jobs.config import JobConfig
+from trajflow.jobs.recorder import RunPaths, RunRecorder, read_metrics, write_state, write_table_atomic
+
+AGENTS_DIR = "agents"
+
+
+def learner_paths(paths: RunPaths, learner: str) -> RunPaths:
+    """A learner's own run dir inside the team's."""
+    return RunPaths(paths.root / AGENTS_DIR / learner)
+
+
+def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True) -> None:
+    """Run the team `config` describes into `paths` (prepared by jobs/run.py: config.yaml written)."""
+    from trajflow.pipelines.team import TeamPipeline, heldout, iter_team_in_process, new_store
+
+    started = time.time()
+    team = TeamPipeline.from_config(config.pipeline_config(), config.model)
+    settings = config.pipeline_config().settings.team
+    for name, pipe in team.learners.items():
+        own = learner_paths(paths, name)
+        own.root.mkdir(parents=True, exist_ok=True)
+        learner_config = JobConfig(**(pipe.config.model_dump() | _run_options(config) | {"run_dir": own.root}))
+        ckpt.atomic_write_text(own.config, learner_config.to_yaml())
+        RunRecorder(run_dir=str(own.root), steps=config.steps, checkpoint_every=config.checkpoint_every,
+                    keep_checkpoints=config.keep_checkpoints, save_all_versions=config.save_all_versions,
+                    trajectory_log=config.trajectory_log).install(pipe.hooks)
+    write_state(paths, state="running", started=started, steps=config.steps, team=True)
+    agents = team.environment.agents
+    print(f"team: {team.environment.name}, agents {', '.join(agents)}; learners "
+          + ", ".join(f"{n} (lag {settings.lags.get(n, 0)})" for n in team.learners), flush=True)
+    stores = {name: new_store(pipe) for name, pipe in team.learners.items()}
+    start = heldout(team, stores, config.eval_prompts) if config.eval_every else {}
+    last = started
+    for _, row in iter_team_in_process(team, settings.lags, config.eval_every, config.eval_prompts, stores=stores):
+        if row["step"] == 0:
+            row.update({f"{key}_start": value for key, value in start.items()})
+        row["seconds/step_end"] = now = time.time()
+        write_table_atomic(pa.Table.from_pylist([row]), paths.metrics_file(int(row["step"])))
+        if progress and config.status_every and (row["step"] % config.status_every == 0
+                                                  or row["step"] == config.steps - 1):
+            print(team_status_line(row, agents, config.steps, now - last), flush=True)
+        last = now
+    metrics = read_metrics(paths)
+    write_table_atomic(metrics.to_arrow(), paths.metrics)
+    for name in team.learners:
+        own = learner_paths(paths, name)
+        write_table_atomic(read_metrics(own).to_arrow(), own.metrics)
+    summary = team_summary(metrics, agents, time.time() - started)
+    ckpt.atomic_write_text(paths.summary, summary + "\n")
+    print(summary, flush=True)
+    write_state(paths, state="finished", ended=time.time())
+
+
+def _run_options(config: JobConfig) -> dict:
+    """The run options of `config` (JobConfig's own keys, not the pipeline's)."""
+    from trajflow.pipelines.config import PipelineConfig
+
+    return {k: v for k, v in config.model_dump().items() if k not in PipelineConfig.model_fields}
+
+
+def team_status_line(row: dict, agents: tuple[str, ...], steps: int, seconds: float) -> str:
+    """`step 3 (40%) | 1.2s | lead 0.312 s2 | finish 0.312 s1`: each agent's mean reward and
+    staleness, within 100 columns."""
+    line = f"step {row['step']:>{len(str(steps - 1))}} ({100 * (row['step'] + 1) // steps:>3}%) | {seconds:.1f}s"
+    for agent in agents:
+        field = f"{agent} {row[f'{agent}/reward/mean']:.3f} s{row[f'{agent}/staleness/max']}"
+        if len(line) + 3 + len(field) > 100:
+            break
+        line += " | " + field
+    return line
+
+
+def team_summary(metrics: pl.DataFrame, agents: tuple[str, ...], seconds: float) -> str:
+    """Steps, wall time, and per agent its reward (first and last 5 steps) and held-out reward."""
+    lines = [f"steps logged: {metrics.height} | {seconds:.1f} s"]
+    for agent in agents:
+        reward = metrics[f"{agent}/reward/mean"].to_list()
+        line = f"{agent}: reward {sum(reward[:5]) / len(reward[:5]):.3f} -> {sum(reward[-5:]) / len(reward[-5:]):.3f}"
+        key = f"heldout/{agent}"
+        if key in metrics.columns and metrics[key].drop_nulls().len():
+            start = metrics[f"{key}_start"][0] if f"{key}_start" in metrics.columns else None
+            line += f" | held-out {'' if start is None else f'{start:.3f} -> '}{metrics[key].drop_nulls()[-1]:.3f}"
+        lines.append(line)
+    return "\n".join(lines)
+
