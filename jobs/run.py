@@ -227,13 +227,19 @@ def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *
     root = Path(run_dir).resolve()
     paths = RunPaths(root)
     config = load_run_config(root, overrides)
-    if config.team is not None:
-        raise RunError(f"{root}: --resume of a team run is not built yet (its learners' checkpoints are under "
-                       f"agents/); start a new run")
     state = read_state(paths)
     if state.get("state") == "running" and same_host(state) and state.get("pid") and pid_alive(int(state["pid"])) \
             and int(state["pid"]) != os.getpid():
         raise RunError(f"{root}: the run is still active (pid {state['pid']}); stop it before resuming")
+    if config.team is not None:  # in this process (jobs/team.py): every learner from its checkpoint
+        from trajflow.jobs.team import run_team_job
+
+        if state.get("state") == "finished":
+            print(f"trajflow: {root} already finished all {config.steps} steps; nothing to do")
+            return root
+        with quiet_run(verbose):
+            run_team_job(config, paths, progress, resume=True)
+        return root
     latest, damaged = ckpt.latest_intact_checkpoint(paths.checkpoints)  # checked before anything is written
     first_step = latest.version if latest is not None else 0
     for checkpoint, problem in damaged:

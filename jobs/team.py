@@ -11,20 +11,26 @@
                                  `eval` read it as one run
     RUN/summary.txt, run.json
 
-No Ray: the team runs in this process (pipelines/team.py); the Ray pipeline for teams, `--resume`
-of a team run and a learner healed after a fault are not built yet.
+No Ray: the team runs in this process (pipelines/team.py). `--resume` continues a killed team
+run from the newest version every learner has a checkpoint of, as the uninterrupted run would
+have gone on (with lags, the versions its rollouts in flight were sampled with come from
+versions/: save_all_versions). Not built yet: the Ray pipeline for teams.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+from functools import partial
 
 import polars as pl
 import pyarrow as pa
 
 from trajflow.engines import checkpoint as ckpt
 from trajflow.jobs.config import JobConfig
-from trajflow.jobs.recorder import RunPaths, RunRecorder, read_metrics, write_state, write_table_atomic
+from trajflow.jobs.errors import RunError
+from trajflow.jobs.recorder import RunPaths, RunRecorder, read_metrics, truncate_after, write_state, write_table_atomic
 
 AGENTS_DIR = "agents"
 
@@ -34,29 +40,45 @@ def learner_paths(paths: RunPaths, learner: str) -> RunPaths:
     return RunPaths(paths.root / AGENTS_DIR / learner)
 
 
-def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True) -> None:
-    """Run the team `config` describes into `paths` (prepared by jobs/run.py: config.yaml written)."""
+def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resume: bool = False) -> None:
+    """Run the team `config` describes into `paths` (prepared by jobs/run.py: config.yaml
+    written); `resume`: continue it from the newest version every learner has a checkpoint of
+    (team_resume_point), exactly as the uninterrupted run would have gone on."""
     from trajflow.pipelines.team import TeamPipeline, heldout, iter_team_in_process, new_store
 
     started = time.time()
     team = TeamPipeline.from_config(config.pipeline_config(), config.model)
     settings = config.pipeline_config().settings.team
+    first_step, checkpoints = team_resume_point(paths, list(team.learners), settings.lags) if resume else (0, {})
     for name, pipe in team.learners.items():
         own = learner_paths(paths, name)
         own.root.mkdir(parents=True, exist_ok=True)
         learner_config = JobConfig(**(pipe.config.model_dump() | _run_options(config) | {"run_dir": own.root}))
         ckpt.atomic_write_text(own.config, learner_config.to_yaml())
+        truncate_after(own, first_step)
         RunRecorder(run_dir=str(own.root), steps=config.steps, checkpoint_every=config.checkpoint_every,
                     keep_checkpoints=config.keep_checkpoints, save_all_versions=config.save_all_versions,
-                    trajectory_log=config.trajectory_log).install(pipe.hooks)
-    write_state(paths, state="running", started=started, steps=config.steps, team=True)
+                    trajectory_log=config.trajectory_log,
+                    resume_from=str(checkpoints[name].path) if name in checkpoints else None).install(pipe.hooks)
+    truncate_after(paths, first_step)
+    write_state(paths, state="running", started=started, steps=config.steps, first_step=first_step, team=True,
+                pid=os.getpid(), host=socket.gethostname())
     agents = team.environment.agents
     print(f"team: {team.environment.name}, agents {', '.join(agents)}; learners "
           + ", ".join(f"{n} (lag {settings.lags.get(n, 0)})" for n in team.learners), flush=True)
-    stores = {name: new_store(pipe) for name, pipe in team.learners.items()}
-    start = heldout(team, stores, config.eval_prompts) if config.eval_every else {}
+    if resume:
+        print(f"trajflow: resuming the team from version {first_step} of every learner: steps "
+              f"{first_step}..{config.steps - 1}", flush=True)
+        saved = partial(saved_version, paths, checkpoints)
+        stores = {name: new_store(pipe, max(0, first_step - settings.lags.get(name, 0)),
+                                  saved(name, max(0, first_step - settings.lags.get(name, 0))))
+                  for name, pipe in team.learners.items()}
+    else:
+        saved, stores = None, {name: new_store(pipe) for name, pipe in team.learners.items()}
+    start = heldout(team, stores, config.eval_prompts) if config.eval_every and not resume else {}
     last = started
-    for _, row in iter_team_in_process(team, settings.lags, config.eval_every, config.eval_prompts, stores=stores):
+    for _, row in iter_team_in_process(team, settings.lags, config.eval_every, config.eval_prompts, stores=stores,
+                                       first_step=first_step, saved=saved):
         if row["step"] == 0:
             row.update({f"{key}_start": value for key, value in start.items()})
         row["seconds/step_end"] = now = time.time()
@@ -74,6 +96,35 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True) -> N
     ckpt.atomic_write_text(paths.summary, summary + "\n")
     print(summary, flush=True)
     write_state(paths, state="finished", ended=time.time())
+
+
+def team_resume_point(paths: RunPaths, learners: list[str], lags: dict[str, int]
+                      ) -> tuple[int, dict[str, ckpt.Checkpoint]]:
+    """The step a killed team run resumes at — the newest version of which every learner has an
+    intact checkpoint (0: none) — and those checkpoints. Learner L's rollouts in flight need its
+    versions k - lag .. k - 1 too: kept with save_all_versions (RunError naming it otherwise)."""
+    kept = {name: {c.version: c for c in ckpt.list_checkpoints(learner_paths(paths, name).checkpoints)
+                   if ckpt.checkpoint_problem(c) is None} for name in learners}
+    common = set.intersection(*(set(v) for v in kept.values())) if kept else set()
+    first_step = max(common, default=0)
+    for name in learners:
+        missing = [v for v in range(max(0, first_step - lags.get(name, 0)), first_step)
+                   if ckpt.saved_version(learner_paths(paths, name).versions, v) is None]
+        if missing:
+            raise RunError(f"{paths.root}: learner {name}'s versions {missing} (its rollouts in flight at step "
+                           f"{first_step}) are not kept; a team run with lags resumes with save_all_versions: true")
+    return first_step, {name: kept[name][first_step] for name in learners if first_step in kept[name]}
+
+
+def saved_version(paths: RunPaths, checkpoints: dict[str, ckpt.Checkpoint], learner: str, version: int):
+    """A learner's weights of `version`: its checkpoint's at the resume point, else versions/."""
+    checkpoint = checkpoints.get(learner)
+    if checkpoint is not None and checkpoint.version == version:
+        return checkpoint.model_state()
+    path = ckpt.saved_version(learner_paths(paths, learner).versions, version)
+    if path is None:
+        raise RunError(f"{paths.root}: learner {learner}'s version {version} is not kept (save_all_versions)")
+    return ckpt.load_version(path)
 
 
 def _run_options(config: JobConfig) -> dict:

@@ -28,15 +28,16 @@ held-out reward per agent (`heldout/<agent>`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from torch import Tensor
 
-from trajflow.operators.contracts.store import PolicyStoreClient
+from trajflow.operators.contracts.store import POLICY, PolicyStoreClient
 from trajflow.operators.generate import EngineConfig, RolloutConfig
 from trajflow.operators.generate_team import GenerateTeam
 from trajflow.pipelines.config import PipelineConfig
@@ -47,6 +48,9 @@ from trajflow.pipelines.rl_loop import RLPipeline
 from trajflow.settings import check_number
 from trajflow.tasks.team import RelayEnv, TeamEnvironment, is_team_environment
 from trajflow.user_code import load_object
+
+# a learner's weights of a version from disk (a resumed run): saved(learner, version)
+Saved = Callable[[str, int], Mapping[str, Tensor]]
 
 # the stages a single-agent pipeline runs before the team's rows exist
 ROLLOUT_STAGES = ("generate", "reward")
@@ -137,12 +141,22 @@ def run_team_in_process(team: TeamPipeline, lags: Mapping[str, int] | None = Non
 
 
 def iter_team_in_process(team: TeamPipeline, lags: Mapping[str, int] | None = None, eval_every: int = 0,
-                         eval_prompts: int = 200, stores: Mapping[str, PolicyStoreClient] | None = None
+                         eval_prompts: int = 200, stores: Mapping[str, PolicyStoreClient] | None = None,
+                         first_step: int = 0, saved: Saved | None = None
                          ) -> Iterator[tuple[dict[str, pa.Table], dict]]:
     """The loop itself: per step, each learner's batch as it reached its train step and the
-    step's metrics row. `stores`: each learner's policy store holding its version 0 (default: new
-    in-process ones with its model)."""
-    check_number("run_team_in_process", eval_every=eval_every, eval_prompts=eval_prompts, **(lags or {}))
+    step's metrics row. `stores`: each learner's policy store holding its first version (default:
+    new in-process ones with its model as version 0).
+
+    `first_step` k > 0 resumes a run whose learners hold version k (each learner's train step
+    restores its own state, e.g. a job's checkpoint by its hooks): learner L's rollouts of steps
+    k .. k + S_L - 1 were sampled with its versions k - S_L .. k - 1, so its store starts at
+    version k - S_L and, where the uninterrupted run trained steps k - S_L .. k - 1, takes those
+    versions' weights from `saved(L, version)` (a run's versions/ and checkpoint) instead: every
+    rollout from step k on is sampled with the weights it had, and each train step is built once
+    its store holds version k."""
+    check_number("run_team_in_process", eval_every=eval_every, eval_prompts=eval_prompts, first_step=first_step,
+                 **(lags or {}))
     unknown = sorted(set(lags or {}) - set(team.learners))
     if unknown:
         raise ValueError(f"lags: {unknown} name no learner of the team ({sorted(team.learners)})")
@@ -151,47 +165,57 @@ def iter_team_in_process(team: TeamPipeline, lags: Mapping[str, int] | None = No
         if not 0 <= lag <= team.learners[name].config.max_staleness:
             raise ValueError(f"lags: {name}'s {lag} must be in [0, its max_staleness = "
                              f"{team.learners[name].config.max_staleness}]")
+    if first_step and saved is None:
+        raise ValueError("first_step: resuming needs `saved`, the versions the rollouts in flight were sampled with")
     steps = team.config.steps
     if stores is None:
-        stores = {name: new_store(pipe) for name, pipe in team.learners.items()}
+        stores = {name: new_store(pipe, max(0, first_step - lags[name]),
+                                  saved(name, max(0, first_step - lags[name])) if first_step else None)
+                  for name, pipe in team.learners.items()}
     generate = team.generator(stores)
-    stages = {name: [(s.name, build(s, stores[name])) for s in pipe.stages if s.name not in ROLLOUT_STAGES]
+    before = {name: [(s.name, build(s, stores[name])) for s in pipe.stages[:-1] if s.name not in ROLLOUT_STAGES]
               for name, pipe in team.learners.items()}
+    train: dict[str, Callable[[pa.Table], pa.Table]] = {}  # built once the store holds version first_step
     ready: dict[str, dict[int, pa.Table]] = {name: {} for name in team.learners}  # before the train step
     rows: dict[int, dict] = {}
     batches: dict[int, dict[str, pa.Table]] = {}
     try:
-        for r in range(steps + max(lags.values())):
+        for r in range(first_step, steps + max(lags.values())):
             if r < steps:
                 batch = run_stage(("generate", generate), team.prompt_rows(r))
-                for name, learner_stages in stages.items():
+                for name, learner_stages in before.items():
                     mine = batch.filter(pc.is_in(batch["agent"], pa.array(agents_of(team, name))))
-                    for stage in learner_stages[:-1]:
+                    for stage in learner_stages:
                         mine = run_stage(stage, mine)
                     ready[name][r] = mine
-            for name, learner_stages in stages.items():
+            for name, pipe in team.learners.items():
                 step = r - lags[name]
-                if not 0 <= step < steps:
+                if step < first_step:  # trained before the resume: its version from disk
+                    if step >= 0:
+                        stores[name].publish(saved(name, step + 1), step + 1)
                     continue
+                if step >= steps:
+                    continue
+                if name not in train:
+                    train[name] = build(pipe.stages[-1], stores[name])
                 trained = ready[name].pop(step)
                 batches.setdefault(step, {})[name] = trained
                 version = stores[name].latest_version()
                 row = rows.setdefault(step, {"step": step})
-                for train_row in run_stage(learner_stages[-1], trained).to_pylist():
+                for train_row in run_stage(("train", train[name]), trained).to_pylist():
                     row.update({f"{name}/{k}": v for k, v in train_row.items() if k != "step"})
                 for agent in agents_of(team, name):
                     row.update(agent_metrics(trained, agent, version))
             done = r - max(lags.values())
-            if 0 <= done < steps:
+            if first_step <= done < steps:
                 row = rows.pop(done)
                 if eval_every and (done + 1) % eval_every == 0:
                     row.update(heldout(team, stores, eval_prompts))
                 yield batches.pop(done), row
     finally:
-        for learner_stages in stages.values():
-            for _, operator in learner_stages:
-                if hasattr(operator, "close"):
-                    operator.close()
+        for operator in [op for stages in before.values() for _, op in stages] + list(train.values()):
+            if hasattr(operator, "close"):
+                operator.close()
 
 
 def team_environment(spec: str, config: PipelineConfig) -> TeamEnvironment:
@@ -214,10 +238,11 @@ def merged(base: dict, changes: Mapping) -> dict:
     return out
 
 
-def new_store(pipe: RLPipeline) -> InProcessStore:
-    """An in-process store for a learner's pipeline, holding its model as version 0."""
+def new_store(pipe: RLPipeline, version: int = 0, weights: Mapping[str, Tensor] | None = None) -> InProcessStore:
+    """An in-process store for a learner's pipeline, holding `weights` (default: its model) as
+    `version`."""
     store = InProcessStore(pipe.config.max_staleness, pipe.config.keeps_history(pipe.strategy))
-    pipe.publish_start(store, 0)
+    pipe.publish_start(store, version, None if weights is None else {POLICY: dict(weights)})
     return store
 
 

@@ -144,9 +144,8 @@ def test_team_pipeline_refuses_what_it_cannot_run():
 
 def test_team_job_writes_a_run_dir_per_learner(tmp_path, capsys):
     """`trajflow run relay`: the team's rows, and per learner a single-agent run dir (its config
-    with its agent's keys, trajectories with the team columns, checkpoints) that resume refuses."""
+    with its agent's keys, trajectories with the team columns, checkpoints)."""
     from trajflow.jobs.config import load_job_config
-    from trajflow.jobs.errors import RunError
     from trajflow.jobs.recorder import RunPaths, read_metrics
     from trajflow.jobs.run import resume_job, run_job
     from trajflow.pipelines.replay import load_trajectories
@@ -170,8 +169,8 @@ def test_team_job_writes_a_run_dir_per_learner(tmp_path, capsys):
             validate(table.drop_columns(["trainer_version"]))
             assert set(table["agent"].to_pylist()) == {agent}
         assert any((own / "checkpoints").iterdir())
-    with pytest.raises(RunError, match="resume of a team run is not built yet"):
-        resume_job(root)
+    resume_job(root)  # a finished run: nothing to do
+    assert "already finished" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("change, key", [
@@ -196,3 +195,44 @@ def test_rlpipeline_refuses_a_team_config():
 
     with pytest.raises(ValueError, match="team: a team of agents runs with"):
         RLPipeline(PipelineConfig(**BASE, team={"environment": "relay"}))
+
+
+def test_a_killed_team_run_resumes_every_agent_exactly(tmp_path):
+    """SIGKILL a team run (lead at lag 2, finish at lag 1) after step 3; `--resume` continues every
+    learner from its checkpoint at version 4, the rollouts in flight sampled with the versions they
+    had: every step's numbers and both learners' final weights and optimizer state equal the
+    uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import polars as pl
+    from safetensors.torch import load_file
+
+    from trajflow.jobs.config import load_job_config
+    from trajflow.jobs.run import resume_job, run_job
+
+    sets = ["steps=6", "prompts_per_step=8", "group_size=4", "eval_every=0", "checkpoint_every=2",
+            "max_staleness=2", "team.lags.lead=2", "team.lags.finish=1"]
+    base = run_job(load_job_config("relay", [*sets, f"run_dir={tmp_path / 'base'}"]), progress=False)
+    command = [sys.executable, "-m", "trajflow.jobs.cli", "run", "relay", "--run-dir", str(tmp_path / "killed"),
+               *(arg for s in sets for arg in ("--set", s))]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in process.stdout:
+            if line.startswith("step 3"):
+                os.killpg(process.pid, signal.SIGKILL)
+                break
+    finally:
+        process.wait(timeout=120)
+    assert process.returncode == -signal.SIGKILL
+    killed = resume_job(tmp_path / "killed", progress=False)
+    a, b = (pl.read_parquet(root / "metrics.parquet") for root in (base, killed))
+    assert b["step"].to_list() == list(range(6))
+    for key in ("lead/loss", "finish/loss", "lead/reward/mean", "finish/clip/frac", "lead/staleness/max"):
+        assert a[key].to_list() == b[key].to_list(), key
+    for agent in ("lead", "finish"):
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            x, y = (load_file(root / "agents" / agent / "checkpoints" / "step-000006" / name) for root in (base, killed))
+            assert x.keys() == y.keys() and all(bool((x[k] == y[k]).all()) for k in x), (agent, name)
