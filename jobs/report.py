@@ -106,8 +106,19 @@ def short_labels(paths: list[Path]) -> list[str]:
     return labels
 
 
+def learner_dirs(run_dir: str | Path) -> list[str | Path]:
+    """A team run's learners' run dirs (RUN/agents/<learner>, jobs/team.py), so that its report
+    is split by agent; any other run dir as it is."""
+    agents = Path(run_dir) / "agents"
+    if not agents.is_dir():
+        return [run_dir]
+    return sorted(p for p in agents.iterdir() if (p / "config.yaml").is_file()) or [run_dir]
+
+
 def load_runs(run_dirs: list[str | Path]) -> dict[str, Run]:
-    """{label: Run}, every dir read before anything is drawn; the same dir twice is an error."""
+    """{label: Run}, every dir read before anything is drawn (a team run: one per learner); the
+    same dir twice is an error."""
+    run_dirs = [d for given in run_dirs for d in learner_dirs(given)]
     runs = [load_run(d) for d in run_dirs]
     seen: dict[Path, str] = {}
     for run, given in zip(runs, run_dirs):

@@ -169,6 +169,10 @@ def test_team_job_writes_a_run_dir_per_learner(tmp_path, capsys):
             validate(table.drop_columns(["trainer_version"]))
             assert set(table["agent"].to_pylist()) == {agent}
         assert any((own / "checkpoints").iterdir())
+    from trajflow.jobs.report import comparison_table, load_runs
+
+    runs = load_runs([root])  # a team's report: split by agent, each learner's run
+    assert sorted(runs) == ["finish", "lead"] and comparison_table(runs)["run"].to_list() == ["finish", "lead"]
     resume_job(root)  # a finished run: nothing to do
     assert "already finished" in capsys.readouterr().out
 
