@@ -44,11 +44,14 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
     """Run the team `config` describes into `paths` (prepared by jobs/run.py: config.yaml
     written); `resume`: continue it from the newest version every learner has a checkpoint of
     (team_resume_point), exactly as the uninterrupted run would have gone on."""
-    from trajflow.pipelines.team import TeamPipeline, heldout, iter_team_in_process, new_store
+    from trajflow.pipelines.team import TeamPipeline
 
     started = time.time()
     team = TeamPipeline.from_config(config.pipeline_config(), config.model)
     settings = config.pipeline_config().settings.team
+    if resume and settings.run_on == "ray":
+        raise RunError(f"{paths.root}: --resume of a team run on Ray is not built yet (team.run_on: process "
+                       "resumes exactly)")
     first_step, checkpoints = team_resume_point(paths, list(team.learners), settings.lags) if resume else (0, {})
     for name, pipe in team.learners.items():
         own = learner_paths(paths, name)
@@ -64,21 +67,20 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
     write_state(paths, state="running", started=started, steps=config.steps, first_step=first_step, team=True,
                 pid=os.getpid(), host=socket.gethostname())
     agents = team.environment.agents
-    print(f"team: {team.environment.name}, agents {', '.join(agents)}; learners "
-          + ", ".join(f"{n} (lag {settings.lags.get(n, 0)})" for n in team.learners), flush=True)
-    if resume:
-        print(f"trajflow: resuming the team from version {first_step} of every learner: steps "
-              f"{first_step}..{config.steps - 1}", flush=True)
-        saved = partial(saved_version, paths, checkpoints)
-        stores = {name: new_store(pipe, max(0, first_step - settings.lags.get(name, 0)),
-                                  saved(name, max(0, first_step - settings.lags.get(name, 0))))
-                  for name, pipe in team.learners.items()}
+    if settings.run_on == "ray":
+        bounds = ", ".join(f"{n} (max_staleness {p.config.max_staleness})" for n, p in team.learners.items())
+        print(f"team: {team.environment.name}, agents {', '.join(agents)}; on Ray, learners {bounds}", flush=True)
+        from trajflow.jobs.run import start_ray
+        from trajflow.pipelines.team_ray import iter_team_on_ray
+
+        start_ray(config)
+        rows, start = iter_team_on_ray(team, config.eval_every, config.eval_prompts), {}
     else:
-        saved, stores = None, {name: new_store(pipe) for name, pipe in team.learners.items()}
-    start = heldout(team, stores, config.eval_prompts) if config.eval_every and not resume else {}
+        lags = ", ".join(f"{n} (lag {settings.lags.get(n, 0)})" for n in team.learners)
+        print(f"team: {team.environment.name}, agents {', '.join(agents)}; learners {lags}", flush=True)
+        rows, start = _in_process(config, team, paths, first_step, checkpoints)
     last = started
-    for _, row in iter_team_in_process(team, settings.lags, config.eval_every, config.eval_prompts, stores=stores,
-                                       first_step=first_step, saved=saved):
+    for row in rows:
         if row["step"] == 0:
             row.update({f"{key}_start": value for key, value in start.items()})
         row["seconds/step_end"] = now = time.time()
@@ -96,6 +98,25 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
     ckpt.atomic_write_text(paths.summary, summary + "\n")
     print(summary, flush=True)
     write_state(paths, state="finished", ended=time.time())
+
+
+def _in_process(config: JobConfig, team, paths: RunPaths, first_step: int, checkpoints: dict):
+    """The rows of the team's loop in this process from `first_step` (a resume: > 0) and the
+    held-out rewards of version 0 (a fresh run with eval_every)."""
+    from trajflow.pipelines.team import heldout, iter_team_in_process, new_store
+
+    lags = config.pipeline_config().settings.team.lags
+    saved = partial(saved_version, paths, checkpoints) if first_step else None
+    if first_step:
+        print(f"trajflow: resuming the team from version {first_step} of every learner: steps "
+              f"{first_step}..{config.steps - 1}", flush=True)
+    stores = {name: new_store(pipe, max(0, first_step - lags.get(name, 0)),
+                              saved(name, max(0, first_step - lags.get(name, 0))) if saved else None)
+              for name, pipe in team.learners.items()}
+    start = heldout(team, stores, config.eval_prompts) if config.eval_every and not first_step else {}
+    rows = iter_team_in_process(team, lags, config.eval_every, config.eval_prompts, stores=stores,
+                                first_step=first_step, saved=saved)
+    return (row for _, row in rows), start
 
 
 def team_resume_point(paths: RunPaths, learners: list[str], lags: dict[str, int]

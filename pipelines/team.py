@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from torch import Tensor
 
+from trajflow.operators.contracts.stage import Stage
 from trajflow.operators.contracts.store import POLICY, PolicyStoreClient
 from trajflow.operators.generate import EngineConfig, RolloutConfig
 from trajflow.operators.generate_team import GenerateTeam
@@ -113,15 +114,24 @@ class TeamPipeline:
         return next(iter(self.learners.values())).config
 
     def generator(self, stores: Mapping[str, PolicyStoreClient]) -> GenerateTeam:
-        """The team's generate operator on the learners' `stores` (by learner name), with the
-        first learner's rollout settings."""
+        """The team's generate operator on the learners' `stores` (by learner name)."""
+        return GenerateTeam(**self.generator_arguments(stores))
+
+    def generator_arguments(self, stores: Mapping[str, PolicyStoreClient]) -> dict:
+        """`GenerateTeam`'s arguments (for an actor to build it), with the first learner's rollout
+        settings."""
         c, first = self.config, next(iter(self.learners.values()))
         s = first.settings
         rollout = RolloutConfig(group_size=c.group_size, sampling=first.sampling, seed=c.seed)
         engine = EngineConfig(name=c.engine, inference_dtype=c.inference_dtype, settings=s.engine)
-        return GenerateTeam(stores, self.learner_of, {n: p.model_path for n, p in self.learners.items()},
-                            first.workload, self.environment, rollout, engine, s.numerics, s.weight_sync,
-                            s.generator.torch_threads)
+        return dict(stores=dict(stores), learner_of=self.learner_of,
+                    model_paths={n: p.model_path for n, p in self.learners.items()}, workload=first.workload,
+                    environment=self.environment, rollout=rollout, engine=engine, numerics=s.numerics,
+                    weight_sync=s.weight_sync, torch_threads=s.generator.torch_threads)
+
+    def learner_stages(self, learner: str) -> list[Stage]:
+        """A learner's stages after the rollout: old log-probs, advantage, filter, ..., its train step last."""
+        return [s for s in self.learners[learner].stages if s.name not in ROLLOUT_STAGES]
 
     def prompt_rows(self, step: int) -> pa.Table:
         """The prompt rows of rollout step `step` (the first learner's prompt source)."""
@@ -173,8 +183,8 @@ def iter_team_in_process(team: TeamPipeline, lags: Mapping[str, int] | None = No
                                   saved(name, max(0, first_step - lags[name])) if first_step else None)
                   for name, pipe in team.learners.items()}
     generate = team.generator(stores)
-    before = {name: [(s.name, build(s, stores[name])) for s in pipe.stages[:-1] if s.name not in ROLLOUT_STAGES]
-              for name, pipe in team.learners.items()}
+    before = {name: [(s.name, build(s, stores[name])) for s in team.learner_stages(name)[:-1]]
+              for name in team.learners}
     train: dict[str, Callable[[pa.Table], pa.Table]] = {}  # built once the store holds version first_step
     ready: dict[str, dict[int, pa.Table]] = {name: {} for name in team.learners}  # before the train step
     rows: dict[int, dict] = {}
@@ -184,11 +194,11 @@ def iter_team_in_process(team: TeamPipeline, lags: Mapping[str, int] | None = No
             if r < steps:
                 batch = run_stage(("generate", generate), team.prompt_rows(r))
                 for name, learner_stages in before.items():
-                    mine = batch.filter(pc.is_in(batch["agent"], pa.array(agents_of(team, name))))
+                    mine = rows_of(batch, agents_of(team, name))
                     for stage in learner_stages:
                         mine = run_stage(stage, mine)
                     ready[name][r] = mine
-            for name, pipe in team.learners.items():
+            for name in team.learners:
                 step = r - lags[name]
                 if step < first_step:  # trained before the resume: its version from disk
                     if step >= 0:
@@ -197,7 +207,7 @@ def iter_team_in_process(team: TeamPipeline, lags: Mapping[str, int] | None = No
                 if step >= steps:
                     continue
                 if name not in train:
-                    train[name] = build(pipe.stages[-1], stores[name])
+                    train[name] = build(team.learner_stages(name)[-1], stores[name])
                 trained = ready[name].pop(step)
                 batches.setdefault(step, {})[name] = trained
                 version = stores[name].latest_version()
@@ -244,6 +254,11 @@ def new_store(pipe: RLPipeline, version: int = 0, weights: Mapping[str, Tensor] 
     store = InProcessStore(pipe.config.max_staleness, pipe.config.keeps_history(pipe.strategy))
     pipe.publish_start(store, version, None if weights is None else {POLICY: dict(weights)})
     return store
+
+
+def rows_of(batch: pa.Table, agents: list[str]) -> pa.Table:
+    """The rows of `batch` whose agent is one of `agents` (a learner's)."""
+    return batch.filter(pc.is_in(batch["agent"], pa.array(agents, pa.string())))
 
 
 def agents_of(team: TeamPipeline, learner: str) -> list[str]:

@@ -240,3 +240,36 @@ def test_a_killed_team_run_resumes_every_agent_exactly(tmp_path):
         for name in ("model.safetensors", "optimizer.safetensors"):
             x, y = (load_file(root / "agents" / agent / "checkpoints" / "step-000006" / name) for root in (base, killed))
             assert x.keys() == y.keys() and all(bool((x[k] == y[k]).all()) for k in x), (agent, name)
+
+
+def test_team_on_ray_bounds_each_agents_staleness_and_stays_exact(ray_session, tmp_path):
+    """`team.run_on: ray`: the generator and each learner an actor, asynchronous; each agent's
+    realized staleness within its own max_staleness (lead 2, finish 1) and every loss token's old
+    log-prob its own agent's, at its own version (float32: within 1e-5 of the inference one)."""
+    from trajflow.jobs.config import load_job_config
+    from trajflow.jobs.recorder import RunPaths, read_metrics
+    from trajflow.jobs.run import run_job
+
+    sets = ["steps=5", "prompts_per_step=8", "group_size=4", "eval_every=0", "max_staleness=2",
+            "inference_dtype=float32", "old_logprob_forward=always", "save_all_versions=false",
+            "team.run_on=ray", "team.lags={}", "team.agents.finish.max_staleness=1", f"run_dir={tmp_path / 'run'}"]
+    root = run_job(load_job_config("relay", sets), progress=False)
+    metrics = read_metrics(RunPaths(root))
+    assert metrics["step"].to_list() == list(range(5))
+    for agent, bound in (("lead", 2), ("finish", 1)):
+        staleness = metrics[f"{agent}/staleness/max"].to_list()
+        assert max(staleness) <= bound and staleness[0] == 0, (agent, staleness)
+        assert metrics[f"{agent}/mismatch/max_abs_log_rd"].max() < 1e-5, agent
+        assert metrics[f"{agent}/version"].to_list() == list(range(5))
+        assert (root / "agents" / agent / "trajectories").is_dir()
+
+
+def test_team_on_ray_refuses_more_cpus_than_the_cluster_has():
+    from trajflow.pipelines.team_ray import check_resources
+
+    config = PipelineConfig(**BASE)
+    team = TeamPipeline.of(config, relay(), agent_configs={"finish": PipelineConfig(**BASE, trainer={"num_cpus": 2})})
+    check_resources(TeamPipeline.of(config, relay()), {"CPU": 2.0})  # 0.5 + 0.5 + 0.5
+    with pytest.raises(ValueError, match=r"num_cpus: the team's actors need 3 \(generator 0.5, lead's trainer 0.5, "
+                                         r"finish's trainer 2\) and Ray has 2"):
+        check_resources(team, {"CPU": 2.0})

@@ -5,7 +5,7 @@ config is validated before torch loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from trajflow.settings import SettingError, check_settings, setting
 
@@ -29,6 +29,11 @@ class TeamConfig:
         doc="per learner (an agent's name, or `shared`), how many steps its rollouts run ahead of its trainer: "
         "the staleness held exactly, at most max_staleness (e.g. {lead: 2, finish: 1}); a learner left out: 0",
         default_factory=dict)
+    run_on: Literal["process", "ray"] = setting(
+        "process", "process: every learner in this process, step after step, staleness held exactly at `lags` "
+        "(studies that repeat; `--resume` exact); ray: the generator and each learner an actor with its own "
+        "resources (its trainer section's num_cpus, num_gpus), asynchronous, staleness bounded by each "
+        "learner's max_staleness (pipelines/team_ray.py)")
     agents: dict[str, dict[str, Any]] = setting(
         doc="per agent, the keys of this config that differ for its learner (e.g. {finish: {optimizer: {lr: "
         "6.0e-4}}}); not with share_policy", default_factory=dict)
@@ -38,6 +43,9 @@ class TeamConfig:
         for name, lag in self.lags.items():
             if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
                 raise SettingError("lags", f"TeamConfig.lags.{name}: expected an integer >= 0, got {lag!r}")
+        if self.run_on == "ray" and self.lags:
+            raise SettingError("lags", "TeamConfig.lags: staleness is held in one process (run_on: process); on Ray "
+                                       "it is bounded by each learner's max_staleness")
         if self.share_policy and self.agents:
             raise SettingError("agents", "TeamConfig.agents: per-agent keys need a policy per agent "
                                          "(share_policy: false)")
