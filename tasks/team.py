@@ -90,11 +90,13 @@ class RelayEpisode:
     def __init__(self, task: Task, prompt: Prompt) -> None:
         self.task, self.prompt = task, prompt
         self.written = ""
+        self.turns = 0
 
     def next_agent(self) -> str:
-        return "lead" if not self.written else "finish"
+        return "lead" if self.turns == 0 else "finish"
 
     def step(self, agent: str, action: str, stopped: bool) -> TeamStep:
+        self.turns += 1
         self.written += action if isinstance(action, str) else ""
         done = agent == "finish" or stopped
         reward = float(self.task.reward(self.prompt.text, self.prompt.answer, self.written)) if done else 0.0

@@ -46,6 +46,9 @@ def test_relay_turns_and_team_reward():
     assert episode.next_agent() == "finish"
     step = episode.step("finish", "6", stopped=True)
     assert step.done and step.rewards == {"lead": 1.0, "finish": 1.0}
+    silent = env.reset(Prompt("p2", "3+4=", "7"))
+    silent.step("lead", "", stopped=False)  # a lead token that decodes to nothing: still one turn each
+    assert silent.next_agent() == "finish"
     short = env.reset(Prompt("p1", "3+4=", "7"))
     step = short.step("lead", "7", stopped=True)  # the lead's turn ends the answer: no finisher turn
     assert step.done and step.rewards["finish"] == 1.0
