@@ -16,6 +16,10 @@ order) and gathers the metrics rows in step order. Nothing waits for the slowest
 what its bound demands: the generator runs ahead of learner L by at most max_staleness_L steps,
 and every other learner trains as soon as its rows exist. Staleness is bounded, not held (the
 one-process loop holds it exactly, for studies that repeat): each row reports what it was.
+
+Not yet: a learner whose process dies is not restarted (the run fails; a team on Ray does not
+resume). Tried and left: Ray restarted such an actor (`max_restarts`, `max_task_retries`) but the
+retried step never ran on it, and the run waited.
 """
 
 from __future__ import annotations
