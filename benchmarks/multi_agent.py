@@ -64,14 +64,14 @@ def plot(results: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for r in results:
         versions = sorted(int(v) for v in r["heldout"])
-        style = "-" if not r["share_policy"] else "--"
+        style, marker = ("--", "s") if r["share_policy"] else ("-", "o")
         color = f"C{r['seed']}"
-        ax.plot(versions, [r["heldout"][v] for v in versions], style, color=color, marker="o",
+        ax.plot(versions, [r["heldout"][v] for v in versions], style, color=color, marker=marker,
                 label=f"{'shared' if r['share_policy'] else 'independent'}, seed {r['seed']}")
     ax.set_xlabel("train step (each learner's version)")
     ax.set_ylabel("held-out team accuracy (greedy, 1,000 prompts)")
     ax.set_title("Two-agent relay on addition: independent vs shared policy")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, handlelength=4)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

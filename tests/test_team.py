@@ -276,4 +276,3 @@ def test_team_on_ray_refuses_more_cpus_than_the_cluster_has():
     with pytest.raises(ValueError, match=r"num_cpus: the team's actors need 3 \(generator 0.5, lead's trainer 0.5, "
                                          r"finish's trainer 2\) and Ray has 2"):
         check_resources(team, {"CPU": 2.0})
-
