@@ -201,7 +201,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # workers busy to within 25 s of each other; 1003 s serial).
 LONGEST_FIRST = ("test_jobs_run.py", "test_pipeline.py", "test_recovery.py", "test_notebook.py",
                  "test_byo_pipeline.py", "test_trainer_fsdp.py", "test_jobs_cluster.py", "test_trainer_dp_jobs.py",
-                 "test_strategies_pipeline.py", "test_weight_sync.py",
+                 "test_strategies_pipeline.py", "test_weight_sync.py", "test_team.py",
                  "test_real_model.py")  # ~1 min, plus ~30 s the first time it prepares the model
 
 
