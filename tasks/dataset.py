@@ -67,7 +67,7 @@ RESERVED_COLUMNS = (
     "rollout_step", "filter_reason", "trainer_version", "turns", "reward_error", "step",
     "loss_old_logprobs", "reference_logprobs", "kl_penalty", "token_advantages", "prompts", "completions",
     "top_k_ids", "top_k_inference_logprobs", "top_k_old_logprobs", "top_k_teacher_logprobs", "teacher_logprobs",
-    "values", "value_versions", "train_values", "returns",
+    "values", "value_versions", "train_values", "returns", "agent", "token_agents",
 )
 BATCH_ROWS = 2048  # rows read, checked and tokenized at a time: validation's memory bound
 PROGRESS_AFTER_SECONDS = 3.0  # a longer check prints a progress line ...

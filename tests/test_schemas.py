@@ -114,7 +114,7 @@ def test_reward_error_is_an_optional_string_column(tmp_path):
     # test_the_critics_columns_are_validated_by_name below
     assert OPTIONAL_COLUMNS == ("reward_error", "token_advantages", "top_k_ids", "top_k_inference_logprobs",
                                 "top_k_old_logprobs", "top_k_teacher_logprobs", "teacher_logprobs", "values",
-                                "value_versions", "train_values", "returns")
+                                "value_versions", "train_values", "returns", "agent", "token_agents")
     errors = [None, "ValueError: bad answer", None, "TimeoutError: too slow"]
     t = from_rows([{"answer": str(i), **r, "reward_error": e} for i, (r, e) in enumerate(zip(rows(), errors))])
     assert t.column_names == COLUMNS + ["answer", "reward_error"]
