@@ -47,8 +47,9 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
     from trajflow.pipelines.team import TeamPipeline
 
     started = time.time()
-    team = TeamPipeline.from_config(config.pipeline_config(), config.model)
-    settings = config.pipeline_config().settings.team
+    pipeline_config = config.pipeline_config()  # validated once
+    team = TeamPipeline.from_config(pipeline_config, config.model)
+    settings = pipeline_config.settings.team
     if resume and settings.run_on == "ray":
         raise RunError(f"{paths.root}: --resume of a team run on Ray is not built yet (team.run_on: process "
                        "resumes exactly)")
@@ -78,7 +79,7 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
     else:
         lags = ", ".join(f"{n} (lag {settings.lags.get(n, 0)})" for n in team.learners)
         print(f"team: {team.environment.name}, agents {', '.join(agents)}; learners {lags}", flush=True)
-        rows, start = _in_process(config, team, paths, first_step, checkpoints)
+        rows, start = _in_process(config, team, paths, settings.lags, first_step, checkpoints)
     last = started
     for row in rows:
         if row["step"] == 0:
@@ -100,12 +101,11 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
     write_state(paths, state="finished", ended=time.time())
 
 
-def _in_process(config: JobConfig, team, paths: RunPaths, first_step: int, checkpoints: dict):
+def _in_process(config: JobConfig, team, paths: RunPaths, lags: dict[str, int], first_step: int, checkpoints: dict):
     """The rows of the team's loop in this process from `first_step` (a resume: > 0) and the
     held-out rewards of version 0 (a fresh run with eval_every)."""
     from trajflow.pipelines.team import heldout, iter_team_in_process, new_store
 
-    lags = config.pipeline_config().settings.team.lags
     saved = partial(saved_version, paths, checkpoints) if first_step else None
     if first_step:
         print(f"trajflow: resuming the team from version {first_step} of every learner: steps "
