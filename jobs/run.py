@@ -201,14 +201,14 @@ def prepare_pipeline(config: JobConfig, verbose: bool = False):
 def run_job(config: JobConfig, *, progress: bool = True, verbose: bool = False) -> Path:
     """Start a new run; returns its run dir."""
     paths, config, estimate = plan_new_run(config)
-    if config.team is not None:  # in this process, without Ray (jobs/team.py)
+    if config.team is not None:  # a team (jobs/team.py): in this process or on Ray
         from trajflow.jobs.team import run_team_job
 
         paths.root.mkdir(parents=True, exist_ok=True)
         ckpt.atomic_write_text(paths.config, config.to_yaml())
         print(f"trajflow: run dir {paths.root}", flush=True)
         with quiet_run(verbose):
-            run_team_job(config, paths, progress)
+            run_team_job(config, paths, progress, verbose=verbose)
         return paths.root
     pipeline = prepare_pipeline(config, verbose)
     paths.root.mkdir(parents=True, exist_ok=True)
@@ -238,7 +238,7 @@ def resume_job(run_dir: str | os.PathLike, overrides: list[str] | None = None, *
             print(f"trajflow: {root} already finished all {config.steps} steps; nothing to do")
             return root
         with quiet_run(verbose):
-            run_team_job(config, paths, progress, resume=True)
+            run_team_job(config, paths, progress, resume=True, verbose=verbose)
         return root
     latest, damaged = ckpt.latest_intact_checkpoint(paths.checkpoints)  # checked before anything is written
     first_step = latest.version if latest is not None else 0

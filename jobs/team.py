@@ -11,10 +11,12 @@
                                  `eval` read it as one run
     RUN/summary.txt, run.json
 
-No Ray: the team runs in this process (pipelines/team.py). `--resume` continues a killed team
-run from the newest version every learner has a checkpoint of, as the uninterrupted run would
-have gone on (with lags, the versions its rollouts in flight were sampled with come from
-versions/: save_all_versions). Not built yet: the Ray pipeline for teams.
+`team.run_on: process` (default): the team's loop in this process (pipelines/team.py); `ray`: a
+generator actor and one actor per learner (pipelines/team_ray.py), a learner whose process dies
+rebuilt from its own checkpoint and trajectory log while the others run on. `--resume` continues a
+killed team run from the newest version every learner has a checkpoint of: in one process as the
+uninterrupted run would have gone on (with lags, the versions its rollouts in flight were sampled
+with come from versions/: save_all_versions); on Ray with every rollout from there sampled anew.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pyarrow as pa
 
 from trajflow.engines import checkpoint as ckpt
 from trajflow.jobs.config import JobConfig
-from trajflow.jobs.errors import RunError
+from trajflow.jobs.errors import RunError, RunFailed, trainer_state_lost
 from trajflow.jobs.recorder import RunPaths, RunRecorder, read_metrics, truncate_after, write_state, write_table_atomic
 
 AGENTS_DIR = "agents"
@@ -40,20 +42,21 @@ def learner_paths(paths: RunPaths, learner: str) -> RunPaths:
     return RunPaths(paths.root / AGENTS_DIR / learner)
 
 
-def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resume: bool = False) -> None:
+def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resume: bool = False,
+                 verbose: bool = False) -> None:
     """Run the team `config` describes into `paths` (prepared by jobs/run.py: config.yaml
     written); `resume`: continue it from the newest version every learner has a checkpoint of
-    (team_resume_point), exactly as the uninterrupted run would have gone on."""
+    (team_resume_point); `verbose`: Ray's workers' lines printed (else in RUN/workers.log)."""
     from trajflow.pipelines.team import TeamPipeline
 
     started = time.time()
     pipeline_config = config.pipeline_config()  # validated once
     team = TeamPipeline.from_config(pipeline_config, config.model)
     settings = pipeline_config.settings.team
-    if resume and settings.run_on == "ray":
-        raise RunError(f"{paths.root}: --resume of a team run on Ray is not built yet (team.run_on: process "
-                       "resumes exactly)")
-    first_step, checkpoints = team_resume_point(paths, list(team.learners), settings.lags) if resume else (0, {})
+    on_ray = settings.run_on == "ray"
+    # on Ray no rollout in flight is kept: a resumed run samples every step from the resume point anew
+    lags = {} if on_ray else settings.lags
+    first_step, checkpoints = team_resume_point(paths, list(team.learners), lags) if resume else (0, {})
     for name, pipe in team.learners.items():
         own = learner_paths(paths, name)
         own.root.mkdir(parents=True, exist_ok=True)
@@ -62,34 +65,52 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
         truncate_after(own, first_step)
         RunRecorder(run_dir=str(own.root), steps=config.steps, checkpoint_every=config.checkpoint_every,
                     keep_checkpoints=config.keep_checkpoints, save_all_versions=config.save_all_versions,
-                    trajectory_log=config.trajectory_log,
+                    trajectory_log=config.trajectory_log, checkpoint_start=on_ray and config.recovery.max_restarts > 0,
                     resume_from=str(checkpoints[name].path) if name in checkpoints else None).install(pipe.hooks)
     truncate_after(paths, first_step)
     write_state(paths, state="running", started=started, steps=config.steps, first_step=first_step, team=True,
                 pid=os.getpid(), host=socket.gethostname())
     agents = team.environment.agents
-    if settings.run_on == "ray":
+    saved = partial(saved_version, paths, checkpoints) if first_step else None
+    if first_step:
+        print(f"trajflow: resuming the team from version {first_step} of every learner: steps "
+              f"{first_step}..{config.steps - 1}", flush=True)
+    if on_ray:
         bounds = ", ".join(f"{n} (max_staleness {p.config.max_staleness})" for n, p in team.learners.items())
         print(f"team: {team.environment.name}, agents {', '.join(agents)}; on Ray, learners {bounds}", flush=True)
         from trajflow.jobs.run import start_ray
+        from trajflow.pipelines.ray import patches as ray_patches
         from trajflow.pipelines.team_ray import iter_team_on_ray
 
         start_ray(config)
-        rows, start = iter_team_on_ray(team, config.eval_every, config.eval_prompts), {}
+        ray_patches.worker_output.to(None if verbose else paths.workers_log)  # once Ray forwards lines
+        rows = iter_team_on_ray(team, config.eval_every, config.eval_prompts, first_step, saved,
+                                logged=partial(logged_train_row, paths))
+        start = {}
     else:
         lags = ", ".join(f"{n} (lag {settings.lags.get(n, 0)})" for n in team.learners)
         print(f"team: {team.environment.name}, agents {', '.join(agents)}; learners {lags}", flush=True)
-        rows, start = _in_process(config, team, paths, settings.lags, first_step, checkpoints)
+        rows, start = _in_process(config, team, settings.lags, first_step, saved)
     last = started
-    for row in rows:
-        if row["step"] == 0:
-            row.update({f"{key}_start": value for key, value in start.items()})
-        row["seconds/step_end"] = now = time.time()
-        write_table_atomic(pa.Table.from_pylist([row]), paths.metrics_file(int(row["step"])))
-        if progress and config.status_every and (row["step"] % config.status_every == 0
-                                                  or row["step"] == config.steps - 1):
-            print(team_status_line(row, agents, config.steps, now - last), flush=True)
-        last = now
+    try:
+        for row in rows:
+            if row["step"] == 0:
+                row.update({f"{key}_start": value for key, value in start.items()})
+            row["seconds/step_end"] = now = time.time()
+            write_table_atomic(pa.Table.from_pylist([row]), paths.metrics_file(int(row["step"])))
+            for name in team.learners:  # a learner rebuilt on Ray (pipelines/team_ray.py)
+                if row.get(f"{name}/recovery/event"):
+                    print(f"trajflow: recovered learner {name}: {row[f'{name}/recovery/event']}", flush=True)
+            if progress and config.status_every and (row["step"] % config.status_every == 0
+                                                      or row["step"] == config.steps - 1):
+                print(team_status_line(row, agents, config.steps, now - last), flush=True)
+            last = now
+    except Exception as e:
+        write_state(paths, state="failed", ended=time.time(), error=f"{type(e).__name__}: {e}"[:500])
+        lost = trainer_state_lost(e)
+        if lost is not None:  # a learner not rebuilt (no checkpoint yet, max_restarts spent): one line
+            raise RunFailed(f"{lost} (team run {paths.root})") from None
+        raise
     metrics = read_metrics(paths)
     write_table_atomic(metrics.to_arrow(), paths.metrics)
     for name in team.learners:
@@ -101,15 +122,12 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
     write_state(paths, state="finished", ended=time.time())
 
 
-def _in_process(config: JobConfig, team, paths: RunPaths, lags: dict[str, int], first_step: int, checkpoints: dict):
-    """The rows of the team's loop in this process from `first_step` (a resume: > 0) and the
-    held-out rewards of version 0 (a fresh run with eval_every)."""
+def _in_process(config: JobConfig, team, lags: dict[str, int], first_step: int, saved):
+    """The rows of the team's loop in this process from `first_step` (a resume: > 0, its
+    learners' versions from `saved`) and the held-out rewards of version 0 (a fresh run with
+    eval_every)."""
     from trajflow.pipelines.team import heldout, iter_team_in_process, new_store
 
-    saved = partial(saved_version, paths, checkpoints) if first_step else None
-    if first_step:
-        print(f"trajflow: resuming the team from version {first_step} of every learner: steps "
-              f"{first_step}..{config.steps - 1}", flush=True)
     stores = {name: new_store(pipe, max(0, first_step - lags.get(name, 0)),
                               saved(name, max(0, first_step - lags.get(name, 0))) if saved else None)
               for name, pipe in team.learners.items()}
@@ -146,6 +164,12 @@ def saved_version(paths: RunPaths, checkpoints: dict[str, ckpt.Checkpoint], lear
     if path is None:
         raise RunError(f"{paths.root}: learner {learner}'s version {version} is not kept (save_all_versions)")
     return ckpt.load_version(path)
+
+
+def logged_train_row(paths: RunPaths, learner: str, step: int) -> dict | None:
+    """A learner's train-step metrics of `step` as its own run dir holds them (None: not written)."""
+    path = learner_paths(paths, learner).metrics_file(step)
+    return pl.read_parquet(path).row(0, named=True) if path.is_file() else None
 
 
 def _run_options(config: JobConfig) -> dict:

@@ -17,21 +17,31 @@ what its bound demands: the generator runs ahead of learner L by at most max_sta
 and every other learner trains as soon as its rows exist. Staleness is bounded, not held (the
 one-process loop holds it exactly, for studies that repeat): each row reports what it was.
 
-Not yet: a learner whose process dies is not restarted (the run fails; a team on Ray does not
-resume). Tried and left: Ray restarted such an actor (`max_restarts`, `max_task_retries`) but the
-retried step never ran on it, and the run waited.
+A learner whose process dies heals while the others run on: the driver sees its step fail
+(the actor died), starts a new actor for it on the same store, whose train step rebuilds the
+learner's state as it starts (operators/trainer/recovery.py: the last checkpoint, then the steps
+since it retrained from the learner's trajectory log), and submits that learner's steps again
+from the one that failed, on the rollouts the driver still holds: nothing is generated twice, the
+generator and the other learners wait only as their bounds demand. A step the dead actor had
+trained and logged before it died is not trained again; its metrics come from `logged` (the
+learner's own run dir). `recovery.max_restarts` bounds the rebuilds per learner (its store counts
+them). A generator or store that dies ends the run (`--resume` goes on from the checkpoints).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
 from trajflow.operators.contracts.stage import Stage
-from trajflow.operators.contracts.store import PolicyStoreClient
+from trajflow.operators.contracts.store import POLICY, PolicyStoreClient
 from trajflow.pipelines.local import build, run_stage
-from trajflow.pipelines.team import TeamPipeline, agent_metrics, agents_of, heldout, rows_of
+from trajflow.pipelines.team import Saved, TeamPipeline, agent_metrics, agents_of, heldout, rows_of
+
+# a learner's train-step metrics of a step from its own run (trained by an actor that died after
+# logging it): logged(learner, step), None where not written
+Logged = Callable[[str, int], dict | None]
 
 
 class TeamGeneratorActor:
@@ -55,19 +65,21 @@ class LearnerActor:
         self.name, self.store, self.agents = name, store, agents
         self.stages = [(stage.name, build(stage, store)) for stage in stages]
 
-    def step(self, rollout: dict[str, pa.Table]) -> dict:
-        """Train on this learner's rows of one rollout; its metrics under `<learner>/` and each of
-        its agents' reward and staleness."""
+    def step(self, rollout: dict[str, pa.Table]) -> tuple[dict | None, dict]:
+        """Train on this learner's rows of one rollout: its train row (None: the step was trained
+        and logged by the actor this one replaced) and each of its agents' reward and staleness."""
         batch = rollout[self.name]
         for stage in self.stages[:-1]:
             batch = run_stage(stage, batch)
         version = self.store.latest_version()
-        row = {}
-        for train_row in run_stage(self.stages[-1], batch).to_pylist():
-            row.update({f"{self.name}/{k}": v for k, v in train_row.items() if k != "step"})
+        trained = run_stage(self.stages[-1], batch).to_pylist()
+        agents = {}
         for agent in self.agents:
-            row.update(agent_metrics(batch, agent, version))
-        return row
+            agents.update(agent_metrics(batch, agent, version))
+        return (trained[0] if trained else None), agents
+
+    def ready(self) -> None:
+        """Returns once the actor is built (a rebuilt learner: recovered)."""
 
     def close(self) -> None:
         for _, operator in self.stages:
@@ -75,45 +87,68 @@ class LearnerActor:
                 operator.close()
 
 
-def iter_team_on_ray(team: TeamPipeline, eval_every: int = 0, eval_prompts: int = 200) -> Iterator[dict]:
+def iter_team_on_ray(team: TeamPipeline, eval_every: int = 0, eval_prompts: int = 200, first_step: int = 0,
+                     saved: Saved | None = None, logged: Logged | None = None) -> Iterator[dict]:
     """The team's metrics rows in step order (module docstring), Ray started embedded if it is not
-    running; every `eval_every` steps the team's greedy held-out reward per agent."""
+    running; every `eval_every` steps the team's greedy held-out reward per agent. `first_step`
+    k > 0 resumes a run whose learners' checkpoints hold version k (`saved(learner, k)`: their
+    weights; each train step restores the rest through its hooks): the rollouts from step k on
+    are sampled with version k and later."""
     import ray
 
     from trajflow.pipelines.ray.embedded import start_local_ray
     from trajflow.pipelines.policy_store import RayStore
 
+    if first_step and saved is None:
+        raise ValueError("first_step: resuming needs `saved`, the learners' weights of that version")
     start_local_ray()
     check_resources(team, ray.cluster_resources())
     steps = team.config.steps
     stores = {}
     for name, pipe in team.learners.items():
         c = pipe.config
-        stores[name] = RayStore.start(c.max_staleness, c.keeps_history(pipe.strategy), final_version=steps)
-        pipe.publish_start(stores[name], 0)
+        # a learner that may be rebuilt dies with the versions it put: its store owns them all
+        final = steps if c.recovery.max_restarts == 0 else None
+        stores[name] = RayStore.start(c.max_staleness, c.keeps_history(pipe.strategy), final_version=final)
+        pipe.publish_start(stores[name], first_step, {POLICY: dict(saved(name, first_step))} if first_step else None)
     first = next(iter(team.learners.values())).settings.generator
     agents = {name: agents_of(team, name) for name in team.learners}
     generator = ray.remote(TeamGeneratorActor).options(num_cpus=first.num_cpus, num_gpus=first.num_gpus,
                                                       resources=dict(first.resources)).remote(
         team.generator_arguments(stores), agents)
-    learners = {}
-    for name, pipe in team.learners.items():
-        trainer = pipe.settings.trainer
-        learners[name] = ray.remote(LearnerActor).options(
+
+    def learner(name: str):
+        trainer = team.learners[name].settings.trainer
+        return ray.remote(LearnerActor).options(
             num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus, resources=dict(trainer.resources)).remote(
             name, team.learner_stages(name), stores[name], agents[name])
+
+    learners = {name: learner(name) for name in team.learners}
     try:
-        rollouts = [generator.rollout.remote(team.prompt_rows(r)) for r in range(steps)]
+        rollouts = [generator.rollout.remote(team.prompt_rows(r)) for r in range(first_step, steps)]
         trained = {name: [actor.step.remote(rollout) for rollout in rollouts] for name, actor in learners.items()}
-        for step in range(steps):
+        for i, step in enumerate(range(first_step, steps)):
             row = {"step": step}
             for name in learners:
-                row.update(ray.get(trained[name][step]))
+                while True:
+                    try:
+                        train_row, agent_rows = ray.get(trained[name][i])
+                        break
+                    except ray.exceptions.ActorDiedError:  # heal it (module docstring)
+                        ray.kill(learners[name])
+                        learners[name] = learner(name)
+                        # one that cannot be rebuilt (no checkpoint, max_restarts spent) ends the run here
+                        ray.get(learners[name].ready.remote())
+                        trained[name][i:] = [learners[name].step.remote(rollout) for rollout in rollouts[i:]]
+                if train_row is None and logged is not None:
+                    train_row = logged(name, step)
+                row.update({f"{name}/{k}": v for k, v in (train_row or {}).items() if k != "step"})
+                row.update(agent_rows)
             if eval_every and (step + 1) % eval_every == 0:
                 row.update(heldout(team, stores, eval_prompts))
             yield row
-    finally:
         ray.get([actor.close.remote() for actor in learners.values()])
+    finally:  # on an error the actors are killed as they are (a close would wait behind their queued steps)
         for actor in [generator, *learners.values(), *(store.actor for store in stores.values())]:
             ray.kill(actor)
 

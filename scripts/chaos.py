@@ -12,7 +12,7 @@ and the seconds from the kill to the step's metrics (the recovery time seen from
 Kinds (the process command lines they match): trainer_worker `TrainerRank` (needs
 trainer.num_workers >= 2), train_step `TrainStep` (its fused stages too, in sync mode),
 generator `Generate`, scorer `OldLogprobs` (a dedicated or snapshot scorer stage), store
-`PolicyStoreActor`.
+`PolicyStoreActor`, learner `LearnerActor` (an agent's learner of a team on Ray).
 
 `chaos_run` (what the tests use, through conftest's `chaos` fixture) takes several kills, each
 (kind, step), in one run.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = {"trainer_worker": "TrainerRank", "train_step": "TrainStep", "generator": "Generate",
-         "scorer": "OldLogprobs", "store": "PolicyStoreActor"}
+         "scorer": "OldLogprobs", "store": "PolicyStoreActor", "learner": "LearnerActor"}
 CLI = [sys.executable, "-m", "trajflow.jobs.cli"]
 
 

@@ -267,6 +267,85 @@ def test_team_on_ray_bounds_each_agents_staleness_and_stays_exact(ray_session, t
         assert (root / "agents" / agent / "trajectories").is_dir()
 
 
+# a team on Ray with every bound 0 samples rollout r with version r of every learner, as the
+# one-process loop at lag 0 does: the same numbers, so a healed or resumed Ray run is compared
+# with one uninterrupted run in this process
+BOUND_0 = ["steps=6", "prompts_per_step=8", "group_size=4", "eval_every=0", "checkpoint_every=2", "max_staleness=0",
+           "team.lags={}"]
+# what may differ between the runs: timings, memory accounting (each store's own), where it ran,
+# the recovery's own entries
+NOT_COMPARED = ("seconds", "busy", "bytes", "recovery/", "trainer_node", "time")
+
+
+@pytest.fixture(scope="module")
+def bound_0_in_process(tmp_path_factory):
+    from trajflow.jobs.config import load_job_config
+    from trajflow.jobs.run import run_job
+
+    return run_job(load_job_config("relay", [*BOUND_0, f"run_dir={tmp_path_factory.mktemp('base') / 'run'}"]),
+                   progress=False)
+
+
+def assert_same_team_run(base, other) -> None:
+    """Every step's numbers (but NOT_COMPARED) and both learners' final weights and optimizer state
+    equal, bit for bit."""
+    import polars as pl
+    from safetensors.torch import load_file
+
+    a, b = (pl.read_parquet(root / "metrics.parquet") for root in (base, other))
+    assert b["step"].to_list() == list(range(6))
+    keys = [k for k in a.columns if a[k].dtype.is_numeric() and not any(n in k for n in NOT_COMPARED)]
+    assert {"lead/loss", "finish/loss", "lead/reward/mean", "finish/clip/frac"} <= set(keys) <= set(b.columns)
+    for key in keys:
+        assert a[key].to_list() == b[key].to_list(), key
+    for agent in ("lead", "finish"):
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            x, y = (load_file(root / "agents" / agent / "checkpoints" / "step-000006" / name) for root in (base, other))
+            assert x.keys() == y.keys() and all(bool((x[k] == y[k]).all()) for k in x), (agent, name)
+
+
+def test_a_killed_learner_on_ray_heals_while_the_other_runs_on(tmp_path, chaos, bound_0_in_process):
+    """SIGKILL one learner's actor while step 3 trains: the driver starts a new one, which rebuilds
+    that learner from its checkpoint (version 2) and trajectory log; the run ends with every
+    step's numbers and both learners' final weights equal to the uninterrupted run's."""
+    import polars as pl
+
+    args = ["relay", *(arg for s in [*BOUND_0, "team.run_on=ray"] for arg in ("--set", s))]
+    result = chaos.chaos_run(args, tmp_path / "run", [("learner", 3)], tmp_path / "run.log", timeout=240)
+    assert result.status == 0 and result.killed == 1, result.output[-2000:]
+    assert result.kills[0].seconds is not None
+    assert "trajflow: recovered learner" in result.output and "A worker died" not in result.output
+    metrics = pl.read_parquet(tmp_path / "run" / "metrics.parquet")
+    restarts = metrics["lead/recovery/restarts"] + metrics["finish/recovery/restarts"]
+    assert restarts.to_list() == [0, 0, 0, 1, 1, 1]  # one learner rebuilt, at step 3
+    assert_same_team_run(bound_0_in_process, tmp_path / "run")
+
+
+def test_a_killed_team_run_on_ray_resumes_every_agent(ray_session, tmp_path, bound_0_in_process):
+    """SIGKILL a team run on Ray after step 3; `--resume` starts every learner from its checkpoint
+    (each store from its version, each train step with its optimizer and strategy state): the
+    same numbers and final state as the uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from trajflow.jobs.run import resume_job
+
+    command = [sys.executable, "-m", "trajflow.jobs.cli", "run", "relay", "--run-dir", str(tmp_path / "run"),
+               *(arg for s in [*BOUND_0, "team.run_on=ray"] for arg in ("--set", s))]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in process.stdout:
+            if line.startswith("step 3"):
+                os.killpg(process.pid, signal.SIGKILL)
+                break
+    finally:
+        process.wait(timeout=240)
+    assert process.returncode == -signal.SIGKILL
+    assert_same_team_run(bound_0_in_process, resume_job(tmp_path / "run", progress=False))
+
+
 def test_team_on_ray_refuses_more_cpus_than_the_cluster_has():
     from trajflow.pipelines.team_ray import check_resources
 

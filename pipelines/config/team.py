@@ -33,7 +33,8 @@ class TeamConfig:
         "process", "process: every learner in this process, step after step, staleness held exactly at `lags` "
         "(studies that repeat; `--resume` exact); ray: the generator and each learner an actor with its own "
         "resources (its trainer section's num_cpus, num_gpus), asynchronous, staleness bounded by each "
-        "learner's max_staleness (pipelines/team_ray.py)")
+        "learner's max_staleness, a learner whose process dies rebuilt while the others run on "
+        "(pipelines/team_ray.py)")
     agents: dict[str, dict[str, Any]] = setting(
         doc="per agent, the keys of this config that differ for its learner (e.g. {finish: {optimizer: {lr: "
         "6.0e-4}}}); not with share_policy", default_factory=dict)
