@@ -51,7 +51,13 @@ from trajflow.operators.trainer.accounting import apply_staleness_bound, step_me
 from trajflow.operators.contracts.store import CRITIC, POLICY
 from trajflow.operators.trainer.addresses import serving_host
 from trajflow.operators.trainer.collective import Collective, this_node
-from trajflow.operators.trainer.correction import StepBatch, merge_outputs, old_column, step_diagnostics
+from trajflow.operators.trainer.correction import (
+    StepBatch,
+    agent_diagnostics,
+    merge_outputs,
+    old_column,
+    step_diagnostics,
+)
 from trajflow.operators.trainer.critic import critic_inputs, train_time_columns
 from trajflow.operators.trainer.group import RESUME_HINT, InProcessGroup, Pending, TrainerStateLost, WorkerGroup
 from trajflow.operators.trainer.plan import plan_shards
@@ -467,7 +473,8 @@ class TrainStep(TrainerReplica):
         diagnostics: dict = {}
         old = None
         if train_policy:
-            diagnostics, old = self._policy_diagnostics([r.policy for r in results], batch, trainer_version)
+            agents = table["agent"].to_pylist() if "agent" in table.column_names else []
+            diagnostics, old = self._policy_diagnostics([r.policy for r in results], batch, trainer_version, agents)
         if critic is not None:
             diagnostics.update(critic.diagnostics([r.critic for r in results], trainer_version))
         parallel = self._parallel_metrics([r.policy or r.critic for r in results])
@@ -477,8 +484,10 @@ class TrainStep(TrainerReplica):
                 parallel[f"seconds/{name}_update"] = max(d.seconds for d in done)
         return diagnostics, old, parallel
 
-    def _policy_diagnostics(self, results: list, batch: StepBatch, trainer_version: int) -> tuple[dict, list]:
-        """The policy's step diagnostics from every worker's update, and pi_old as used per row."""
+    def _policy_diagnostics(self, results: list, batch: StepBatch, trainer_version: int,
+                            agents: Sequence[str]) -> tuple[dict, list]:
+        """The policy's step diagnostics from every worker's update (split by agent where the rows
+        are several agents': `agents`, per row), and pi_old as used per row."""
         parts = [part for r in results for part in r.parts]
         merged = merge_outputs(parts, batch.loss_mask.shape, loss=float(np.mean(results[0].losses)))
         olds = torch.zeros_like(batch.inference)
@@ -489,6 +498,7 @@ class TrainStep(TrainerReplica):
         diagnostics["grad/norm"] = float(np.mean(results[0].norms)) if results[0].norms else None
         diagnostics["grad/nonfinite_skipped"] = float(results[0].skipped)
         diagnostics["optimizer/lr"] = results[0].lr
+        diagnostics.update(agent_diagnostics(merged, batch, agents, trainer_version))
         return diagnostics, old_column(olds, [len(r) for r in batch.responses])
 
     def _parallel_metrics(self, results: list) -> dict:

@@ -20,7 +20,8 @@ trains them at version b. So the agents' policies run at different lags behind t
         for each learner L: train L on rollout r - S_L's rows (publishes L's version r - S_L + 1)
 
 Per step one metrics row: each learner's train row under `<learner>/` (`lead/loss`,
-`lead/clip/frac`, ...), and per agent from its trained rows `<agent>/reward/mean`,
+`lead/clip/frac`, ...; a shared learner's mask, clip and mismatch split by agent too, under
+`<agent>/`: learner_row), and per agent from its trained rows `<agent>/reward/mean`,
 `<agent>/staleness/mean`, `<agent>/staleness/max` (the learner's version at its train step minus
 each own token's version) and `<agent>/version`; every `eval_every` steps the team's greedy
 held-out reward per agent (`heldout/<agent>`).
@@ -213,7 +214,7 @@ def iter_team_in_process(team: TeamPipeline, lags: Mapping[str, int] | None = No
                 version = stores[name].latest_version()
                 row = rows.setdefault(step, {"step": step})
                 for train_row in run_stage(("train", train[name]), trained).to_pylist():
-                    row.update({f"{name}/{k}": v for k, v in train_row.items() if k != "step"})
+                    row.update(learner_row(name, train_row))
                 for agent in agents_of(team, name):
                     row.update(agent_metrics(trained, agent, version))
             done = r - max(lags.values())
@@ -264,6 +265,20 @@ def rows_of(batch: pa.Table, agents: list[str]) -> pa.Table:
 def agents_of(team: TeamPipeline, learner: str) -> list[str]:
     """The agents whose policy is `learner`."""
     return [a for a, n in team.learner_of.items() if n == learner]
+
+
+def learner_row(learner: str, train_row: Mapping) -> dict:
+    """A learner's train row in the team's row: `<learner>/<key>`, and a shared learner's split by
+    agent (`agent/<agent>/<key>`, operators/trainer/correction.py) as `<agent>/<key>`, the keys
+    an agent's own learner has."""
+    out = {}
+    for key, value in train_row.items():
+        if key.startswith("agent/"):
+            agent, rest = key.removeprefix("agent/").split("/", 1)
+            out[f"{agent}/{rest}"] = value
+        elif key != "step":
+            out[f"{learner}/{key}"] = value
+    return out
 
 
 def agent_metrics(batch: pa.Table, agent: str, version: int) -> dict[str, float]:

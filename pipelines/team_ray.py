@@ -37,7 +37,15 @@ import pyarrow as pa
 from trajflow.operators.contracts.stage import Stage
 from trajflow.operators.contracts.store import POLICY, PolicyStoreClient
 from trajflow.pipelines.local import build, run_stage
-from trajflow.pipelines.team import Saved, TeamPipeline, agent_metrics, agents_of, heldout, rows_of
+from trajflow.pipelines.team import (
+    Saved,
+    TeamPipeline,
+    agent_metrics,
+    agents_of,
+    heldout,
+    learner_row,
+    rows_of,
+)
 
 # a learner's train-step metrics of a step from its own run (trained by an actor that died after
 # logging it): logged(learner, step), None where not written
@@ -142,7 +150,7 @@ def iter_team_on_ray(team: TeamPipeline, eval_every: int = 0, eval_prompts: int 
                         trained[name][i:] = [learners[name].step.remote(rollout) for rollout in rollouts[i:]]
                 if train_row is None and logged is not None:
                     train_row = logged(name, step)
-                row.update({f"{name}/{k}": v for k, v in (train_row or {}).items() if k != "step"})
+                row.update(learner_row(name, train_row or {}))
                 row.update(agent_rows)
             if eval_every and (step + 1) % eval_every == 0:
                 row.update(heldout(team, stores, eval_prompts))

@@ -134,6 +134,15 @@ def test_shared_policy_trains_both_agents_rows_in_one_learner():
     assert last["lead/staleness/max"] == last["finish/staleness/max"] == 1  # one learner, one lag
     assert last["lead/version"] == last["finish/version"] == 2
     assert last["shared/rows"] == 2 * BASE["prompts_per_step"] * BASE["group_size"]
+    # the shared learner's mask, clip and mismatch split by agent: the step's own are their mix
+    for row in rows:
+        tokens = {a: row[f"{a}/loss_tokens"] for a in ("lead", "finish")}
+        for key in ("clip/frac", "mask/token_kept_frac", "mismatch/k1"):
+            mixed = sum(row[f"{a}/{key}"] * n for a, n in tokens.items()) / sum(tokens.values())
+            assert mixed == pytest.approx(row[f"shared/{key}"], abs=1e-6), key
+        assert max(row["lead/mismatch/max_abs_log_rd"], row["finish/mismatch/max_abs_log_rd"]) == \
+            row["shared/mismatch/max_abs_log_rd"]
+    assert any(row["lead/clip/frac"] != row["finish/clip/frac"] for row in rows[1:])
     assert 0.0 <= last["heldout/lead"] <= 1.0 and last["heldout/lead"] == last["heldout/finish"]  # a team reward
 
 

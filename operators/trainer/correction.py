@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -312,6 +313,27 @@ def step_diagnostics(merged: LossOutput, batch: StepBatch, trainer_version: int,
     d["rows_spanning_versions"] = sum(len(set(v)) > 1 for v in (batch.versions[i, : len(r)].tolist()
                                                                   for i, r in enumerate(batch.responses)))
     return d
+
+
+# a shared learner's per-agent split of its step (a team: pipelines/team.py), under `agent/<agent>/`
+AGENT_KEYS = ("mask/token_kept_frac", "mask/seq_kept_frac", "clip/frac", "mismatch/k1", "mismatch/k3",
+              "mismatch/max_abs_log_rd")
+
+
+def agent_diagnostics(merged: LossOutput, batch: StepBatch, agents: Sequence[str], trainer_version: int) -> dict:
+    """When the step's rows belong to several agents (`agents`, per row: one learner shared by a
+    team's agents), AGENT_KEYS of each agent's rows alone as `agent/<agent>/<key>`; else nothing
+    (a learner of one agent: its step's diagnostics are that agent's)."""
+    if len(set(agents)) < 2:
+        return {}
+    out = {}
+    for agent in sorted(set(agents)):
+        rows = torch.tensor([i for i, a in enumerate(agents) if a == agent])
+        part = LossOutput(**{f.name: value[rows] if value.dim() == 2 else value
+                             for f in dataclasses.fields(LossOutput) for value in [getattr(merged, f.name)]})
+        d = correction_diagnostics(part, versions=batch.versions[rows], trainer_version=trainer_version)
+        out.update({f"agent/{agent}/{key}": d[key] for key in AGENT_KEYS})
+    return out
 
 
 def old_column(old: Tensor, lengths: list[int]) -> list[list[float]]:
