@@ -51,7 +51,10 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
 
     started = time.time()
     pipeline_config = config.pipeline_config()  # validated once
-    team = TeamPipeline.from_config(pipeline_config, config.model)
+    try:
+        team = TeamPipeline.from_config(pipeline_config, config.model)
+    except ValueError as e:  # a key the environment's agents contradict (team.agents, team.role_prompts)
+        raise RunError(str(e)) from None
     settings = pipeline_config.settings.team
     on_ray = settings.run_on == "ray"
     # on Ray no rollout in flight is kept: a resumed run samples every step from the resume point anew

@@ -5,6 +5,7 @@ times as a team episode (tasks/team.py): the environment decides whose turn it i
 is sampled by the acting agent's policy. Batch out: for every episode one row per agent (schema
 v1 plus `agent` and `token_agents`), agent-major, so each agent's rows are one block:
 
+    prompt_tokens        the prompt in the row's agent's view (ending with its role prompt, if any)
     response_tokens      the whole episode after the prompt (every agent's and the environment's)
     loss_mask            true on the row's agent's own tokens only: the others' are its context
     inference_logprobs   each token's producer's log-prob (0.0 on environment tokens)
@@ -48,7 +49,8 @@ class GenerateTeam:
     def __init__(self, stores: Mapping[str, PolicyStoreClient], learner_of: Mapping[str, str],
                  model_paths: Mapping[str, str | Path], workload: Workload, environment: TeamEnvironment,
                  rollout: RolloutConfig, engine: EngineConfig, numerics: TrainingNumerics,
-                 weight_sync: WeightSyncConfig, torch_threads: int) -> None:
+                 weight_sync: WeightSyncConfig, torch_threads: int, role_prompts: Mapping[str, str] | None = None
+                 ) -> None:
         missing = [a for a in environment.agents if a not in learner_of]
         if missing:
             raise ValueError(f"GenerateTeam: no learner for agent(s) {missing}")
@@ -57,6 +59,7 @@ class GenerateTeam:
                              "(no partial_rollout, interrupt or top_k_logprobs yet)")
         self.environment = environment
         self.learner_of = dict(learner_of)
+        self.role_prompts = dict(role_prompts or {})
         # one single-agent generator per learner: its store, admission, weights and engine
         self.generators = {name: Generate(stores[name], model_paths[name], workload, rollout, engine, numerics,
                                           weight_sync, torch_threads)
@@ -83,7 +86,7 @@ class GenerateTeam:
         prompts = [prompt_of(row) for row in batch.to_pylist()]
         prompt_tokens = batch["prompt_tokens"].to_pylist()
         episodes = run_team_episodes(engines, self.environment, self.tokenizer, prompts, self.group_size,
-                                     prompt_tokens=prompt_tokens)
+                                     prompt_tokens=prompt_tokens, role_prompts=self.role_prompts)
         for name, generator in self.generators.items():
             used = {v for e in episodes for a, learner in self.learner_of.items() if learner == name
                     for v in e.versions[a]}
@@ -106,7 +109,7 @@ class GenerateTeam:
             "trajectory_id": [f"s{step:06d}-p{prompt_idx[i]:03d}-n{sample_idx[i]:03d}/{a}" for a, i in order],
             "group_id": [f"s{step:06d}-p{prompt_idx[i]:03d}/{a}" for a, i in order],
             "prompt_id": [prompt_ids[prompt_idx[i]] for _, i in order],
-            "prompt_tokens": pa.array([episodes[i].prompt_tokens for _, i in order], int_list),
+            "prompt_tokens": pa.array([episodes[i].prompt_of(a) for a, i in order], int_list),
             "response_tokens": pa.array([episodes[i].response_tokens for _, i in order], int_list),
             "loss_mask": pa.array([[p == a for p in episodes[i].agents] for a, i in order], pa.list_(pa.bool_())),
             "inference_logprobs": pa.array([episodes[i].logprobs for _, i in order], float_list),

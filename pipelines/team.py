@@ -30,7 +30,7 @@ held-out reward per agent (`heldout/<agent>`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -65,12 +65,17 @@ class TeamPipeline:
     environment: TeamEnvironment
     learners: dict[str, RLPipeline]
     learner_of: dict[str, str]
+    role_prompts: dict[str, str] = field(default_factory=dict)  # per agent (tasks/team.py)
 
     def __post_init__(self) -> None:
         unknown = {a: n for a, n in self.learner_of.items() if n not in self.learners}
         if unknown or set(self.learner_of) != set(self.environment.agents):
             raise ValueError(f"TeamPipeline: learner_of must name a learner for every agent of "
                              f"{self.environment.agents}, got {self.learner_of}")
+        strangers = sorted(set(self.role_prompts) - set(self.environment.agents))
+        if strangers:
+            raise ValueError(f"team.role_prompts: {strangers} are not agents of {self.environment.name} "
+                             f"{self.environment.agents}")
         for name, pipe in self.learners.items():
             if pipe.config.eval_every:
                 raise ValueError(f"TeamPipeline: learner {name!r} has eval_every {pipe.config.eval_every}; the team "
@@ -78,16 +83,19 @@ class TeamPipeline:
 
     @classmethod
     def of(cls, config: PipelineConfig, environment: TeamEnvironment, share_policy: bool = False,
-           agent_configs: Mapping[str, PipelineConfig] | None = None) -> "TeamPipeline":
+           agent_configs: Mapping[str, PipelineConfig] | None = None,
+           role_prompts: Mapping[str, str] | None = None) -> "TeamPipeline":
         """The team on `config`: one learner per agent (each on `agent_configs[agent]` if given,
-        else `config`), or with `share_policy` one learner for every agent."""
+        else `config`), or with `share_policy` one learner for every agent; `role_prompts`: per
+        agent, text its view of the prompt ends with."""
+        roles = dict(role_prompts or {})
         if share_policy:
             if agent_configs:
                 raise ValueError("TeamPipeline.of: agent_configs need a policy per agent (share_policy=False)")
-            return cls(environment, {SHARED: RLPipeline(config)}, {a: SHARED for a in environment.agents})
+            return cls(environment, {SHARED: RLPipeline(config)}, {a: SHARED for a in environment.agents}, roles)
         configs = dict(agent_configs or {})
         return cls(environment, {a: RLPipeline(configs.get(a, config)) for a in environment.agents},
-                   {a: a for a in environment.agents})
+                   {a: a for a in environment.agents}, roles)
 
     @classmethod
     def from_config(cls, config: PipelineConfig, model_path: str | Path | None = None) -> "TeamPipeline":
@@ -101,13 +109,13 @@ class TeamPipeline:
         environment = team_environment(team.environment, config)
         if team.share_policy:
             learners = {SHARED: RLPipeline(PipelineConfig(**base), model_path)}
-            return cls(environment, learners, {a: SHARED for a in environment.agents})
+            return cls(environment, learners, {a: SHARED for a in environment.agents}, dict(team.role_prompts))
         unknown = sorted(set(team.agents) - set(environment.agents))
         if unknown:
             raise ValueError(f"team.agents: {unknown} are not agents of {environment.name} {environment.agents}")
         learners = {a: RLPipeline(PipelineConfig(**merged(base, team.agents.get(a, {}))), model_path)
                     for a in environment.agents}
-        return cls(environment, learners, {a: a for a in environment.agents})
+        return cls(environment, learners, {a: a for a in environment.agents}, dict(team.role_prompts))
 
     @property
     def config(self) -> PipelineConfig:
@@ -128,7 +136,8 @@ class TeamPipeline:
         return dict(stores=dict(stores), learner_of=self.learner_of,
                     model_paths={n: p.model_path for n, p in self.learners.items()}, workload=first.workload,
                     environment=self.environment, rollout=rollout, engine=engine, numerics=s.numerics,
-                    weight_sync=s.weight_sync, torch_threads=s.generator.torch_threads)
+                    weight_sync=s.weight_sync, torch_threads=s.generator.torch_threads,
+                    role_prompts=self.role_prompts)
 
     def learner_stages(self, learner: str) -> list[Stage]:
         """A learner's stages after the rollout: old log-probs, advantage, filter, ..., its train step last."""
@@ -306,5 +315,5 @@ def heldout(team: TeamPipeline, stores: Mapping[str, PolicyStoreClient], n: int)
         models[name] = model.eval()
     tokenizer = load_tokenizer(next(iter(team.learners.values())).model_path)
     rewards = heldout_team_rewards({a: models[n_] for a, n_ in team.learner_of.items()}, team.environment,
-                                   tokenizer, n)
+                                   tokenizer, n, role_prompts=team.role_prompts)
     return {f"heldout/{a}": v for a, v in rewards.items()}

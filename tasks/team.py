@@ -20,6 +20,9 @@ the token was appended (`versions[agent]`): for the producer the version that sa
 everyone else the version resident then, as an environment token carries in a single-agent
 episode (tasks/rollout.py). So an agent's view of the episode is a single-agent episode in which
 the other agents are its environment (operators/generate_team.py makes one row per agent of it).
+`role_prompts` (per agent, optional): text appended to the prompt in that agent's view only —
+its turns are sampled after it, its row's prompt ends with it — so one policy shared by several
+agents is told which one it acts as.
 
 Built in: `RelayEnv` ("relay"): two agents write one answer of a single-turn task together.
 """
@@ -151,6 +154,7 @@ class TeamEpisodeRecord:
     prompt_index: int
     prompt_tokens: list[int]
     env: TeamEpisode
+    roles: Mapping[str, list[int]] = field(default_factory=dict)  # an agent's role prompt's tokens
     response_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # the producer's; 0.0 on environment tokens
     agents: list[str | None] = field(default_factory=list)  # each token's producer (None: environment)
@@ -163,6 +167,10 @@ class TeamEpisodeRecord:
     def finished(self) -> bool:
         return self.finish_reason != ""
 
+    def prompt_of(self, agent: str) -> list[int]:
+        """The prompt in `agent`'s view: the episode's, then its role prompt (if any)."""
+        return self.prompt_tokens + list(self.roles.get(agent, ()))
+
     def append(self, tokens: Sequence[int], logprobs: Sequence[float], producer: str | None,
                engines: Mapping[str, TorchEngine]) -> None:
         self.response_tokens += tokens
@@ -173,17 +181,21 @@ class TeamEpisodeRecord:
 
 
 def run_team_episodes(engines: Mapping[str, TorchEngine], env: TeamEnvironment, tokenizer,
-                      prompts: Sequence[Prompt], n: int = 1, *,
-                      prompt_tokens: Sequence[list[int]] | None = None) -> list[TeamEpisodeRecord]:
+                      prompts: Sequence[Prompt], n: int = 1, *, prompt_tokens: Sequence[list[int]] | None = None,
+                      role_prompts: Mapping[str, str] | None = None) -> list[TeamEpisodeRecord]:
     """Play n team episodes per prompt (prompt-major), each turn sampled by the acting agent's
     engine (module docstring). `prompt_tokens`: the prompts' ids as the prompt source encoded
-    them (default: `encode_prompt` of the text)."""
+    them (default: `encode_prompt` of the text); `role_prompts`: per agent, text its view of the
+    prompt ends with."""
     missing = [a for a in env.agents if a not in engines]
-    if missing:
-        raise ValueError(f"run_team_episodes: no engine for agent(s) {missing}")
+    unknown = sorted(set(role_prompts or {}) - set(env.agents))
+    if missing or unknown:
+        raise ValueError(f"run_team_episodes: no engine for agent(s) {missing}" if missing else
+                         f"run_team_episodes: role_prompts for {unknown}, not agents of {env.agents}")
     if prompt_tokens is None:
         prompt_tokens = [encode_prompt(tokenizer, p.text) for p in prompts]
-    episodes = [TeamEpisodeRecord(i, list(ids), env.reset(p), rewards={a: 0.0 for a in env.agents})
+    roles = {a: tokenizer.encode(text, add_special_tokens=False) for a, text in (role_prompts or {}).items() if text}
+    episodes = [TeamEpisodeRecord(i, list(ids), env.reset(p), roles, rewards={a: 0.0 for a in env.agents})
                 for i, (p, ids) in enumerate(zip(prompts, prompt_tokens)) for _ in range(n)]
     budget = env.max_response_tokens
     for _ in range(env.max_turns):
@@ -210,7 +222,7 @@ def _play_turn(agent: str, group: list[TeamEpisodeRecord], engines: Mapping[str,
     remaining = [budget - len(e.response_tokens) for e in group]
     engine.sampling = dataclasses.replace(base, max_new_tokens=max(1, min(env.turn_tokens(agent), max(remaining))))
     try:
-        gens = engine.generate([e.prompt_tokens + e.response_tokens for e in group], n=1)
+        gens = engine.generate([e.prompt_of(agent) + e.response_tokens for e in group], n=1)
     finally:
         engine.sampling = base
     stop_ids = [engine.eos_id, *engine.stop_token_ids]
@@ -235,7 +247,7 @@ def _play_turn(agent: str, group: list[TeamEpisodeRecord], engines: Mapping[str,
 
 
 def heldout_team_rewards(models: Mapping[str, torch.nn.Module], env: TeamEnvironment, tokenizer, n: int,
-                         batch_size: int = 256) -> dict[str, float]:
+                         batch_size: int = 256, role_prompts: Mapping[str, str] | None = None) -> dict[str, float]:
     """Each agent's mean reward over greedy team episodes on the first n held-out prompts
     (float32, no Ray); `models[agent]`: the agent's policy (one object for a shared policy)."""
     engines: dict[int, TorchEngine] = {}
@@ -244,7 +256,8 @@ def heldout_team_rewards(models: Mapping[str, torch.nn.Module], env: TeamEnviron
     totals = {a: [] for a in env.agents}
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
-            for e in run_team_episodes(by_agent, env, tokenizer, prompts[start:start + batch_size]):
+            for e in run_team_episodes(by_agent, env, tokenizer, prompts[start:start + batch_size],
+                                       role_prompts=role_prompts):
                 for a in env.agents:
                     totals[a].append(e.rewards[a])
     return {a: float(np.mean(v)) if v else 0.0 for a, v in totals.items()}

@@ -4,6 +4,7 @@ pipelines/team.py). In-process, no Ray: the warm start of addition, the relay en
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pytest
 
 from trajflow.operators.old_logprobs import OldLogprobsAtBehaviorVersion
@@ -146,6 +147,39 @@ def test_shared_policy_trains_both_agents_rows_in_one_learner():
     assert 0.0 <= last["heldout/lead"] <= 1.0 and last["heldout/lead"] == last["heldout/finish"]  # a team reward
 
 
+def test_role_prompts_tell_a_shared_policy_which_agent_it_acts_as(tiny):
+    """Each agent's turns are sampled after its own role prompt and its rows' prompt ends with it:
+    the old log-probs scored on those rows equal the inference ones, and scored without the role
+    prompt (the context the turns were not sampled in) they do not."""
+    _, tokenizer = tiny
+    roles = {"lead": " lead:", "finish": " finish:"}
+    config = PipelineConfig(**{**BASE, "steps": 2})
+    team = TeamPipeline.of(config, relay(), share_policy=True, role_prompts=roles)
+    steps = list(iter_team_in_process(team, {"shared": 1}))
+    for batches, _ in steps:
+        batch = batches["shared"]
+        # float32, but the role prompts are text the warm start never saw: its tokens' log-probs
+        # are larger in magnitude, and so is float32's rounding (up to 2.3e-5 seen, 8e-6 without)
+        assert own_gap(batch) < 1e-4
+        rows = {a: batch.filter(pa.compute.equal(batch["agent"], a)) for a in roles}
+        for agent, text in roles.items():
+            role = tokenizer.encode(text, add_special_tokens=False)
+            assert all(p[-len(role):] == role for p in rows[agent]["prompt_tokens"].to_pylist())
+        assert rows["lead"]["response_tokens"].to_pylist() == rows["finish"]["response_tokens"].to_pylist()
+    finish = steps[0][0]["shared"].filter(pa.compute.equal(steps[0][0]["shared"]["agent"], "finish"))
+    n = len(tokenizer.encode(roles["finish"], add_special_tokens=False))
+    stripped = finish.set_column(finish.schema.get_field_index("prompt_tokens"), "prompt_tokens",
+                                 pa.array([p[:-n] for p in finish["prompt_tokens"].to_pylist()], pa.list_(pa.int32())))
+    shared = team.learners["shared"]
+    # a new store: version 0, the weights step 0 was sampled with (lag 1)
+    scorer = OldLogprobsAtBehaviorVersion(new_store(shared), shared.model_path, shared.sampling, skip_filtered=False,
+                                          numerics=shared.settings.numerics, torch_threads=1,
+                                          weight_sync=shared.settings.weight_sync)
+    assert own_gap(scorer(stripped)) > 1e-2
+    with pytest.raises(ValueError, match="team.role_prompts: \\['judge'\\] are not agents"):
+        TeamPipeline.of(config, relay(), role_prompts={"judge": "?"})
+
+
 def test_team_pipeline_refuses_what_it_cannot_run():
     config = PipelineConfig(**BASE)
     with pytest.raises(ValueError, match="lags: lead's 3 must be in"):
@@ -195,6 +229,7 @@ def test_team_job_writes_a_run_dir_per_learner(tmp_path, capsys):
     ({"team": {"share_policy": True, "agents": {"lead": {"seed": 2}}}}, "agents"),
     ({"team": {"environment": "nowhere"}}, "team.environment"),
     ({"team": {"share_policy": True, "lags": {"lead": 1}}}, "team.lags"),
+    ({"team": {"role_prompts": {"lead": 3}}}, "role_prompts"),
 ])
 def test_team_config_refuses_by_key(change, key):
     from trajflow.jobs.config import JobConfigError, build_job_config, load_job_config, resolve_config_path, safe_yaml

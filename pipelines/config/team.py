@@ -38,6 +38,10 @@ class TeamConfig:
     agents: dict[str, dict[str, Any]] = setting(
         doc="per agent, the keys of this config that differ for its learner (e.g. {finish: {optimizer: {lr: "
         "6.0e-4}}}); not with share_policy", default_factory=dict)
+    role_prompts: dict[str, str] = setting(
+        doc="per agent, text appended to the prompt in that agent's view only: its turns are sampled after it "
+        "and its rows' prompt ends with it, so a shared policy is told which agent it acts as (e.g. {lead: ' lead:', "
+        "finish: ' finish:'}); an agent left out: none", default_factory=dict)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -53,6 +57,9 @@ class TeamConfig:
         bad = {name: keys for name, keys in self.agents.items() if not isinstance(keys, dict)}
         if bad:
             raise SettingError("agents", f"TeamConfig.agents: each agent's keys are a mapping, got {bad}")
+        bad = {name: text for name, text in self.role_prompts.items() if not isinstance(text, str)}
+        if bad:
+            raise SettingError("role_prompts", f"TeamConfig.role_prompts: each agent's role prompt is text, got {bad}")
 
     def learner_names(self, agents: tuple[str, ...]) -> list[str]:
         """The learners of a team of `agents`: one per agent, or `shared`."""
