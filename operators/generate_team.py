@@ -22,6 +22,10 @@ versions, snapshots and staleness bound. Before sampling, the operator takes an 
 from each learner's store (rollout step b starts once that learner's version b - max_staleness
 exists) and loads its newest version. Agents that share a policy name one learner: one engine,
 one store, one stream of versions.
+
+A learner's side of the rollout (`LearnerSide`: its store, engine, weights) is a `Generate` in
+this process by default; the team on Ray gives each learner's engine a process of its own with
+its own resources (pipelines/team_ray.py), through the same three calls.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -43,14 +48,51 @@ from trajflow.tasks.team import TeamEnvironment, run_team_episodes
 from trajflow.tasks.workload import Workload, prompt_of
 
 
+class LearnerSide(Protocol):
+    """One learner's side of a team rollout: its store (admission, pins, counters), the engine its
+    agents' turns are sampled with (`TorchEngine`'s `generate`, `sampling`, `version`, `eos_id`,
+    `stop_token_ids`), and its weights."""
+
+    store: PolicyStoreClient
+
+    @property
+    def engine(self): ...
+
+    def load_newest(self, pins: set[int]) -> None:
+        """Load the store's newest version into the engine; its pin added to `pins`."""
+
+    def seed(self, value: int) -> None:
+        """Seed the engine's sampling generator."""
+
+
+class LocalSide:
+    """A learner's side in this process: a single-agent `Generate` (its store, engine, weights)."""
+
+    def __init__(self, generate: Generate) -> None:
+        self.generate = generate
+        self.store = generate.store
+
+    @property
+    def engine(self):
+        return self.generate.engine
+
+    def load_newest(self, pins: set[int]) -> None:
+        self.generate.load_newest(pins)
+
+    def seed(self, value: int) -> None:
+        self.generate.engine.generator.manual_seed(value)
+
+
 class GenerateTeam:
     """The team rollout of one train step per call (see the module docstring)."""
 
     def __init__(self, stores: Mapping[str, PolicyStoreClient], learner_of: Mapping[str, str],
                  model_paths: Mapping[str, str | Path], workload: Workload, environment: TeamEnvironment,
                  rollout: RolloutConfig, engine: EngineConfig, numerics: TrainingNumerics,
-                 weight_sync: WeightSyncConfig, torch_threads: int, role_prompts: Mapping[str, str] | None = None
-                 ) -> None:
+                 weight_sync: WeightSyncConfig, torch_threads: int, role_prompts: Mapping[str, str] | None = None,
+                 sides: Mapping[str, LearnerSide] | None = None) -> None:
+        """`sides`: each learner's side, built elsewhere (default: a `Generate` per learner here,
+        from the other arguments)."""
         missing = [a for a in environment.agents if a not in learner_of]
         if missing:
             raise ValueError(f"GenerateTeam: no learner for agent(s) {missing}")
@@ -60,10 +102,11 @@ class GenerateTeam:
         self.environment = environment
         self.learner_of = dict(learner_of)
         self.role_prompts = dict(role_prompts or {})
-        # one single-agent generator per learner: its store, admission, weights and engine
-        self.generators = {name: Generate(stores[name], model_paths[name], workload, rollout, engine, numerics,
-                                          weight_sync, torch_threads)
-                           for name in dict.fromkeys(self.learner_of.values())}
+        # one side per learner: its store, admission, weights and engine
+        self.generators = dict(sides) if sides is not None else {
+            name: LocalSide(Generate(stores[name], model_paths[name], workload, rollout, engine, numerics,
+                                     weight_sync, torch_threads))
+            for name in dict.fromkeys(self.learner_of.values())}
         self.tokenizer = load_tokenizer(next(iter(model_paths.values())))
         self.group_size = rollout.group_size
         self.seed = rollout.seed
@@ -81,7 +124,7 @@ class GenerateTeam:
             waited += time.perf_counter() - t0
             pins[name] = set()
             generator.load_newest(pins[name])
-            generator.engine.generator.manual_seed((self.seed * 1_000_003 + step) * 64 + index)
+            generator.seed((self.seed * 1_000_003 + step) * 64 + index)
         engines = {agent: self.generators[learner].engine for agent, learner in self.learner_of.items()}
         prompts = [prompt_of(row) for row in batch.to_pylist()]
         prompt_tokens = batch["prompt_tokens"].to_pylist()

@@ -139,6 +139,14 @@ class TeamPipeline:
                     weight_sync=s.weight_sync, torch_threads=s.generator.torch_threads,
                     role_prompts=self.role_prompts)
 
+    def engine_arguments(self, learner: str, store: PolicyStoreClient) -> dict:
+        """A learner's `Generate` arguments (its engine and weights in a process of its own), with
+        the rollout settings every learner's engine shares (generator_arguments)."""
+        a = self.generator_arguments({learner: store})
+        return dict(store=store, model_path=a["model_paths"][learner], workload=a["workload"], rollout=a["rollout"],
+                    engine=a["engine"], numerics=a["numerics"], weight_sync=a["weight_sync"],
+                    torch_threads=a["torch_threads"])
+
     def learner_stages(self, learner: str) -> list[Stage]:
         """A learner's stages after the rollout: old log-probs, advantage, filter, ..., its train step last."""
         return [s for s in self.learners[learner].stages if s.name not in ROLLOUT_STAGES]

@@ -1,21 +1,28 @@
-"""A team of agents on Ray, asynchronously: one generator actor, one actor per learner.
+"""A team of agents on Ray, asynchronously: a rollout actor, and per learner an engine actor and a
+trainer actor, each with its own resources.
 
-The same operators as the team's loop in one process (pipelines/team.py), each learner in a
-process of its own with its own resources — its config's `trainer:` section (`num_cpus`,
-`num_gpus`: a busy agent gets more) — and its own policy store actor (versions, snapshots and
-its staleness bound, `max_staleness`):
+The same operators as the team's loop in one process (pipelines/team.py), each learner in
+processes of its own with its own resources — its config's `generator:` section for its engine,
+its `trainer:` section for its train step (`num_cpus`, `num_gpus`; per agent through
+`team.agents.<agent>`: a busy agent gets more) — and its own policy store actor (versions,
+snapshots and its staleness bound, `max_staleness`):
 
-    generator actor   GenerateTeam: rollout r, one table per learner; before sampling it takes an
-                      admission permit from every learner's store (rollout r waits until learner
-                      L's version r - max_staleness_L exists), then each learner's newest version
+    rollout actor     GenerateTeam: rollout r, one table per learner; it plays the episodes (the
+                      environment's turn order) and has each turn sampled by the acting agent's
+                      engine actor; before sampling it takes an admission permit from every
+                      learner's store (rollout r waits until learner L's version r - max_staleness_L
+                      exists), and each engine loads its learner's newest version
+    engine actor L    learner L's engine and weights (operators/generate.py's Generate)
     learner actor L   its stages after the rollout (old log-probs, advantage, filter, ...) and its
                       train step, step after step; it publishes version r + 1 to its store
 
 The driver submits every rollout and every learner's step at once (each actor runs its calls in
 order) and gathers the metrics rows in step order. Nothing waits for the slowest learner but
-what its bound demands: the generator runs ahead of learner L by at most max_staleness_L steps,
+what its bound demands: the rollouts run ahead of learner L by at most max_staleness_L steps,
 and every other learner trains as soon as its rows exist. Staleness is bounded, not held (the
-one-process loop holds it exactly, for studies that repeat): each row reports what it was.
+one-process loop holds it exactly, for studies that repeat): each row reports what it was. Each
+engine is seeded per rollout as in one process, so with every bound 0 (rollout r sampled with
+version r of every learner) the numbers are the one-process loop's at lag 0.
 
 A learner whose process dies heals while the others run on: the driver sees its step fail
 (the actor died), starts a new actor for it on the same store, whose train step rebuilds the
@@ -52,13 +59,82 @@ from trajflow.pipelines.team import (
 Logged = Callable[[str, int], dict | None]
 
 
-class TeamGeneratorActor:
-    """The team's generator in its own process: one table per learner per rollout step."""
+class EngineActor:
+    """One learner's engine and weights in a process of its own (a single-agent `Generate`)."""
 
-    def __init__(self, arguments: dict, agents: dict[str, list[str]]) -> None:
+    def __init__(self, arguments: dict) -> None:
+        from trajflow.operators.generate import Generate
+
+        self.generate = Generate(**arguments)
+
+    def describe(self) -> tuple:
+        """(sampling, eos_id, stop_token_ids) of the engine."""
+        engine = self.generate.engine
+        return engine.sampling, engine.eos_id, engine.stop_token_ids
+
+    def load_newest(self, pins: list[int]) -> int:
+        """Load the store's newest version (pinned; a second pin on one of `pins` released); its number."""
+        self.generate.load_newest(set(pins))
+        return self.generate.engine.version
+
+    def seed(self, value: int) -> None:
+        self.generate.engine.generator.manual_seed(value)
+
+    def sample(self, prompts: list[list[int]], n: int, sampling) -> list:
+        engine = self.generate.engine
+        base, engine.sampling = engine.sampling, sampling
+        try:
+            return engine.generate(prompts, n=n)
+        finally:
+            engine.sampling = base
+
+
+class RemoteEngine:
+    """An engine actor as the episodes see an engine (tasks/team.py): `generate` with this
+    object's `sampling`, the `version` loaded for the rollout at hand."""
+
+    def __init__(self, actor) -> None:
+        import ray
+
+        self.actor = actor
+        self.sampling, self.eos_id, self.stop_token_ids = ray.get(actor.describe.remote())
+        self.version = -1
+
+    def generate(self, prompts: list[list[int]], n: int = 1) -> list:
+        import ray
+
+        return ray.get(self.actor.sample.remote(prompts, n, self.sampling))
+
+
+class RemoteSide:
+    """A learner's side of the team rollout (operators/generate_team.py `LearnerSide`) whose
+    engine is an `EngineActor`; its store is the learner's store actor."""
+
+    def __init__(self, actor, store: PolicyStoreClient) -> None:
+        self.actor, self.store = actor, store
+        self.engine = RemoteEngine(actor)
+
+    def load_newest(self, pins: set[int]) -> None:
+        import ray
+
+        self.engine.version = ray.get(self.actor.load_newest.remote(sorted(pins)))
+        pins.add(self.engine.version)
+
+    def seed(self, value: int) -> None:
+        import ray
+
+        ray.get(self.actor.seed.remote(value))
+
+
+class TeamGeneratorActor:
+    """The team's rollouts in their own process: one table per learner per rollout step, each
+    learner's turns sampled by its engine actor (`engines`, by learner)."""
+
+    def __init__(self, arguments: dict, agents: dict[str, list[str]], engines: dict) -> None:
         from trajflow.operators.generate_team import GenerateTeam
 
-        self.generate = GenerateTeam(**arguments)
+        sides = {name: RemoteSide(actor, arguments["stores"][name]) for name, actor in engines.items()}
+        self.generate = GenerateTeam(**arguments, sides=sides)
         self.agents = agents  # each learner's agents
 
     def rollout(self, prompt_rows: pa.Table) -> dict[str, pa.Table]:
@@ -119,11 +195,16 @@ def iter_team_on_ray(team: TeamPipeline, eval_every: int = 0, eval_prompts: int 
         final = steps if c.recovery.max_restarts == 0 else None
         stores[name] = RayStore.start(c.max_staleness, c.keeps_history(pipe.strategy), final_version=final)
         pipe.publish_start(stores[name], first_step, {POLICY: dict(saved(name, first_step))} if first_step else None)
-    first = next(iter(team.learners.values())).settings.generator
     agents = {name: agents_of(team, name) for name in team.learners}
-    generator = ray.remote(TeamGeneratorActor).options(num_cpus=first.num_cpus, num_gpus=first.num_gpus,
-                                                      resources=dict(first.resources)).remote(
-        team.generator_arguments(stores), agents)
+    arguments = team.generator_arguments(stores)
+    engines = {}
+    for name, pipe in team.learners.items():
+        g = pipe.settings.generator
+        engines[name] = ray.remote(EngineActor).options(
+            num_cpus=g.num_cpus, num_gpus=g.num_gpus, resources=dict(g.resources)).remote(
+            team.engine_arguments(name, stores[name]))
+    # the episodes' bookkeeping only: the sampling is the engine actors'
+    generator = ray.remote(TeamGeneratorActor).options(num_cpus=0).remote(arguments, agents, engines)
 
     def learner(name: str):
         trainer = team.learners[name].settings.trainer
@@ -157,19 +238,21 @@ def iter_team_on_ray(team: TeamPipeline, eval_every: int = 0, eval_prompts: int 
             yield row
         ray.get([actor.close.remote() for actor in learners.values()])
     finally:  # on an error the actors are killed as they are (a close would wait behind their queued steps)
-        for actor in [generator, *learners.values(), *(store.actor for store in stores.values())]:
+        for actor in [generator, *engines.values(), *learners.values(), *(s.actor for s in stores.values())]:
             ray.kill(actor)
 
 
 def check_resources(team: TeamPipeline, cluster: dict[str, float]) -> None:
-    """The generator's and every learner's CPUs and GPUs fit the cluster (else Ray would wait for
-    them forever): a ValueError naming the keys."""
-    demand = {"generator": next(iter(team.learners.values())).settings.generator}
-    demand.update({f"{name}'s trainer": pipe.settings.trainer for name, pipe in team.learners.items()})
+    """Every learner's engine's and trainer's CPUs and GPUs fit the cluster (else Ray would wait
+    for them forever): a ValueError naming the keys."""
+    demand = {}
+    for name, pipe in team.learners.items():
+        demand.update({f"{name}'s generator": pipe.settings.generator, f"{name}'s trainer": pipe.settings.trainer})
     for kind in ("num_cpus", "num_gpus"):
         need = sum(getattr(resources, kind) for resources in demand.values())
         have = cluster.get("CPU" if kind == "num_cpus" else "GPU", 0.0)
         if need > have:
             parts = ", ".join(f"{who} {getattr(r, kind):g}" for who, r in demand.items())
             raise ValueError(f"{kind}: the team's actors need {need:g} ({parts}) and Ray has {have:g}; lower "
-                             f"generator.{kind} / trainer.{kind} (team.agents.<agent>.trainer.{kind} per agent)")
+                             f"generator.{kind} / trainer.{kind} (per agent: team.agents.<agent>.generator / "
+                             f".trainer)")

@@ -299,7 +299,8 @@ def test_team_on_ray_bounds_each_agents_staleness_and_stays_exact(ray_session, t
 
     sets = ["steps=5", "prompts_per_step=8", "group_size=4", "eval_every=0", "max_staleness=2",
             "inference_dtype=float32", "old_logprob_forward=always", "save_all_versions=false",
-            "team.run_on=ray", "team.lags={}", "team.agents.finish.max_staleness=1", f"run_dir={tmp_path / 'run'}"]
+            "team.run_on=ray", "team.lags={}", "team.agents.finish.max_staleness=1",
+            "team.agents.finish.generator.num_cpus=0.25", f"run_dir={tmp_path / 'run'}"]
     root = run_job(load_job_config("relay", sets), progress=False)
     metrics = read_metrics(RunPaths(root))
     assert metrics["step"].to_list() == list(range(5))
@@ -394,8 +395,9 @@ def test_team_on_ray_refuses_more_cpus_than_the_cluster_has():
     from trajflow.pipelines.team_ray import check_resources
 
     config = PipelineConfig(**BASE)
-    team = TeamPipeline.of(config, relay(), agent_configs={"finish": PipelineConfig(**BASE, trainer={"num_cpus": 2})})
-    check_resources(TeamPipeline.of(config, relay()), {"CPU": 2.0})  # 0.5 + 0.5 + 0.5
-    with pytest.raises(ValueError, match=r"num_cpus: the team's actors need 3 \(generator 0.5, lead's trainer 0.5, "
-                                         r"finish's trainer 2\) and Ray has 2"):
+    finish = PipelineConfig(**BASE, trainer={"num_cpus": 2}, generator={"num_cpus": 1})
+    team = TeamPipeline.of(config, relay(), agent_configs={"finish": finish})
+    check_resources(TeamPipeline.of(config, relay()), {"CPU": 2.0})  # each agent's engine and trainer: 0.5
+    with pytest.raises(ValueError, match=r"num_cpus: the team's actors need 4 \(lead's generator 0.5, lead's "
+                                         r"trainer 0.5, finish's generator 1, finish's trainer 2\) and Ray has 2"):
         check_resources(team, {"CPU": 2.0})

@@ -31,8 +31,8 @@ class TeamConfig:
         default_factory=dict)
     run_on: Literal["process", "ray"] = setting(
         "process", "process: every learner in this process, step after step, staleness held exactly at `lags` "
-        "(studies that repeat; `--resume` exact); ray: the generator and each learner an actor with its own "
-        "resources (its trainer section's num_cpus, num_gpus), asynchronous, staleness bounded by each "
+        "(studies that repeat; `--resume` exact); ray: each learner's engine and train step an actor with its "
+        "own resources (its generator and trainer sections' num_cpus, num_gpus), asynchronous, staleness bounded by each "
         "learner's max_staleness, a learner whose process dies rebuilt while the others run on "
         "(pipelines/team_ray.py)")
     agents: dict[str, dict[str, Any]] = setting(
