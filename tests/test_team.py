@@ -349,45 +349,46 @@ def assert_same_team_run(base, other) -> None:
             assert x.keys() == y.keys() and all(bool((x[k] == y[k]).all()) for k in x), (agent, name)
 
 
-def test_a_killed_learner_on_ray_heals_while_the_other_runs_on(tmp_path, chaos, bound_0_in_process):
-    """SIGKILL one learner's actor while step 3 trains: the driver starts a new one, which rebuilds
-    that learner from its checkpoint (version 2) and trajectory log; the run ends with every
-    step's numbers and both learners' final weights equal to the uninterrupted run's."""
-    import polars as pl
-
-    args = ["relay", *(arg for s in [*BOUND_0, "team.run_on=ray"] for arg in ("--set", s))]
-    result = chaos.chaos_run(args, tmp_path / "run", [("learner", 3)], tmp_path / "run.log", timeout=240)
-    assert result.status == 0 and result.killed == 1, result.output[-2000:]
-    assert result.kills[0].seconds is not None
-    assert "trajflow: recovered learner" in result.output and "A worker died" not in result.output
-    metrics = pl.read_parquet(tmp_path / "run" / "metrics.parquet")
-    restarts = metrics["lead/recovery/restarts"] + metrics["finish/recovery/restarts"]
-    assert restarts.to_list() == [0, 0, 0, 1, 1, 1]  # one learner rebuilt, at step 3
-    assert_same_team_run(bound_0_in_process, tmp_path / "run")
-
-
-def test_a_killed_team_run_on_ray_resumes_every_agent(ray_session, tmp_path, bound_0_in_process):
-    """SIGKILL a team run on Ray after step 3; `--resume` starts every learner from its checkpoint
-    (each store from its version, each train step with its optimizer and strategy state): the
-    same numbers and final state as the uninterrupted run."""
+def test_on_ray_a_killed_learner_heals_and_a_killed_run_resumes_every_agent(ray_session, tmp_path,
+                                                                           bound_0_in_process):
+    """A team run on Ray: one learner's actor SIGKILLed after step 1 heals while the other runs on
+    (a new actor rebuilds that learner from its last checkpoint and trajectory log); the whole run
+    SIGKILLed after step 4, then `--resume`d, starts every learner from its checkpoint (store,
+    weights, optimizer and strategy state). Every step's numbers and both learners' final state
+    equal the uninterrupted run's."""
     import os
     import signal
     import subprocess
     import sys
 
+    import psutil
+
+    from trajflow.jobs.recorder import RunPaths, read_metrics
     from trajflow.jobs.run import resume_job
 
     command = [sys.executable, "-m", "trajflow.jobs.cli", "run", "relay", "--run-dir", str(tmp_path / "run"),
                *(arg for s in [*BOUND_0, "team.run_on=ray"] for arg in ("--set", s))]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    output = []
     try:
         for line in process.stdout:
-            if line.startswith("step 3"):
+            output.append(line)
+            if line.startswith("step 1"):
+                learners = [p for p in psutil.Process(process.pid).children(recursive=True)
+                            if "LearnerActor" in " ".join(p.cmdline())]
+                assert len(learners) == 2
+                learners[0].kill()
+            if line.startswith("step 4"):
                 os.killpg(process.pid, signal.SIGKILL)
                 break
     finally:
         process.wait(timeout=240)
-    assert process.returncode == -signal.SIGKILL
+    assert process.returncode == -signal.SIGKILL, "".join(output)
+    assert any(line.startswith("trajflow: recovered learner") for line in output), "".join(output)
+    assert not any("A worker died" in line for line in output)  # Ray's notice: in RUN/workers.log
+    healed = read_metrics(RunPaths(tmp_path / "run"))
+    restarts = (healed["lead/recovery/restarts"] + healed["finish/recovery/restarts"]).to_list()
+    assert restarts[:2] == [0, 0] and restarts[-1] == 1  # one learner rebuilt, once
     assert_same_team_run(bound_0_in_process, resume_job(tmp_path / "run", progress=False))
 
 
