@@ -1,5 +1,6 @@
 """Team episodes: several agents, each its own policy (tasks/team.py, operators/generate_team.py,
-pipelines/team.py). In-process, no Ray: the warm start of addition, the relay environment."""
+pipelines/team.py, pipelines/team_ray.py), on the warm start of addition and the relay
+environment: in one process, and on Ray (the tests that say so)."""
 
 from __future__ import annotations
 
