@@ -113,6 +113,8 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
         lost = trainer_state_lost(e)
         if lost is not None:  # a learner not rebuilt (no checkpoint yet, max_restarts spent): one line
             raise RunFailed(f"{lost} (team run {paths.root})") from None
+        if type(e).__name__ == "TeamProcessLost":  # pipelines/team_ray.py: its message is the line
+            raise RunFailed(f"{e} (team run {paths.root})") from None
         raise
     metrics = read_metrics(paths)
     write_table_atomic(metrics.to_arrow(), paths.metrics)

@@ -32,7 +32,8 @@ from the one that failed, on the rollouts the driver still holds: nothing is gen
 generator and the other learners wait only as their bounds demand. A step the dead actor had
 trained and logged before it died is not trained again; its metrics come from `logged` (the
 learner's own run dir). `recovery.max_restarts` bounds the rebuilds per learner (its store counts
-them). A generator or store that dies ends the run (`--resume` goes on from the checkpoints).
+them). An engine or the episodes' actor that dies ends the run (`TeamProcessLost`, one line), as
+does a store; `--resume` goes on from the checkpoints.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ from trajflow.pipelines.team import (
 # a learner's train-step metrics of a step from its own run (trained by an actor that died after
 # logging it): logged(learner, step), None where not written
 Logged = Callable[[str, int], dict | None]
+
+
+class TeamProcessLost(RuntimeError):
+    """A process of the team's rollout (an engine or the episodes' actor) died; one line."""
 
 
 class EngineActor:
@@ -213,6 +218,7 @@ def iter_team_on_ray(team: TeamPipeline, eval_every: int = 0, eval_prompts: int 
             name, team.learner_stages(name), stores[name], agents[name])
 
     learners = {name: learner(name) for name in team.learners}
+    rollouts, trained = [], {}
     try:
         rollouts = [generator.rollout.remote(team.prompt_rows(r)) for r in range(first_step, steps)]
         trained = {name: [actor.step.remote(rollout) for rollout in rollouts] for name, actor in learners.items()}
@@ -223,7 +229,12 @@ def iter_team_on_ray(team: TeamPipeline, eval_every: int = 0, eval_prompts: int 
                     try:
                         train_row, agent_rows = ray.get(trained[name][i])
                         break
-                    except ray.exceptions.ActorDiedError:  # heal it (module docstring)
+                    except ray.exceptions.RayTaskError as failed:  # the step's input: the rollout's actors
+                        if not rollout_process_died(failed):
+                            raise
+                        raise TeamProcessLost(f"a process of the team's rollout (an engine or the episodes' actor) "
+                                              f"died by step {step}; trajflow run --resume goes on") from None
+                    except ray.exceptions.ActorDiedError:  # this learner's own process: heal it (module docstring)
                         ray.kill(learners[name])
                         learners[name] = learner(name)
                         # one that cannot be rebuilt (no checkpoint, max_restarts spent) ends the run here
@@ -240,6 +251,27 @@ def iter_team_on_ray(team: TeamPipeline, eval_every: int = 0, eval_prompts: int 
     finally:  # on an error the actors are killed as they are (a close would wait behind their queued steps)
         for actor in [generator, *engines.values(), *learners.values(), *(s.actor for s in stores.values())]:
             ray.kill(actor)
+        # every call left failed with them: taken here, so that Ray does not print each as an
+        # "Unhandled error" when its reference goes (the run's one line says what happened)
+        for ref in [*rollouts, *(ref for refs in trained.values() for ref in refs)]:
+            try:
+                ray.get(ref, timeout=10)
+            except Exception:
+                pass
+
+
+def rollout_process_died(error: BaseException) -> bool:
+    """Whether an actor's death is behind `error` (a rollout that failed because its engine or
+    its own process died), found in its chain of causes or, across processes, in their text."""
+    import ray
+
+    seen, text = set(), str(error)
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ray.exceptions.ActorDiedError) and not isinstance(error, ray.exceptions.RayTaskError):
+            return True
+        error = getattr(error, "cause", None) or error.__cause__
+    return f"{ray.exceptions.ActorDiedError.__name__}: " in text  # the cause's type, named in its message
 
 
 def check_resources(team: TeamPipeline, cluster: dict[str, float]) -> None:

@@ -350,13 +350,13 @@ def assert_same_team_run(base, other) -> None:
             assert x.keys() == y.keys() and all(bool((x[k] == y[k]).all()) for k in x), (agent, name)
 
 
-def test_on_ray_a_killed_learner_heals_and_a_killed_run_resumes_every_agent(ray_session, tmp_path,
-                                                                           bound_0_in_process):
+def test_on_ray_a_killed_learner_heals_and_a_run_stopped_by_a_killed_engine_resumes(ray_session, tmp_path,
+                                                                                     bound_0_in_process):
     """A team run on Ray: one learner's actor SIGKILLed after step 1 heals while the other runs on
-    (a new actor rebuilds that learner from its last checkpoint and trajectory log); the whole run
-    SIGKILLed after step 4, then `--resume`d, starts every learner from its checkpoint (store,
-    weights, optimizer and strategy state). Every step's numbers and both learners' final state
-    equal the uninterrupted run's."""
+    (a new actor rebuilds that learner from its last checkpoint and trajectory log); an engine
+    actor SIGKILLed after step 3 ends the run with one line, and `--resume` starts every learner
+    from its checkpoint (store, weights, optimizer and strategy state). Every step's numbers and
+    both learners' final state equal the uninterrupted run's."""
     import os
     import signal
     import subprocess
@@ -369,24 +369,31 @@ def test_on_ray_a_killed_learner_heals_and_a_killed_run_resumes_every_agent(ray_
 
     command = [sys.executable, "-m", "trajflow.jobs.cli", "run", "relay", "--run-dir", str(tmp_path / "run"),
                *(arg for s in [*BOUND_0, "team.run_on=ray"] for arg in ("--set", s))]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+
+    def kill(title: str) -> None:
+        found = [p for p in psutil.Process(process.pid).children(recursive=True) if title in " ".join(p.cmdline())]
+        assert len(found) == 2, title  # one per learner
+        found[0].kill()
+
     output = []
     try:
         for line in process.stdout:
             output.append(line)
             if line.startswith("step 1"):
-                learners = [p for p in psutil.Process(process.pid).children(recursive=True)
-                            if "LearnerActor" in " ".join(p.cmdline())]
-                assert len(learners) == 2
-                learners[0].kill()
-            if line.startswith("step 4"):
-                os.killpg(process.pid, signal.SIGKILL)
-                break
-    finally:
+                kill("LearnerActor")
+            if line.startswith("step 3"):
+                kill("EngineActor")
         process.wait(timeout=240)
-    assert process.returncode == -signal.SIGKILL, "".join(output)
-    assert any(line.startswith("trajflow: recovered learner") for line in output), "".join(output)
-    assert not any("A worker died" in line for line in output)  # Ray's notice: in RUN/workers.log
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = "".join(output)
+    assert process.returncode == 1, text
+    assert any(line.startswith("trajflow: recovered learner") for line in output), text
+    assert "process of the team's rollout (an engine or the episodes' actor) died by step" in output[-1], text
+    assert "Traceback" not in text and "A worker died" not in text  # Ray's notices: in RUN/workers.log
     healed = read_metrics(RunPaths(tmp_path / "run"))
     restarts = (healed["lead/recovery/restarts"] + healed["finish/recovery/restarts"]).to_list()
     assert restarts[:2] == [0, 0] and restarts[-1] == 1  # one learner rebuilt, once
