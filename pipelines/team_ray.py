@@ -218,7 +218,7 @@ def iter_team_on_ray(team: TeamPipeline, eval_every: int = 0, eval_prompts: int 
             name, team.learner_stages(name), stores[name], agents[name])
 
     learners = {name: learner(name) for name in team.learners}
-    rollouts, trained = [], {}
+    rollouts, trained, completed = [], {}, False
     try:
         rollouts = [generator.rollout.remote(team.prompt_rows(r)) for r in range(first_step, steps)]
         trained = {name: [actor.step.remote(rollout) for rollout in rollouts] for name, actor in learners.items()}
@@ -248,12 +248,13 @@ def iter_team_on_ray(team: TeamPipeline, eval_every: int = 0, eval_prompts: int 
                 row.update(heldout(team, stores, eval_prompts))
             yield row
         ray.get([actor.close.remote() for actor in learners.values()])
+        completed = True
     finally:  # on an error the actors are killed as they are (a close would wait behind their queued steps)
         for actor in [generator, *engines.values(), *learners.values(), *(s.actor for s in stores.values())]:
             ray.kill(actor)
-        # every call left failed with them: taken here, so that Ray does not print each as an
-        # "Unhandled error" when its reference goes (the run's one line says what happened)
-        for ref in [*rollouts, *(ref for refs in trained.values() for ref in refs)]:
+        # on an error every call left failed with them: taken here, so that Ray does not print each
+        # as an "Unhandled error" when its reference goes (the run's one line says what happened)
+        for ref in [] if completed else [*rollouts, *(ref for refs in trained.values() for ref in refs)]:
             try:
                 ray.get(ref, timeout=10)
             except Exception:
