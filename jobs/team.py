@@ -11,9 +11,9 @@
                                  `eval` read it as one run
     RUN/summary.txt, run.json
 
-`team.run_on: process` (default): the team's loop in this process (pipelines/team.py); `ray`: a
-generator actor and one actor per learner (pipelines/team_ray.py), a learner whose process dies
-rebuilt from its own checkpoint and trajectory log while the others run on. `--resume` continues a
+`team.run_on: process` (default): the team's loop in this process (pipelines/team.py); `ray`: per
+learner an engine actor and a train-step actor (pipelines/team_ray.py), a learner whose process
+dies rebuilt from its own checkpoint and trajectory log while the others run on. `--resume` continues a
 killed team run from the newest version every learner has a checkpoint of: in one process as the
 uninterrupted run would have gone on (with lags, the versions its rollouts in flight were sampled
 with come from versions/: save_all_versions); on Ray with every rollout from there sampled anew.
@@ -113,8 +113,11 @@ def run_team_job(config: JobConfig, paths: RunPaths, progress: bool = True, resu
         lost = trainer_state_lost(e)
         if lost is not None:  # a learner not rebuilt (no checkpoint yet, max_restarts spent): one line
             raise RunFailed(f"{lost} (team run {paths.root})") from None
-        if type(e).__name__ == "TeamProcessLost":  # pipelines/team_ray.py: its message is the line
-            raise RunFailed(f"{e} (team run {paths.root})") from None
+        if on_ray:
+            from trajflow.pipelines.team_ray import TeamProcessLost
+
+            if isinstance(e, TeamProcessLost):  # a rollout process died: its message is the line
+                raise RunFailed(f"{e} (team run {paths.root})") from None
         raise
     metrics = read_metrics(paths)
     write_table_atomic(metrics.to_arrow(), paths.metrics)
