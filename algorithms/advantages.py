@@ -37,8 +37,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import sys
+
 import numpy as np
-import torch
 
 from trajflow.settings import check_number
 
@@ -47,15 +48,21 @@ from .config import GROUP_STDS, AdvantageConfig, GroupStd
 ArrayLike = Any  # np.ndarray | torch.Tensor | sequence
 
 
+def _is_tensor(x: ArrayLike) -> bool:
+    """A torch tensor (torch is not imported for it: the advantage stage runs without torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def _to_numpy(x: ArrayLike) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
+    if _is_tensor(x):
         return x.detach().cpu().numpy()
     return np.asarray(x)
 
 
 def _like(out: np.ndarray, ref: ArrayLike) -> ArrayLike:
-    if isinstance(ref, torch.Tensor):
-        return torch.from_numpy(out).to(ref.device)
+    if _is_tensor(ref):
+        return sys.modules["torch"].from_numpy(out).to(ref.device)
     return out
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from transformers import PreTrainedTokenizerFast
 
 from trajflow.engines.paths import REPO_ROOT, WARM_START_DIR  # noqa: F401 (re-exported)
 from trajflow.engines.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, build_char_tokenizer
+from trajflow.engines.tokenizer import load_tokenizer, require_local_dir  # noqa: F401 (load_tokenizer re-exported)
 
 
 # A Llama-style decoder small enough to train with RL on two CPU cores.
@@ -36,22 +37,10 @@ def build_tiny_model(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenize
     return model.eval(), build_char_tokenizer()
 
 
-def _require_local_dir(path: str | Path) -> Path:
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model path {path} is not a local model directory (no config.json)")
-    return path
-
-
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a causal LM from a local directory in Hugging Face format (never from the hub)."""
-    model = AutoModelForCausalLM.from_pretrained(_require_local_dir(path), dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(require_local_dir(path), dtype=dtype, local_files_only=True)
     return model.eval()
-
-
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """Load the tokenizer saved beside a local model."""
-    return AutoTokenizer.from_pretrained(_require_local_dir(path), local_files_only=True)
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: str | Path) -> None:

@@ -189,3 +189,35 @@ def decode_response(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], stop
                     stop: Sequence[str] = ()) -> str:
     """Completion text of one response (`decode_responses` of one row)."""
     return decode_responses(tokenizer, [ids], stop_ids, stop)[0]
+
+
+def require_local_dir(path: str | Path) -> Path:
+    """`path` if it is a local model directory (a config.json); FileNotFoundError otherwise."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model path {path} is not a local model directory (no config.json)")
+    return path
+
+
+# tokenizer_config.json's classes that are the fast tokenizer itself (transformers 5 names it
+# TokenizersBackend), and the model types for which AutoTokenizer keeps that class (it maps some,
+# e.g. qwen2, to a class of their own; tests/test_driver_imports.py checks these against it)
+FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+FAST_TOKENIZER_MODEL_TYPES = ("llama",)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load the tokenizer saved beside a local model. Where `AutoTokenizer` would build the fast
+    tokenizer itself (above) it is loaded directly: `AutoTokenizer` imports torch on the way
+    (transformers' model configuration), which a driver that only tokenizes never needs."""
+    path = require_local_dir(path)
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        named = model_type = None
+    if named in FAST_TOKENIZER_CLASSES and model_type in FAST_TOKENIZER_MODEL_TYPES and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -11,6 +11,9 @@ operator, interrupt's prefix scoring), `recompute` and the EWMA model score thro
   optimizer state stay float32).
 - dropout: off. RL runs the policy in eval mode. With dropout on, pi_theta is a random function
   of the forward pass: r_s != 1 on-policy, and old log-probs scored in eval mode stop being exact.
+
+The object is a setting the driver builds and every stage's process gets; torch is imported by the
+methods that compute, so building it does not load torch.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from trajflow.engines.sampling import SamplingConfig
-from trajflow.engines.scoring import response_logprobs
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 MixedPrecision = Literal["no", "bf16"]
 
@@ -47,11 +51,15 @@ class TrainingNumerics:
             raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
 
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device or choose_device(torch.cuda.is_available()))
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.mixed_precision == "no":
             return contextlib.nullcontext()
+        import torch
+
         return torch.autocast(device_type=self.torch_device().type, dtype=torch.bfloat16)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -76,6 +84,10 @@ class TrainingNumerics:
         that receives the per-token entropy [B, width] of the processed distribution (the loss's
         entropy term), from the same forward pass. `top_k_ids` [B, width, K]: a support per
         position; `top_k`: a list that receives its log-probs [B, width, K] (same pass)."""
+        import torch
+
+        from trajflow.engines.scoring import response_logprobs
+
         found: list[Tensor] | None = [] if entropy is not None else None
         support: list[Tensor] | None = [] if top_k is not None else None
         with self.autocast():
@@ -100,6 +112,8 @@ class TrainingNumerics:
     ) -> list[np.ndarray]:
         """No-grad log-probs as ragged float32 arrays, one per response. `top_k_ids`: one [T, K]
         support per response; `top_k` receives its log-probs, one [T, K] float32 array each."""
+        import torch
+
         width = max((len(r) for r in response_tokens), default=0)
         support: list[Tensor] | None = None
         ids = None

@@ -16,7 +16,7 @@ class RunFailed(RuntimeError):
 
 def trainer_state_lost(error: BaseException) -> str | None:
     """The one-line message of a TrainerStateLost behind `error`, else None (`stop_line`)."""
-    from trajflow.operators.trainer.group import TrainerStateLost
+    from trajflow.operators.trainer.recovery import TrainerStateLost
 
     return stop_line(error, TrainerStateLost)
 
@@ -45,7 +45,7 @@ def store_lost(error: BaseException) -> str | None:
     """One line when the policy store's actor died behind `error` (Ray names its class in the
     ActorDiedError that the operator calling it raised), else None: a run that does not rebuild
     its store (`recovery.max_restarts: 0`, or weight_sync collective; pipelines/store_recovery.py)."""
-    from trajflow.operators.trainer.group import RESUME_HINT
+    from trajflow.operators.trainer.recovery import RESUME_HINT
     from trajflow.pipelines.policy_store import PolicyStoreActor
 
     for _, text in _chain_texts(error):

@@ -80,7 +80,7 @@ def start_ray(config: JobConfig, verbose: bool = False, logs: Path | None = None
         return
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
     if not address:  # torch and transformers (the pipeline's model code) load while Ray starts
-        start_local_ray(dashboard=config.dashboard, verbose=verbose, imports=("trajflow.engines.models",))
+        start_local_ray(dashboard=config.dashboard, verbose=verbose)
         if logs is not None:
             session_logs_to(logs)
         return

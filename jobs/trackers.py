@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -146,24 +147,37 @@ class TensorBoardTracker(Tracker):
     files = False
 
     def __init__(self, logdir: Path, purge_step: int | None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        # TensorBoard's own event writer (torch's SummaryWriter wraps it, and would bring torch
+        # into the driver for it)
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self.writer = SummaryWriter(str(logdir), purge_step=purge_step, flush_secs=10)
+        self.writer = EventFileWriter(str(logdir), flush_secs=10)
+        if purge_step is not None:  # a resumed run: TensorBoard drops the earlier run's events from here on
+            self.writer.add_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self.writer.add_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
         self.last_step = 0
 
     @classmethod
     def open(cls, run: TrackedRun) -> "TensorBoardTracker":
         return cls(run.root / "tensorboard", purge_step=run.first_step or None)
 
+    def _scalars(self, values: Mapping[str, float], step: int, prefix: str = "") -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        now = time.time()
+        for key, value in values.items():
+            summary = Summary(value=[Summary.Value(tag=f"{prefix}{key}", simple_value=float(value))])
+            self.writer.add_event(Event(wall_time=now, step=step, summary=summary))
+
     def log(self, row: Mapping[str, Any]) -> None:
         step = int(row["step"])
         self.last_step = step
-        for key, value in numeric_items(row).items():
-            self.writer.add_scalar(key, value, step)
+        self._scalars(numeric_items(row), step)
 
     def finish(self, summary: Mapping[str, Any], files: list[Path], state: str) -> None:
-        for key, value in numeric_items(summary).items():
-            self.writer.add_scalar(f"summary/{key}", value, self.last_step)
+        self._scalars(numeric_items(summary), self.last_step, "summary/")
         self.writer.flush()
         self.writer.close()
 

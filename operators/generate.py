@@ -31,9 +31,7 @@ strategy that scores at a switch scores pi_old on those ids too (`top_k_old_logp
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -42,10 +40,10 @@ import torch
 from trajflow.engines.factory import ENGINES, make_engine
 from trajflow.engines.lora import VersionWeights, is_adapter
 from trajflow.engines.models import load_model, load_tokenizer
-from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.tokenizer import TokenIds
 from trajflow.engines.torch_engine import Generation, TorchEngine
 from trajflow.engines.training_numerics import TrainingNumerics
+from trajflow.operators.contracts.rollout import EngineConfig, RolloutConfig
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.trainer.weight_receiver import weight_source
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig, reader_dtype
@@ -64,34 +62,6 @@ def rollout_step_of(batch: pa.Table) -> int:
     if len(steps) != 1:
         raise ValueError(f"Generate takes the prompt rows of one step per call, got steps {steps.tolist()}")
     return int(steps[0])
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How the rollouts of a step are sampled (each a setting of the pipeline's config,
-    pipelines/config/, which holds its default and documents it)."""
-
-    group_size: int                       # responses per prompt
-    sampling: SamplingConfig
-    seed: int
-    partial_rollout: bool = False         # take new weights between decode steps
-    scores_at_switch: bool = False        # the strategy scores the prefix before a switch (interrupt)
-    simulate_decode_seconds: float = 0.0  # sleep per decode step (a slower engine, for studies)
-    top_k_logprobs: int = 0               # K > 0: record each token's top-K (module docstring)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Which generation engine samples, in which numerics (engines/factory.py `ENGINES`)."""
-
-    name: str                             # a registered engine or an import path
-    inference_dtype: str                  # float32, bfloat16 or fp8 (simulated)
-    settings: Any = None                  # the engine's settings (its `Settings`; None: its defaults)
-    lora_slots: int = 0                   # an engine that serves adapters: those kept resident (the window's)
-    lora_rank: int = 0
-    # eos, pad and stop ids from the driver's tokenizer (the generator then loads it only to
-    # decode); None: the generator loads the tokenizer and reads them itself
-    token_ids: TokenIds | None = None
 
 
 class Generate:

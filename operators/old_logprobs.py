@@ -36,6 +36,7 @@ from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient, VersionNotHeld
+from trajflow.operators.inference_as_old import InferenceAsOld  # noqa: F401 (re-exported)
 from trajflow.operators.trainer.weight_receiver import weight_source
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 from trajflow.schemas.columns import filter_reasons, mark_filtered, nested_array, nested_rows, replace_column
@@ -123,10 +124,3 @@ class OldLogprobsAtBehaviorVersion:
         return mark_filtered(batch, over_stale, "over_stale") if over_stale.any() else batch
 
 
-class InferenceAsOld:
-    """The old log-prob stage where its forward pass would repeat the inference log-probs in the
-    same numerics (PipelineConfig.old_is_inference): `old_logprobs` := `inference_logprobs`, a
-    column copy (a light stage: no model, no store)."""
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return replace_column(batch, "old_logprobs", batch["inference_logprobs"])

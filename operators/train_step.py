@@ -45,6 +45,7 @@ from torch import Tensor
 
 from trajflow.engines import checkpoint as ckpt
 from trajflow.engines.models import load_model
+from trajflow.operators.contracts.stage import ClassRef, loaded
 from trajflow.operators.contracts.store import PolicyStoreClient
 from trajflow.operators.reward import FailedRewardSteps
 from trajflow.operators.trainer.accounting import apply_staleness_bound, step_metrics
@@ -59,15 +60,17 @@ from trajflow.operators.trainer.correction import (
     step_diagnostics,
 )
 from trajflow.operators.trainer.critic import critic_inputs, train_time_columns
-from trajflow.operators.trainer.group import RESUME_HINT, InProcessGroup, Pending, TrainerStateLost, WorkerGroup
+from trajflow.operators.trainer.group import InProcessGroup, Pending, WorkerGroup
 from trajflow.operators.trainer.plan import plan_shards
 from trajflow.operators.trainer.recovery import (
     RECOVERY_PREFIX,
+    RESUME_HINT,
     Fault,
     RecoveryConfig,
     event_metrics,
     refusal,
     replay_plan,
+    TrainerStateLost,
 )
 from trajflow.operators.trainer.replica import ShardWork, TrainerReplica
 from trajflow.operators.trainer.services import AfterStep
@@ -93,8 +96,9 @@ class TrainStep(TrainerReplica):
                  after_step: Sequence[AfterStep], hooks: StepHooks,
                  recovery: RecoveryConfig = RecoveryConfig(), failed_rewards: FailedRewardSteps | None = None,
                  weight_sync: WeightSyncConfig = WeightSyncConfig(), reader_dtypes: Sequence[str] = (),
-                 workers: type[WorkerGroup] = InProcessGroup) -> None:
+                 workers: type[WorkerGroup] | ClassRef = InProcessGroup) -> None:
         trainer = spec.trainer
+        workers = loaded(workers)  # the Ray pipeline names its group class (pipelines/ray/trainer_group.py)
         self.failed_rewards = failed_rewards
         self.workers = workers
         # One train step per store: a second one means this process replaced a trainer that died

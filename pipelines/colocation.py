@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pyarrow as pa
 
+from trajflow.operators.contracts.stage import loaded
 from trajflow.operators.trainer.recovery import RESTARTED_PREFIX
 
 if TYPE_CHECKING:
@@ -138,7 +139,8 @@ class StageGroup:
             # get_runtime_context() outside Ray would start one: check first
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
             self.node = {stage_class(s): node for s in stages}
-        if store is not None and restarted_process() and not any(getattr(s.fn, "recovers_itself", False) for s in stages):
+        if store is not None and restarted_process() and not any(getattr(loaded(s.fn), "recovers_itself", False)
+                                                                 for s in stages):
             store.add_counters({f"{RESTARTED_PREFIX}{group_name(stages)}": 1.0})
         self.stages: list[tuple[str, Callable[[pa.Table], pa.Table]]] = []
         for s in stages:

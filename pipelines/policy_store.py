@@ -306,9 +306,10 @@ class RayStore:
     def publish(self, weights: Mapping[str, Tensor], version: int | None = None, *, learner: str = POLICY) -> int:
         import ray
 
-        from trajflow.schemas.weights import SharedStateDict
+        from trajflow.schemas.weights import PackedStateDict, SharedStateDict
 
-        state = weights if isinstance(weights, SharedStateDict) else SharedStateDict.of(weights)
+        # a state dict of tensors, or one already as raw buffers (a model's files: no torch here)
+        state = weights if isinstance(weights, (SharedStateDict, PackedStateDict)) else SharedStateDict.of(weights)
         ref = ray.put(state)
         try:
             return ray.get(self.actor.put.remote([ref], state.nbytes, version, learner))

@@ -478,7 +478,7 @@ class Replay:
             if self.mode == "train":
                 _, self.final_weights = stores["trainer"].weights()
         finally:
-            from trajflow.pipelines.ray.trainer_group import remove_placement_group_named
+            from trajflow.pipelines.ray.embedded import remove_placement_group_named
 
             remove_placement_group_named(getattr(self, "_trainer_group_name", ""))
             for store in stores.values():

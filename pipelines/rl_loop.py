@@ -34,31 +34,35 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from trajflow.engines.models import WARM_START_DIR
+from trajflow.engines.paths import WARM_START_DIR
 from trajflow.engines.tokenizer import TokenIds
 from trajflow.engines.training_numerics import checkpoint_dropout
 from trajflow.operators.advantage import Advantage
-from trajflow.operators.contracts.stage import Placement, Stage, place, stage_index
+from trajflow.operators.contracts.rollout import EngineConfig, RolloutConfig
+from trajflow.operators.contracts.stage import ClassRef, Placement, Stage, place, stage_index
 from trajflow.operators.contracts.store import CRITIC, POLICY, PolicyStoreClient
 from trajflow.operators.filter import Filter
-from trajflow.operators.generate import EngineConfig, Generate, RolloutConfig
-from trajflow.operators.reference import ReferenceLogprobs
 from trajflow.operators.reward import FailedRewardSteps, Reward
 from trajflow.operators.strategies import StageContext, Strategy, format_strategies, strategy_class
-from trajflow.operators.teacher import TeacherLogprobs
-from trajflow.operators.train_step import TrainStep
-from trajflow.operators.values import CriticValues
 from trajflow.operators.trainer.services import HeldoutEvaluation, PublishWeights, StoreStatistics
 from trajflow.operators.trainer.spec import StepHooks, TrainStepConfig
 from trajflow.pipelines.colocation import StageGroup, group_name, group_resources, plan_groups, rollout_colocated
 from trajflow.pipelines.config import PipelineConfig, checked_tokenizer, preflight
 from trajflow.pipelines.policy_store import RayStore
-from trajflow.pipelines.ray.embedded import cluster_cpus, start_local_ray
+from trajflow.pipelines.ray.embedded import cluster_cpus, remove_placement_group_named, start_local_ray
 from trajflow.pipelines.ray.quiet import quiet_run
-from trajflow.pipelines.ray.trainer_group import RayWorkerGroup, remove_placement_group_named
 from trajflow.schemas.columns import VALUES_COLUMN
 from trajflow.pipelines.store_recovery import RECONNECT_SECONDS, StoreConfig, StoreGuard, StoreLost, VersionArchive
 from trajflow.tasks.workload import PromptSource
+
+# The actor stages by name: the driver that builds the stage list imports neither their modules nor
+# torch; each actor imports its own (operators/contracts/stage.py `ClassRef`).
+GENERATE = ClassRef("trajflow.operators.generate", "Generate")
+TRAIN_STEP = ClassRef("trajflow.operators.train_step", "TrainStep")
+REFERENCE = ClassRef("trajflow.operators.reference", "ReferenceLogprobs")
+TEACHER = ClassRef("trajflow.operators.teacher", "TeacherLogprobs")
+CRITIC_VALUES = ClassRef("trajflow.operators.values", "CriticValues")
+RAY_WORKERS = ClassRef("trajflow.pipelines.ray.trainer_group", "RayWorkerGroup")
 
 if TYPE_CHECKING:  # Ray and polars load where the pipeline runs on Ray: building its stages needs neither
     import polars as pl
@@ -210,8 +214,8 @@ class RLPipeline:
                                advantage=s.advantage)
         train = dict(spec=spec, max_staleness=c.max_staleness, after_step=services, hooks=self.hooks,
                      recovery=s.recovery, failed_rewards=self.failed_reward_steps(), weight_sync=s.weight_sync,
-                     reader_dtypes=c.reader_dtypes(strategy), workers=RayWorkerGroup)
-        return Stage("train", TrainStep, train, s.trainer)
+                     reader_dtypes=c.reader_dtypes(strategy), workers=RAY_WORKERS)
+        return Stage("train", TRAIN_STEP, train, s.trainer)
 
     def _default_stages(self) -> list[Stage]:
         c, s, strategy = self.config, self.settings, self.strategy
@@ -222,7 +226,7 @@ class RLPipeline:
         engine = EngineConfig(name=c.engine, inference_dtype=c.inference_dtype, settings=s.engine,
                               lora_slots=c.engine_lora_slots(), lora_rank=c.lora.r,
                               token_ids=self.token_ids())
-        generate = Stage("generate", Generate,
+        generate = Stage("generate", GENERATE,
                          dict(model_path=self.model_path, workload=self.workload, rollout=rollout, engine=engine,
                               numerics=s.numerics, weight_sync=s.weight_sync, torch_threads=s.generator.torch_threads),
                          s.generator, pool_size=c.num_generators)
@@ -257,7 +261,7 @@ class RLPipeline:
         in_reward = s.kl.in_ == "reward"
         kwargs = dict(model_path=self.model_path, kl=s.kl, sampling=self.sampling, numerics=s.numerics,
                       skip_filtered=not in_reward, torch_threads=s.scorer.torch_threads)
-        stage = Stage("reference", ReferenceLogprobs, kwargs, s.scorer)
+        stage = Stage("reference", REFERENCE, kwargs, s.scorer)
         return Placement(stage, before="advantage") if in_reward else Placement(stage, before="train")
 
     def values_stage(self) -> Stage:
@@ -265,7 +269,7 @@ class RLPipeline:
         scorer's resources."""
         s = self.settings
         kwargs = dict(model_path=self.critic_model_path, numerics=s.numerics, torch_threads=s.scorer.torch_threads)
-        return Stage("values", CriticValues, kwargs, s.scorer)
+        return Stage("values", CRITIC_VALUES, kwargs, s.scorer)
 
     @property
     def learner_names(self) -> list[str]:
@@ -282,13 +286,21 @@ class RLPipeline:
         resumed run's checkpoint; a LoRA policy's: its adapter), else the model directories'
         (the critic: the policy's trunk with a zero value head)."""
         from trajflow.engines.lora import is_adapter
-        from trajflow.engines.models import load_model
 
         weights = weights or {}
         policy = weights.get(POLICY)
+        files = None
+        if policy is None and isinstance(store, RayStore):  # raw buffers cross to Ray's object store:
+            from trajflow.engines.model_files import file_state  # no model built here, no torch
+
+            files = file_state(self.model_path)
         if policy is not None and is_adapter(policy):  # a LoRA run's version: its adapter
             store.publish(policy, version)
+        elif files is not None:
+            store.publish(files, version)
         else:
+            from trajflow.engines.models import load_model
+
             model = load_model(self.model_path)
             if policy is not None:
                 model.load_state_dict(policy)
@@ -307,7 +319,7 @@ class RLPipeline:
         s = self.settings
         kwargs = dict(model_path=str(c.teacher), sampling=self.sampling, numerics=s.numerics,
                       skip_filtered=True, torch_threads=s.scorer.torch_threads)
-        return Placement(Stage("teacher", TeacherLogprobs, kwargs, s.scorer), before="train")
+        return Placement(Stage("teacher", TEACHER, kwargs, s.scorer), before="train")
 
     # -- building and running --------------------------------------------------------------------
     def start_store(self, initial_version: int = 0, initial_weights: dict[str, dict] | None = None) -> RayStore:

@@ -27,8 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from trajflow.operators.trainer.group import RESUME_HINT
-from trajflow.operators.trainer.recovery import RECOVERY_PREFIX
+from trajflow.operators.trainer.recovery import RECOVERY_PREFIX, RESUME_HINT
 from trajflow.pipelines.policy_store import RayStore, StoreLost
 
 __all__ = ["RECONNECT_SECONDS", "StoreGuard", "StoreLost", "StoreConfig", "VersionArchive", "needed_versions",

@@ -10,7 +10,7 @@ publish.md has both ways per model size; `python -m benchmarks.run_all --only pu
 
 This module does not import torch: a process that only passes versions on (the policy store,
 which copies a run's final version into its own ownership) unpickles one into its raw buffers and
-re-puts them without loading torch (seconds of import and a few hundred MB per process).
+re-puts them without loading torch (`PackedStateDict`) (seconds of import and a few hundred MB per process).
 
 Contract: the tensors a reader gets are read-only. They view memory every reader on the node
 shares, so writing into one would change the weights for all of them; copy them into a model
@@ -76,9 +76,9 @@ def _distinct(state: "Mapping[str, torch.Tensor]") -> "dict[tuple, torch.Tensor]
 
 
 def _rebuild(names: list[str], slots: list[int], buffers: list[np.ndarray],
-             specs: list[tuple[str, tuple[int, ...]]]) -> "SharedStateDict | _Packed":
+             specs: list[tuple[str, tuple[int, ...]]]) -> "SharedStateDict | PackedStateDict":
     if "torch" not in sys.modules:  # a process that only passes weights on (the policy store)
-        return _Packed(names, slots, buffers, specs)
+        return PackedStateDict(names, slots, buffers, specs)
     import torch
 
     with warnings.catch_warnings():  # read-only by contract (see the module docstring)
@@ -88,12 +88,20 @@ def _rebuild(names: list[str], slots: list[int], buffers: list[np.ndarray],
     return SharedStateDict((name, tensors[i]) for name, i in zip(names, slots))
 
 
-class _Packed:
-    """A version as raw buffers, in a process without torch; put again, it travels (and arrives)
-    exactly as the SharedStateDict it came from."""
+class PackedStateDict:
+    """A version as raw buffers, in a process without torch (the policy store passing one on, the
+    driver publishing version 0 from the model's files: engines/model_files.py); put again, it
+    travels (and arrives) exactly as a SharedStateDict: names, the slot of each name's tensor
+    (tied names share one), each tensor's bytes, its dtype and shape."""
 
     def __init__(self, *parts) -> None:
         self.parts = parts
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors the names use (a tied tensor counts once)."""
+        _, slots, buffers, _ = self.parts
+        return sum(buffers[i].nbytes for i in set(slots))
 
     def __reduce__(self):
         return _rebuild, self.parts

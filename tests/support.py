@@ -42,8 +42,16 @@ def cli_env() -> dict:
     return env
 
 
-def run_cli(args: list, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=cli_env())
+def run_cli(args: list, timeout: float = 300, modules: Path | None = None) -> subprocess.CompletedProcess:
+    """`trajflow ARGS` in a subprocess; `modules`: a file that gets, as the process exits, the
+    modules it imported (one per line), e.g. to check what the driver never imports."""
+    command = CLI
+    if modules is not None:  # the last exit hook to run: registered before any of trajflow's or Ray's
+        command = [sys.executable, "-c", "import atexit, sys\n"
+                   f"atexit.register(lambda: open({str(modules)!r}, 'w').write('\\n'.join(sorted(sys.modules))))\n"
+                   "from trajflow.jobs.cli import main\nsys.exit(main(sys.argv[1:]))"]
+    return subprocess.run(command + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                          env=cli_env())
 
 
 def cli_in_process(args: list, capfd) -> subprocess.CompletedProcess:

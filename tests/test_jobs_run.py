@@ -70,9 +70,20 @@ def quick_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp_path_factory.mktemp("jobs") / "quick"
     proc = run_cli(["run", "quickstart", "--run-dir", run_dir, "--set", f"steps={QUICK_STEPS}", *SMALL,
                     "--set", "checkpoint_every=2", "--set", "keep_checkpoints=2", "--set", "eval_every=4",
-                    "--set", f"eval_prompts={EVAL_PROMPTS}"])
+                    "--set", f"eval_prompts={EVAL_PROMPTS}"], modules=run_dir.parent / "driver_modules.txt")
     assert proc.returncode == 0, explain(proc)
     return run_dir, proc
+
+
+def test_the_driver_never_imports_torch_nor_transformers_modeling(quick_run):
+    """Issue 46: the driver names its operators (each actor imports its own), publishes version 0
+    from the model's files and tokenizes with the tokenizer alone; torch and transformers'
+    modeling load only in the actors (benchmarks/results/startup.md has what that saves)."""
+    run_dir, _ = quick_run
+    modules = set((run_dir.parent / "driver_modules.txt").read_text().split())
+    assert "trajflow.pipelines.rl_loop" in modules and "ray.data" in modules  # the whole run, this process
+    assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
+    assert "transformers.modeling_utils" not in modules
 
 
 def test_quickstart_run_writes_a_complete_run_dir(quick_run):

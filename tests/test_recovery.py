@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trajflow.jobs.errors import trainer_state_lost
-from trajflow.operators.trainer.group import RESUME_HINT, TrainerStateLost
+from trajflow.operators.trainer.recovery import RESUME_HINT, TrainerStateLost
 
 LINE = f"trainer worker 0 of 1 (node abc) was restarted after its process died; the state is lost: {RESUME_HINT}"
 

@@ -7,6 +7,7 @@ relative to named ones (e.g. after "generate", before "train").
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import types
 import typing
@@ -36,19 +37,53 @@ class ResourceConfig:
         check_settings(self)
 
 
+class ClassRef:
+    """A class named by its module and name, imported only where it is used: the pipeline names
+    its own operators this way, so the driver that builds the stage list never imports their
+    modules (torch, transformers' modeling), and each actor imports its own. Called, it constructs
+    the class; `load()` is the class. A stage given a ref is checked where it is loaded
+    (tests/test_driver_imports.py checks the pipeline's own against their constructors)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module = module
+        self.__name__ = name
+
+    def load(self) -> type:
+        return getattr(importlib.import_module(self.module), self.__name__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.load()(*args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ClassRef):
+            return (self.module, self.__name__) == (other.module, other.__name__)
+        return isinstance(other, type) and (other.__module__, other.__qualname__) == (self.module, self.__name__)
+
+    def __hash__(self) -> int:
+        return hash((self.module, self.__name__))
+
+    def __repr__(self) -> str:
+        return f"ClassRef({self.module}.{self.__name__})"
+
+
+def loaded(cls: "type | ClassRef") -> type:
+    """The class itself (a ClassRef imported)."""
+    return cls.load() if isinstance(cls, ClassRef) else cls
+
+
 @dataclass
 class Stage:
     """One operator of the pipeline.
 
-    `fn` is either a class (run as a Ray Data actor pool, constructed with `kwargs` on each actor;
-    the pipeline adds `store=` the policy store) or a callable instance/function (a light stage:
-    Arrow table in, Arrow table out). Which stages share a process is the pipeline's decision
+    `fn` is either a class or a `ClassRef` to one (run as a Ray Data actor pool, constructed with
+    `kwargs` on each actor; the pipeline adds `store=` the policy store) or a callable
+    instance/function (a light stage: Arrow table in, Arrow table out). Which stages share a process is the pipeline's decision
     (pipelines/colocation.py); `own_process=True` keeps a class stage in a process of its own
     (e.g. `dedicated`'s scorer, whose point is its own CPU/GPU share).
     """
 
     name: str
-    fn: Callable | type
+    fn: Callable | type | ClassRef
     kwargs: dict[str, Any] = field(default_factory=dict)
     resources: ResourceConfig | None = None
     pool_size: int = 1
@@ -56,12 +91,12 @@ class Stage:
 
     def __post_init__(self) -> None:
         check_number("Stage", pool_size=self.pool_size)
-        if self.is_actor:
+        if isinstance(self.fn, type):
             check_arguments(self.name, self.fn, self.kwargs)
 
     @property
     def is_actor(self) -> bool:
-        return isinstance(self.fn, type)
+        return isinstance(self.fn, (type, ClassRef))
 
 
 def check_arguments(name: str, cls: type, kwargs: dict[str, Any]) -> None:

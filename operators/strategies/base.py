@@ -56,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
-from trajflow.operators.contracts.stage import Placement, ResourceConfig, Stage
+from trajflow.operators.contracts.stage import ClassRef, Placement, ResourceConfig, Stage
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 
 if TYPE_CHECKING:  # torch-free at import: `trajflow run` resolves the strategy before Ray starts,
@@ -229,10 +229,11 @@ def old_logprob_stage(ctx: StageContext, skip_filtered: bool, own_process: bool 
     """The operator that scores every token under its own version's weights (operators/old_logprobs.py),
     or, where that would repeat the inference log-probs in the same numerics, the light stage that
     copies them. `own_process`: the scoring actor runs alone (dedicated's own CPU/GPU share)."""
-    from trajflow.operators.old_logprobs import InferenceAsOld, OldLogprobsAtBehaviorVersion
+    from trajflow.operators.inference_as_old import InferenceAsOld
 
     if ctx.old_is_inference:
         return Stage("old_logprobs", InferenceAsOld())
     kwargs = dict(model_path=ctx.model_path, sampling=ctx.sampling, numerics=ctx.numerics,
                   skip_filtered=skip_filtered, torch_threads=ctx.scorer.torch_threads, weight_sync=ctx.weight_sync)
-    return Stage("old_logprobs", OldLogprobsAtBehaviorVersion, kwargs, ctx.scorer, own_process=own_process)
+    return Stage("old_logprobs", ClassRef("trajflow.operators.old_logprobs", "OldLogprobsAtBehaviorVersion"), kwargs,
+                 ctx.scorer, own_process=own_process)

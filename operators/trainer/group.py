@@ -31,14 +31,6 @@ if TYPE_CHECKING:
     import torch
 
 
-class TrainerStateLost(RuntimeError):
-    """The trainer's optimizer/strategy state is gone (a worker died or was restarted): the run
-    cannot go on without restoring it from a checkpoint. The message is one line."""
-
-
-RESUME_HINT = "restart from the last checkpoint with `trajflow run --resume RUN_DIR`"
-
-
 Pending = list  # the started calls of one method, one per worker 1..N-1 (opaque to the caller)
 
 

@@ -36,10 +36,16 @@ import pyarrow as pa
 
 from trajflow.settings import setting
 
+RESUME_HINT = "restart from the last checkpoint with `trajflow run --resume RUN_DIR`"
 RECOVERY_PREFIX = "recovery/"  # the metrics of recoveries: restarts, seconds, replayed_steps, event
 # `recovery/restarted/<process>`: times Ray restarted a stage process that died (a generator, a
 # scorer: pipelines/colocation.py), counted in the row of the step during which it came back
 RESTARTED_PREFIX = f"{RECOVERY_PREFIX}restarted/"
+
+
+class TrainerStateLost(RuntimeError):
+    """The trainer's optimizer/strategy state is gone (a worker died or was restarted): the run
+    cannot go on without restoring it from a checkpoint. The message is one line."""
 
 
 @dataclass(frozen=True)

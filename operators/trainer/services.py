@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow as pa
 
-from trajflow.tasks.rollout import SampledEvaluation
 from trajflow.tasks.workload import Workload
+
+if TYPE_CHECKING:  # the services are built in the driver, which does not import torch (tasks/rollout.py does)
+    from trajflow.tasks.rollout import SampledEvaluation
 
 
 class AfterStep(Protocol):

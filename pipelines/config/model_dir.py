@@ -7,6 +7,8 @@ the run's prompt source.
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -58,7 +60,28 @@ def ties_embeddings(model: Path) -> bool:
     return bool(getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False))
 
 
+@functools.lru_cache(maxsize=1)
+def causal_lm_model_types() -> frozenset[str]:
+    """The model types transformers builds a causal LM for (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`),
+    read from its source: importing the module imports torch, which a driver never needs. Empty
+    if the table is not a literal there (another transformers): the caller then imports it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers.models.auto.modeling_auto")
+    try:
+        tree = ast.parse(Path(spec.origin).read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+                                                    for t in node.targets):
+                return frozenset(name for name, _ in ast.literal_eval(node.value.args[0]))
+    except (AttributeError, IndexError, OSError, SyntaxError, TypeError, ValueError):
+        pass
+    return frozenset()
+
+
 def _check_architecture(config: Path, model_type: object) -> None:
+    if isinstance(model_type, str) and model_type in causal_lm_model_types():
+        return
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -79,7 +102,7 @@ def checked_tokenizer(path: Path):
     """The tokenizer of a checked model dir, loaded once per process while its files are unchanged
     (a config is validated more than once before a run starts). ValueError (one line) naming the
     file if it does not load."""
-    from trajflow.engines.models import load_tokenizer
+    from trajflow.engines.tokenizer import load_tokenizer
 
     path = Path(path).resolve()
     ident = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()) if f.is_file()

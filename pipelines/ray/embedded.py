@@ -30,14 +30,11 @@ with the process that started it.
 from __future__ import annotations
 
 import atexit
-import importlib
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import uuid
-from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -202,26 +199,6 @@ def _end_at_exit() -> None:
     end_sessions()
 
 
-def _import_in_background(modules: Sequence[str]) -> threading.Thread | None:
-    """Import `modules` in a thread: `ray.init` mostly waits for Ray's processes to come up, so
-    a driver that needs torch and transformers next can import them meanwhile (measured: the
-    two overlap almost entirely; benchmarks/results/startup.md). An import error is left to the
-    caller's own import, which raises it where it belongs."""
-    if not modules:
-        return None
-
-    def load() -> None:
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except Exception:
-                pass
-
-    thread = threading.Thread(target=load, name="trajflow-imports", daemon=True)
-    thread.start()
-    return thread
-
-
 def cluster_cpus() -> float:
     """The CPUs of the Ray cluster this process is connected to; before Ray starts, this machine's
     (what an embedded Ray gets). Ray is not imported for it."""
@@ -231,12 +208,10 @@ def cluster_cpus() -> float:
     return float(os.cpu_count() or 1)
 
 
-def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: Sequence[str] = (),
-                    **init_kwargs) -> None:
+def start_local_ray(*, dashboard: bool = False, verbose: bool = False, **init_kwargs) -> None:
     """Start an embedded single-node Ray bound to 127.0.0.1, unless Ray is already initialised.
 
-    `dashboard` starts the dashboard (on 127.0.0.1); `imports` are modules the caller needs
-    next, imported while Ray starts; `init_kwargs` go to `ray.init` (num_cpus,
+    `dashboard` starts the dashboard (on 127.0.0.1); `init_kwargs` go to `ray.init` (num_cpus,
     object_store_memory, log_to_driver, ...). Raises RayVersionError (before Ray starts) on a
     Ray outside the pinned series whose embedded instance would listen beyond 127.0.0.1."""
     import ray
@@ -257,7 +232,6 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: 
     with _single_node():  # first: it refuses a Ray that would listen beyond 127.0.0.1
         marker = uuid.uuid4().hex
         _start_watchdog(marker)
-        loader = _import_in_background(imports)
         with _env(**{MARKER_ENV: marker}), ray_patches.lean_head(log_monitor=log_to_driver):
             # address="local": a new Ray even if `ray start` left a cluster address file in /tmp/ray
             try:
@@ -273,5 +247,20 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: 
     _sessions.append(session)
     _tell_watchdog(f"session {session}")
     ray_patches.data_services.apply(dashboard=dashboard)  # no cluster-wide Ray Data helper actors on one node
-    if loader is not None:
-        loader.join()
+
+
+def remove_placement_group_named(name: str) -> None:
+    """Remove this job's placement group `name` if it exists (the workers in it end with it).
+
+    Worker 0 creates the group; a placement group outlives the actor that made it (it belongs
+    to the job), so the pipeline that started the train step removes it by name at the end —
+    also when the train step was killed and never got to `close()`."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    if not name:
+        return
+    try:
+        group = get_placement_group(name)
+    except ValueError:  # none by that name: never created, or already removed
+        return
+    remove_placement_group(group)

@@ -13,29 +13,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trajflow.operators.trainer.collective import Collective, listening_socket, this_node
-from trajflow.operators.trainer.group import RESUME_HINT, TrainerStateLost, WorkerGroup
+from trajflow.operators.trainer.group import WorkerGroup
 from trajflow.operators.trainer.plan import TrainerConfig
+from trajflow.operators.trainer.recovery import RESUME_HINT, TrainerStateLost
 from trajflow.operators.trainer.replica import TrainerRank
+from trajflow.pipelines.ray.embedded import remove_placement_group_named
 
 if TYPE_CHECKING:
     import ray
-
-
-def remove_placement_group_named(name: str) -> None:
-    """Remove this job's placement group `name` if it exists (the workers in it end with it).
-
-    Worker 0 creates the group; a placement group outlives the actor that made it (it belongs
-    to the job), so the pipeline that started the train step removes it by name at the end —
-    also when the train step was killed and never got to `close()`."""
-    from ray.util.placement_group import get_placement_group, remove_placement_group
-
-    if not name:
-        return
-    try:
-        group = get_placement_group(name)
-    except ValueError:  # none by that name: never created, or already removed
-        return
-    remove_placement_group(group)
 
 
 def node_address() -> tuple[str, str]:
