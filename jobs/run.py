@@ -79,8 +79,8 @@ def start_ray(config: JobConfig, verbose: bool = False, logs: Path | None = None
     if ray.is_initialized():
         return
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
-    if not address:  # torch and transformers (the pipeline's model code) load while Ray starts
-        start_local_ray(dashboard=config.dashboard, verbose=verbose)
+    if not address:  # the pipeline's modules (Ray Data; never torch: the actors' own) load while Ray starts
+        start_local_ray(dashboard=config.dashboard, verbose=verbose, imports=("trajflow.pipelines.rl_loop",))
         if logs is not None:
             session_logs_to(logs)
         return

@@ -19,6 +19,7 @@ Torch-free on purpose: validating a job config must not import torch (tests/test
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import types
@@ -54,7 +55,10 @@ def describe(cls: type) -> dict[str, str]:
     return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
 
 
+@functools.cache
 def field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a settings class (once per class: resolving them is most of
+    what checking a config costs)."""
     return typing.get_type_hints(cls)
 
 

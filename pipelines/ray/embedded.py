@@ -30,11 +30,14 @@ with the process that started it.
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import uuid
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -199,6 +202,26 @@ def _end_at_exit() -> None:
     end_sessions()
 
 
+def _import_in_background(modules: Sequence[str]) -> threading.Thread | None:
+    """Import `modules` in a thread: `ray.init` mostly waits for Ray's processes to come up, so a
+    driver that needs the pipeline's modules next (Ray Data, the stages' settings) can import them
+    meanwhile (benchmarks/results/startup.md). An import error is left to the caller's own
+    import, which raises it where it belongs."""
+    if not modules:
+        return None
+
+    def load() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                pass
+
+    thread = threading.Thread(target=load, name="trajflow-imports", daemon=True)
+    thread.start()
+    return thread
+
+
 def cluster_cpus() -> float:
     """The CPUs of the Ray cluster this process is connected to; before Ray starts, this machine's
     (what an embedded Ray gets). Ray is not imported for it."""
@@ -208,10 +231,12 @@ def cluster_cpus() -> float:
     return float(os.cpu_count() or 1)
 
 
-def start_local_ray(*, dashboard: bool = False, verbose: bool = False, **init_kwargs) -> None:
+def start_local_ray(*, dashboard: bool = False, verbose: bool = False, imports: Sequence[str] = (),
+                    **init_kwargs) -> None:
     """Start an embedded single-node Ray bound to 127.0.0.1, unless Ray is already initialised.
 
-    `dashboard` starts the dashboard (on 127.0.0.1); `init_kwargs` go to `ray.init` (num_cpus,
+    `dashboard` starts the dashboard (on 127.0.0.1); `imports` are modules the caller needs
+    next, imported while Ray starts; `init_kwargs` go to `ray.init` (num_cpus,
     object_store_memory, log_to_driver, ...). Raises RayVersionError (before Ray starts) on a
     Ray outside the pinned series whose embedded instance would listen beyond 127.0.0.1."""
     import ray
@@ -232,6 +257,7 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, **init_kw
     with _single_node():  # first: it refuses a Ray that would listen beyond 127.0.0.1
         marker = uuid.uuid4().hex
         _start_watchdog(marker)
+        loader = _import_in_background(imports)
         with _env(**{MARKER_ENV: marker}), ray_patches.lean_head(log_monitor=log_to_driver):
             # address="local": a new Ray even if `ray start` left a cluster address file in /tmp/ray
             try:
@@ -247,6 +273,8 @@ def start_local_ray(*, dashboard: bool = False, verbose: bool = False, **init_kw
     _sessions.append(session)
     _tell_watchdog(f"session {session}")
     ray_patches.data_services.apply(dashboard=dashboard)  # no cluster-wide Ray Data helper actors on one node
+    if loader is not None:
+        loader.join()
 
 
 def remove_placement_group_named(name: str) -> None:
