@@ -4,13 +4,14 @@ and CPU seconds, and what its whole process tree costs in memory.
 The run is the real command line (`trajflow.jobs.cli.main(["run", "quickstart", ...])`) in a fresh
 Python process (cold: nothing imported, no Ray running). Inside it, a few wrappers around the
 driver's own functions timestamp its phases with its CPU seconds (`resource.getrusage`): imports
-before Ray, `ray.init`, importing the pipeline (torch, transformers, Ray Data), building the
-pipeline and the run's recorder, the policy store with the initial publish (the driver loads the
-model), and Ray Data's first execution to the first metrics row. From outside, this process
+before Ray, `ray.init`, importing the pipeline (Ray Data; the driver imports no torch), building the
+pipeline and the run's recorder, the policy store with the initial publish (version 0 from the
+model's files), and Ray Data's first execution to the first metrics row. From outside, this process
 samples every process of the run's tree every SAMPLE_SECONDS: its role (Ray's services, idle
 workers, the pipeline's actors), its CPU seconds at the end of step 1, and its PSS. Each actor
 also reports, in the first metrics row, the seconds from its process's creation to its stage
-group's constructor (worker start, unpickling, imports) and its stages' constructors (model loads).
+group's constructor (worker start, unpickling) and its stages' constructors (an operator named by
+reference imports its module there: torch, transformers; model loads).
 
 On 2 cores, the sum of every process's CPU seconds to the end of step 1, divided by 2, is a floor
 on the wall time that no scheduling can beat: it is what bounds start-up once the critical path
@@ -230,10 +231,10 @@ def summarise(tree: Tree, events: dict, load_before: float, load_after: float) -
         "interpreter ready": "interpreter start",
         "CLI imported": "CLI + jobs.run imports",
         "ray.init start": "config checks, run dir",
-        "ray.init end": "ray.init (torch + transformers import alongside, in a thread)",
-        "pipeline imported": "pipeline imports (torch, transformers, Ray Data)",
+        "ray.init end": "ray.init (the pipeline's modules import alongside, in a thread)",
+        "pipeline imported": "pipeline imports (Ray Data, the stages' settings; no torch)",
         "store start": "pipeline + recorder construction",
-        "store end": "policy store + initial publish (driver loads the model)",
+        "store end": "policy store + initial publish (version 0 from the model's files)",
         "step 1 row": "Ray Data start, actors start + imports + model loads, step 1",
     }
     phases, previous_t, previous_cpu = [], t0, 0.0

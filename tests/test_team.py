@@ -320,7 +320,10 @@ BOUND_0 = ["steps=6", "prompts_per_step=8", "group_size=4", "eval_every=0", "che
            "team.lags={}"]
 # what may differ between the runs: timings, memory accounting (each store's own), where it ran,
 # the recovery's own entries
-NOT_COMPARED = ("seconds", "busy", "bytes", "recovery/", "trainer_node", "time")
+# what the processes did, not what the run computed: timings, bytes, and the old log-prob scorer's
+# version loads (a store counter: a step a killed learner had scored is scored again by its
+# replacement, as test_recovery.py's TIMING also leaves out)
+NOT_COMPARED = ("seconds", "busy", "bytes", "recovery/", "trainer_node", "time", "version_switches")
 
 
 @pytest.fixture(scope="module")
