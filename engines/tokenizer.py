@@ -216,7 +216,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         named = model_type = None
-    if named in FAST_TOKENIZER_CLASSES and model_type in FAST_TOKENIZER_MODEL_TYPES and (path / "tokenizer.json").is_file():
+    fast = named in FAST_TOKENIZER_CLASSES and model_type in FAST_TOKENIZER_MODEL_TYPES
+    if fast and (path / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     from transformers import AutoTokenizer
 

@@ -98,7 +98,8 @@ def test_the_causal_lm_table_read_from_source_is_transformers_table():
     ("quickstart", ["strategy=dedicated", "kl.beta=0.01"]),
     ("quickstart", ["strategy=interrupt", "kl.beta=0.01", "kl.in=reward"]),
     ("ppo", []),
-    ("quickstart", [f"teacher={ARTIFACTS / 'teacher' / 'addition'}", "distill.forward_kl_coef=1.0", "top_k_logprobs=4"]),
+    ("quickstart", [f"teacher={ARTIFACTS / 'teacher' / 'addition'}", "distill.forward_kl_coef=1.0",
+                    "top_k_logprobs=4"]),
 ])
 def test_every_operator_named_by_reference_takes_the_arguments_it_is_given(config, overrides):
     pipe = RLPipeline(load_job_config(config, overrides).pipeline_config())
