@@ -62,6 +62,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trajflow.engines import checkpoint as ckpt
+from trajflow.operators.contracts.stage import ClassRef
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.ray.quiet import quiet_run
@@ -289,8 +290,8 @@ class KeepLoggedReward:
 class KeepLoggedRewardActor:
     """A replayed actor stage that cannot change the logged reward (`inner` built as live)."""
 
-    def __init__(self, inner: type, **kwargs) -> None:
-        self.inner = inner(**kwargs)
+    def __init__(self, inner: type | ClassRef, **kwargs) -> None:
+        self.inner = inner(**kwargs)  # a ClassRef constructs its class (imported here, in the actor)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return keep_logged(batch, self.inner(batch))

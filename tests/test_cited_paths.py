@@ -21,8 +21,15 @@ BUILT_AT_RUN_TIME = ("RUN/", "OUT/", "DIR", "*", "{", "<", "$", "~", "/tmp", "si
 
 
 def top_level_folders(root: Path) -> set[str]:
-    return {p.name for p in root.iterdir()
-            if p.is_dir() and not p.name.startswith((".", "_")) and not p.name.endswith(".egg-info")}
+    """The repository's folders; not the ones git ignores (`runs/` once the quickstart has run:
+    the docs' example run dirs are not citations)."""
+    import subprocess
+
+    folders = {p.name for p in root.iterdir()
+               if p.is_dir() and not p.name.startswith((".", "_")) and not p.name.endswith(".egg-info")}
+    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", *sorted(folders)], capture_output=True,
+                             text=True).stdout.split()
+    return folders - {Path(name).name for name in ignored}
 
 
 def _cites(token: str, folders: set[str]) -> bool:

@@ -60,7 +60,7 @@ from trajflow.operators.contracts.stage import ClassRef, Placement, ResourceConf
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 
 if TYPE_CHECKING:  # torch-free at import: `trajflow run` resolves the strategy before Ray starts,
-    # and the driver imports torch while Ray starts (jobs/run.py)
+    # and its driver never imports torch (tests/test_jobs_run.py)
     import torch
     from torch import Tensor
 
