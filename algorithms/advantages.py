@@ -35,9 +35,8 @@ leave_one_out) gives exactly 0 to a group whose rewards are all equal.
 
 from __future__ import annotations
 
-from typing import Any
-
 import sys
+from typing import Any
 
 import numpy as np
 

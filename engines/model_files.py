@@ -26,7 +26,7 @@ from trajflow.schemas.weights import PackedStateDict
 # architectures whose state dict is their safetensors' tensors (+ a tied output layer)
 FILE_STATE_MODEL_TYPES = ("llama",)
 EMBEDDING, OUTPUT = "model.embed_tokens.weight", "lm_head.weight"
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "F64": np.float64}
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16"}
 
 
 def _weight_files(path: Path) -> list[Path] | None:
@@ -43,7 +43,7 @@ def _float32(raw: np.ndarray, dtype: str) -> np.ndarray:
     kind = _DTYPES[dtype]
     if kind == "bfloat16":  # the upper half of a float32
         return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return raw.view(kind).astype(np.float32)
+    return raw.view(kind).astype(np.float32, copy=False)
 
 
 def read_tensors(file: Path) -> dict[str, tuple[np.ndarray, tuple[int, ...]]]:
@@ -77,15 +77,14 @@ def file_state(path: str | Path) -> PackedStateDict | None:
         tensors = {name: t for file in files for name, t in read_tensors(file).items()}
     except (KeyError, OSError, ValueError):  # a dtype not listed, a damaged file: the model's own loader says
         return None
+    tied = config.get("tie_word_embeddings", False) and EMBEDDING in tensors
+    if tied:
+        tensors.pop(OUTPUT, None)  # the output layer is the embedding's tensor
     names = list(tensors)
     slots = list(range(len(names)))
-    if config.get("tie_word_embeddings", False) and EMBEDDING in tensors:
-        tied = names.index(EMBEDDING)
-        if OUTPUT in tensors:
-            slots[names.index(OUTPUT)] = tied
-        else:
-            names.append(OUTPUT)
-            slots.append(tied)
+    if tied:
+        names.append(OUTPUT)
+        slots.append(names.index(EMBEDDING))
     buffers = [values.view(np.uint8) for values, _ in tensors.values()]
     specs = [("float32", shape) for _, shape in tensors.values()]
     return PackedStateDict(names, slots, buffers, specs)

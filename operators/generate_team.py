@@ -41,7 +41,8 @@ import pyarrow as pa
 from trajflow.engines.models import load_tokenizer
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient
-from trajflow.operators.generate import EngineConfig, Generate, RolloutConfig, rollout_step_of, PROMPT_ROW_COLUMNS
+from trajflow.operators.contracts.rollout import EngineConfig, RolloutConfig
+from trajflow.operators.generate import Generate, rollout_step_of, PROMPT_ROW_COLUMNS
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 from trajflow.schemas import SamplingSemantics, conform
 from trajflow.tasks.team import TeamEnvironment, run_team_episodes

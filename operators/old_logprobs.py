@@ -36,7 +36,6 @@ from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingConfig
 from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient, VersionNotHeld
-from trajflow.operators.inference_as_old import InferenceAsOld  # noqa: F401 (re-exported)
 from trajflow.operators.trainer.weight_receiver import weight_source
 from trajflow.operators.trainer.weight_sync import WeightSyncConfig
 from trajflow.schemas.columns import filter_reasons, mark_filtered, nested_array, nested_rows, replace_column

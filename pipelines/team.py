@@ -40,7 +40,7 @@ from torch import Tensor
 
 from trajflow.operators.contracts.stage import Stage
 from trajflow.operators.contracts.store import POLICY, PolicyStoreClient
-from trajflow.operators.generate import EngineConfig, RolloutConfig
+from trajflow.operators.contracts.rollout import EngineConfig, RolloutConfig
 from trajflow.operators.generate_team import GenerateTeam
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.config.team import SHARED

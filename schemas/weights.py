@@ -10,7 +10,8 @@ publish.md has both ways per model size; `python -m benchmarks.run_all --only pu
 
 This module does not import torch: a process that only passes versions on (the policy store,
 which copies a run's final version into its own ownership) unpickles one into its raw buffers and
-re-puts them without loading torch (`PackedStateDict`) (seconds of import and a few hundred MB per process).
+re-puts them without loading torch (seconds of import and a few hundred MB per process): a
+`PackedStateDict`, as is version 0 read from a model's files (engines/model_files.py).
 
 Contract: the tensors a reader gets are read-only. They view memory every reader on the node
 shares, so writing into one would change the weights for all of them; copy them into a model

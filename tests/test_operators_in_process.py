@@ -18,7 +18,8 @@ import torch
 
 from trajflow.engines.models import load_tokenizer
 from trajflow.operators.diagnose import Diagnose
-from trajflow.operators.old_logprobs import InferenceAsOld, OldLogprobsAtBehaviorVersion
+from trajflow.operators.inference_as_old import InferenceAsOld
+from trajflow.operators.old_logprobs import OldLogprobsAtBehaviorVersion
 from trajflow.operators.train_step import TrainStep
 from trajflow.pipelines.config import PipelineConfig
 from trajflow.pipelines.policy_store import InProcessStore

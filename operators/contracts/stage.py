@@ -78,9 +78,9 @@ class Stage:
     `fn` is either a class or a `ClassRef` to one (run as a Ray Data actor pool, constructed with
     `kwargs` on each actor; the pipeline adds `store=` the policy store) or a callable
     instance/function (a light stage: Arrow table in, Arrow table out). Which stages share a
-    process is the pipeline's decision
-    (pipelines/colocation.py); `own_process=True` keeps a class stage in a process of its own
-    (e.g. `dedicated`'s scorer, whose point is its own CPU/GPU share).
+    process is the pipeline's decision (pipelines/colocation.py); `own_process=True` keeps a
+    class stage in a process of its own (e.g. `dedicated`'s scorer, whose point is its own
+    CPU/GPU share).
     """
 
     name: str
