@@ -130,8 +130,9 @@ class Delta:
     b: "Tensor"
     scaling: float
 
-    def apply(self, weight: "Tensor") -> "Tensor":
-        return weight + self.scaling * (self.b.to(weight.dtype) @ self.a.to(weight.dtype))
+    def apply(self, weight: "Tensor") -> "Tensor":  # on the weight's device (a trainer's may be a GPU)
+        b, a = (t.to(device=weight.device, dtype=weight.dtype) for t in (self.b, self.a))
+        return weight + self.scaling * (b @ a)
 
 
 def deltas(payload: Mapping[str, "Tensor"]) -> dict[str, Delta]:
