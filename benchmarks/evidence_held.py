@@ -138,42 +138,53 @@ def probed_train_step(config, model_path: str, out: list):
 
 def run_one(setting: str, strategy: str, seed: int, args, path: Path) -> None:
     """One run of the study in this process; its per-step rows written to `path` at the end."""
+    config = config_for(setting, strategy, seed, args.staleness, args.steps, args.lr)
+    run_cell(config, {"setting": setting, "strategy": strategy, "seed": seed}, path, args.eval_every,
+             probe=strategy == "snapshot" and seed < args.gradient_seeds)
+
+
+def run_cell(config, columns: dict, path: Path, eval_every: int, probe: bool = False) -> None:
+    """One run of a held-staleness study (this one, benchmarks/distillation_held.py) in this
+    process: the in-process loop with lag = `max_staleness`, the study's evaluations, one line per
+    step; its per-step rows, with `columns` added, written to `path` at the end. `probe`: the
+    gradient probe before each step (snapshot's runs: `probed_train_step`)."""
     from trajflow.engines.models import load_model
     from trajflow.operators.contracts.stage import Stage
     from trajflow.pipelines.local import iter_in_process
     from trajflow.pipelines.policy_store import InProcessStore
     from trajflow.pipelines.rl_loop import RLPipeline
 
-    config = config_for(setting, strategy, seed, args.staleness, args.steps, args.lr)
     pipe = RLPipeline(config.pipeline_config(), model_path=config.model_path)
     store = InProcessStore(config.max_staleness, pipe.strategy.keep_history)
     store.publish(load_model(pipe.model_path).state_dict(), 0)
     probes: list[dict] = []
-    if strategy == "snapshot" and seed < args.gradient_seeds:
+    if probe:
         train = pipe.stage("train")
         pipe.replace("train", Stage("train", probed_train_step(config.pipeline_config(), pipe.model_path, probes),
                                     train.kwargs, train.resources))
     train = pipe.stage("train")
     train.kwargs["after_step"] = [*train.kwargs["after_step"],
-                                  *study_evaluations(pipe, args.eval_every, config.steps, path.parent)]
+                                  *study_evaluations(pipe, eval_every, config.steps, path.parent)]
+    label = " ".join(str(v) if k != "seed" else f"seed {v}" for k, v in columns.items())
     rows, started = [], time.time()
     for _, row in iter_in_process(pipe, store, range(config.steps), lag=config.max_staleness):
         row["seconds/elapsed"] = time.time() - started  # since the run started
         rows.append(row)
-        print(f"  [{setting} {strategy} seed {seed}] step {row['step']:2d}: reward {row['reward/mean']:.3f}, "
+        print(f"  [{label}] step {row['step']:2d}: reward {row['reward/mean']:.3f}, "
               f"rows {row['rows_trained']}/{row['rows']}, staleness {row.get('staleness/mean', 0):.2f}"
+              + (f", reverse KL {row['distill/reverse_kl']:.3f}" if "distill/reverse_kl" in row else "")
               + (f", held-out sampled {row['heldout/sampled_accuracy']:.3f}"
                  if row.get("heldout/sampled_accuracy") is not None else "")
               + f", {row['seconds/elapsed']:.0f} s", flush=True)
     frame = pl.from_dicts(rows, infer_schema_length=None).with_columns(
-        pl.lit(setting).alias("setting"), pl.lit(strategy).alias("strategy"), pl.lit(seed).alias("seed"))
+        *(pl.lit(v).alias(k) for k, v in columns.items()))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     frame.write_parquet(tmp)
     os.replace(tmp, path)
     if probes:
-        pl.from_dicts(probes, infer_schema_length=None).with_columns(pl.lit(seed).alias("seed")).write_parquet(
-            path.with_name(f"{path.stem}.gradients.parquet"))
+        probed = pl.from_dicts(probes, infer_schema_length=None).with_columns(pl.lit(columns["seed"]).alias("seed"))
+        probed.write_parquet(path.with_name(f"{path.stem}.gradients.parquet"))
 
 
 def run(args) -> None:

@@ -77,3 +77,30 @@ def test_real_model_learning_result_reads_a_run_dir(tmp_path, keys):
     assert result["curve"] == [{"version": 0, "accuracy": 0.08}, {"version": 2, "accuracy": 0.20}]
     assert result["reward"] == [0.1, 0.3] and result["seconds_per_step"] == 10.0
     assert result["settings"]["lr"] == 3e-5 and result["summary"] == ["held-out accuracy 0.080 -> 0.200"]
+
+
+def test_distillation_study_pairs_the_rollout_time_arm_with_the_current_one_by_seed():
+    from benchmarks.distillation_held import paired_rows, per_run
+
+    def run(arm, seed, accuracies, kls):  # 4 steps, staleness 2, sampled accuracy after steps 1 and 3
+        return pl.DataFrame({"arm": arm, "seed": seed, "staleness": 2, "step": [0, 1, 2, 3],
+                             "heldout/sampled_accuracy": [None, accuracies[0], None, accuracies[1]],
+                             "heldout/accuracy": [None, None, None, accuracies[1] + 0.1],
+                             "distill/reverse_kl": kls, "staleness/mean": [0.0, 1.0, 2.0, 2.0],
+                             "seconds/elapsed": [1.0, 2.0, 3.0, 4.0]})
+
+    rows = pl.concat([run("current", 0, [0.6, 0.8], [0.4, 0.3, 0.2, 0.1]),
+                      run("old", 0, [0.6, 0.7], [0.4, 0.3, 0.3, 0.3]),
+                      run("current", 1, [0.5, 0.6], [0.5, 0.4, 0.3, 0.2]),
+                      run("old", 1, [0.5, 0.4], [0.5, 0.5, 0.5, 0.5])])
+    runs = per_run(rows)
+    first = runs.filter((pl.col("arm") == "current") & (pl.col("seed") == 0)).row(0, named=True)
+    assert first["accuracy"] == 0.8 and first["greedy"] == pytest.approx(0.9)
+    assert first["kl_first"] == pytest.approx(0.3) and first["kl_last"] == pytest.approx(0.2)
+    assert first["staleness_min"] == first["staleness_max"] == 2.0  # from step S on
+    table = {r["student in the advantage"]: r for r in paired_rows(runs, "accuracy")}
+    # finals: current 0.8, 0.6; old 0.7, 0.4 -> paired differences -0.1, -0.2; 2 pairs, both negative
+    old = table["rollout-time student"]
+    paired = old["minus current (paired, 95 % bootstrap, sign-flip p)"]
+    assert old["mean"] == "0.550" and paired.startswith("-0.150 [") and paired.endswith("p 0.500")
+    assert table["current student (AsyncOPD)"]["per seed"] == "0.800, 0.600"
