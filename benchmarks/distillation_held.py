@@ -33,7 +33,7 @@ import numpy as np
 import polars as pl
 
 from benchmarks.evidence import bootstrap_interval, sign_flip_p
-from benchmarks.evidence_held import ACCURACY, BASE, GREEDY, RESULTS, run_cell
+from benchmarks.evidence_held import ACCURACY, BASE, GREEDY, RESULTS, plot_accuracy, run_cell
 
 ARMS = {"current": "current student (AsyncOPD)", "old": "rollout-time student"}
 
@@ -113,25 +113,14 @@ def plot(rows: pl.DataFrame, teacher: dict, path: Path) -> None:
         mine = rows.filter(pl.col("arm") == arm)
         if not mine.height:
             continue
-        color = f"C{i}"
+        plot_accuracy(left, mine, f"C{i}", ARMS[arm])
         for seed in sorted(set(mine["seed"].to_list())):
             run = mine.filter(pl.col("seed") == seed).sort("step")
-            later = run.filter(pl.col(ACCURACY).is_not_null())
-            start = run[f"{ACCURACY}_start"].drop_nulls()
-            ys = [start[0] if len(start) else None, *later[ACCURACY].to_list()]
-            left.plot([0, *(later["step"] + 1).to_list()], ys, color=color, lw=0.6, alpha=0.35)
-            right.plot(run["step"], run["distill/reverse_kl"], color=color, lw=0.6, alpha=0.35)
-        versions = (mine.filter(pl.col(ACCURACY).is_not_null()).group_by("step")
-                    .agg(pl.col(ACCURACY).mean()).sort("step"))
-        start = mine[f"{ACCURACY}_start"].drop_nulls()
-        left.plot([0, *(versions["step"] + 1).to_list()], [start.mean(), *versions[ACCURACY].to_list()],
-                  color=color, lw=2.2, marker="o", label=ARMS[arm])
+            right.plot(run["step"], run["distill/reverse_kl"], color=f"C{i}", lw=0.6, alpha=0.35)
         kl = mine.group_by("step").agg(pl.col("distill/reverse_kl").mean()).sort("step")
-        right.plot(kl["step"], kl["distill/reverse_kl"], color=color, lw=2.2, marker=".", label=ARMS[arm])
+        right.plot(kl["step"], kl["distill/reverse_kl"], color=f"C{i}", lw=2.2, marker=".", label=ARMS[arm])
     if teacher.get("teacher_sampled_accuracy") is not None:
         left.axhline(teacher["teacher_sampled_accuracy"], color="grey", ls="--", lw=1, label="teacher")
-    left.set(xlabel="version (optimizer steps)", ylabel="held-out accuracy (2 samples per problem, T = 1)",
-             title="held-out sampled accuracy: each seed thin, mean thick")
     right.set(xlabel="train step", ylabel="reverse KL to the teacher, nats per token (own samples)",
               title="reverse KL(student || teacher) on the step's samples")
     for ax in (left, right):

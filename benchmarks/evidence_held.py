@@ -273,6 +273,27 @@ def mechanism_rows(runs: pl.DataFrame, probes: pl.DataFrame) -> list[dict]:
     return out
 
 
+def plot_accuracy(ax, runs: pl.DataFrame, color: str, label: str) -> None:
+    """Held-out sampled accuracy per version of one arm's runs (one per seed) on `ax`: each seed
+    thin, from its start, and the mean thick."""
+    points = []
+    for seed in sorted(set(runs["seed"].to_list())):
+        run = runs.filter(pl.col("seed") == seed).sort("step")
+        start = run[f"{ACCURACY}_start"].drop_nulls()
+        later = run.filter(pl.col(ACCURACY).is_not_null())
+        xs = [0, *(later["step"] + 1).to_list()]
+        ys = [start[0] if len(start) else None, *later[ACCURACY].to_list()]
+        ax.plot(xs, ys, color=color, lw=0.6, alpha=0.35)
+        points += list(zip(xs, ys))
+    by_version = {}
+    for x, y in points:
+        by_version.setdefault(x, []).append(y)
+    xs = sorted(by_version)
+    ax.plot(xs, [np.mean(by_version[x]) for x in xs], color=color, lw=2.2, marker="o", label=label)
+    ax.set(xlabel="version (optimizer steps)", ylabel="held-out accuracy (2 samples per problem, T = 1)",
+           title="held-out sampled accuracy: each seed thin, mean thick")
+
+
 def plot(rows: pl.DataFrame, path: Path) -> None:
     """Sampled held-out accuracy per version (each seed thin, the mean thick) and the train
     reward per step (mean over seeds), per strategy."""
@@ -284,25 +305,9 @@ def plot(rows: pl.DataFrame, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     for i, strategy in enumerate(dict.fromkeys(rows["strategy"].to_list())):
         mine = rows.filter(pl.col("strategy") == strategy)
-        color = f"C{i}"
-        points = []
-        for seed in sorted(set(mine["seed"].to_list())):
-            run = mine.filter(pl.col("seed") == seed).sort("step")
-            start = run[f"{ACCURACY}_start"].drop_nulls()
-            later = run.filter(pl.col(ACCURACY).is_not_null())
-            xs = [0, *(later["step"] + 1).to_list()]
-            ys = [start[0] if len(start) else None, *later[ACCURACY].to_list()]
-            left.plot(xs, ys, color=color, lw=0.6, alpha=0.35)
-            points += list(zip(xs, ys))
-        by_version = {}
-        for x, y in points:
-            by_version.setdefault(x, []).append(y)
-        xs = sorted(by_version)
-        left.plot(xs, [np.mean(by_version[x]) for x in xs], color=color, lw=2.2, marker="o", label=strategy)
+        plot_accuracy(left, mine, f"C{i}", strategy)
         reward = mine.group_by("step").agg(pl.col("reward/mean").mean()).sort("step")
-        right.plot(reward["step"], reward["reward/mean"], color=color, lw=1.6, marker=".", label=strategy)
-    left.set(xlabel="version (optimizer steps)", ylabel="held-out accuracy (2 samples per problem, T = 1)",
-             title="held-out sampled accuracy: each seed thin, mean thick")
+        right.plot(reward["step"], reward["reward/mean"], color=f"C{i}", lw=1.6, marker=".", label=strategy)
     right.set(xlabel="train step", ylabel="mean reward of the step's samples (fp8 sampler)",
               title="train reward, mean over seeds")
     for ax in (left, right):
