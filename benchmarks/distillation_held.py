@@ -66,16 +66,20 @@ def run(args) -> None:
 
 def per_run(rows: pl.DataFrame) -> pl.DataFrame:
     """One row per run: final sampled and greedy accuracy, the reverse KL to the teacher over its
-    first and last three steps, and its wall time."""
+    first and last three steps, from step S on the clip fraction and the variance of log r_s (how
+    far pi_theta moved from the rollout's student), and its wall time."""
     last = pl.col("step") == pl.col("step").max()
     kl = pl.col("distill/reverse_kl")
+    stale = pl.col("step") >= pl.col("staleness")  # every token exactly S versions old
     return rows.group_by("staleness", "arm", "seed", maintain_order=True).agg(
         pl.col(ACCURACY).filter(last).first().alias("accuracy"),
         pl.col(GREEDY).filter(last).first().alias("greedy"),
         kl.sort_by("step").head(3).mean().alias("kl_first"),
         kl.sort_by("step").tail(3).mean().alias("kl_last"),
-        pl.col("staleness/mean").filter(pl.col("step") >= pl.col("staleness")).min().alias("staleness_min"),
-        pl.col("staleness/mean").filter(pl.col("step") >= pl.col("staleness")).max().alias("staleness_max"),
+        pl.col("staleness/mean").filter(stale).min().alias("staleness_min"),
+        pl.col("staleness/mean").filter(stale).max().alias("staleness_max"),
+        pl.col("clip/frac").filter(stale).mean().alias("clip"),
+        pl.col("split/var_log_rs").filter(stale).mean().alias("var_log_rs"),
         pl.col("seconds/elapsed").max().alias("seconds"))
 
 
@@ -163,6 +167,10 @@ def report(work: Path, teacher: Path | None) -> str:
         "(first 3 steps: " + ", ".join(f"{ARMS[a]} {runs.filter(pl.col('arm') == a)['kl_first'].mean():.3f}"
                                        for a in ARMS if runs.filter(pl.col("arm") == a).height) + "):\n\n"
         + table(paired_rows(runs, "kl_last")),
+        "The mechanism, from step S on (every token S versions old): the PPO clip's fraction of tokens\n\n"
+        + table(paired_rows(runs, "clip")),
+        "and var(log r_s), r_s = pi_theta / pi_old: how far the updated policy is from the student that "
+        "sampled\n\n" + table(paired_rows(runs, "var_log_rs")),
     ]
     return "\n\n".join(lines)
 

@@ -87,6 +87,7 @@ def test_distillation_study_pairs_the_rollout_time_arm_with_the_current_one_by_s
                              "heldout/sampled_accuracy": [None, accuracies[0], None, accuracies[1]],
                              "heldout/accuracy": [None, None, None, accuracies[1] + 0.1],
                              "distill/reverse_kl": kls, "staleness/mean": [0.0, 1.0, 2.0, 2.0],
+                             "clip/frac": [0.5, 0.5, 0.1, 0.3], "split/var_log_rs": [0.0, 0.1, 0.2, 0.4],
                              "seconds/elapsed": [1.0, 2.0, 3.0, 4.0]})
 
     rows = pl.concat([run("current", 0, [0.6, 0.8], [0.4, 0.3, 0.2, 0.1]),
@@ -98,6 +99,7 @@ def test_distillation_study_pairs_the_rollout_time_arm_with_the_current_one_by_s
     assert first["accuracy"] == 0.8 and first["greedy"] == pytest.approx(0.9)
     assert first["kl_first"] == pytest.approx(0.3) and first["kl_last"] == pytest.approx(0.2)
     assert first["staleness_min"] == first["staleness_max"] == 2.0  # from step S on
+    assert first["clip"] == pytest.approx(0.2) and first["var_log_rs"] == pytest.approx(0.3)
     table = {r["student in the advantage"]: r for r in paired_rows(runs, "accuracy")}
     # finals: current 0.8, 0.6; old 0.7, 0.4 -> paired differences -0.1, -0.2; 2 pairs, both negative
     old = table["rollout-time student"]
