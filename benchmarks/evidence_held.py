@@ -73,12 +73,13 @@ BASE = {
 SAMPLED = {"samples": 2, "temperature": 1.0, "seed": 1234}  # the sampled held-out evaluation
 
 
-def config_for(setting: str, strategy: str, seed: int, staleness: int, steps: int, lr: float):
+def config_for(setting: str, strategy: str, seed: int, staleness: int, steps: int, lr: float,
+               prompts: int = BASE["prompts_per_step"]):
     """The job config of one run of the study."""
     from trajflow.jobs.config import load_job_config
 
     overrides = {**BASE, **SETTINGS[setting], "strategy": strategy, "seed": seed, "max_staleness": staleness,
-                 "steps": steps, "optimizer.lr": lr}
+                 "steps": steps, "optimizer.lr": lr, "prompts_per_step": prompts}
     return load_job_config("smollm2", [f"{k}={v}" for k, v in overrides.items()])
 
 
@@ -138,7 +139,7 @@ def probed_train_step(config, model_path: str, out: list):
 
 def run_one(setting: str, strategy: str, seed: int, args, path: Path) -> None:
     """One run of the study in this process; its per-step rows written to `path` at the end."""
-    config = config_for(setting, strategy, seed, args.staleness, args.steps, args.lr)
+    config = config_for(setting, strategy, seed, args.staleness, args.steps, args.lr, args.prompts)
     run_cell(config, {"setting": setting, "strategy": strategy, "seed": seed}, path, args.eval_every,
              probe=strategy == "snapshot" and seed < args.gradient_seeds)
 
@@ -371,6 +372,7 @@ def main() -> None:
     r.add_argument("--staleness", type=int, default=2)
     r.add_argument("--steps", type=int, default=12)
     r.add_argument("--lr", type=float, default=3e-5)
+    r.add_argument("--prompts", type=int, default=BASE["prompts_per_step"], help="prompts per step")
     r.add_argument("--eval-every", type=int, default=6)
     r.add_argument("--gradient-seeds", type=int, default=2)
     rep = sub.add_parser("report")

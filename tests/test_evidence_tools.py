@@ -106,3 +106,13 @@ def test_distillation_study_pairs_the_rollout_time_arm_with_the_current_one_by_s
     paired = old["minus current (paired, 95 % bootstrap, sign-flip p)"]
     assert old["mean"] == "0.550" and paired.startswith("-0.150 [") and paired.endswith("p 0.500")
     assert table["current student (AsyncOPD)"]["per seed"] == "0.800, 0.600"
+
+
+def test_outcome_study_cell_config_holds_the_study_settings_and_its_prompts_per_step():
+    from benchmarks.evidence_held import BASE, config_for
+
+    config = config_for("fp8", "loglinear", 3, staleness=2, steps=12, lr=3e-5)
+    wider = config_for("fp8", "loglinear", 3, staleness=2, steps=12, lr=3e-5, prompts=8)
+    assert config.prompts_per_step == BASE["prompts_per_step"] == 4 and wider.prompts_per_step == 8
+    for c in (config, wider):
+        assert (c.strategy, c.seed, c.max_staleness, c.steps, c.group_size) == ("loglinear", 3, 2, 12, 8)
