@@ -3,7 +3,7 @@
     python -m benchmarks.evidence_held run --work DIR          # the study (hours; resumable)
     python -m benchmarks.evidence_held run --work DIR --strategies snapshot --seeds 1 --first-seed 3
                                                               # one cell, from scratch
-    python -m benchmarks.evidence_held report --work DIR       # tables + plot into results/
+    python -m benchmarks.evidence_held report --work DIR [--name N]  # tables; results/N.png, .parquet
 
 The outcome study of benchmarks/evidence.py could not decide on SmolLM2 (few rows trained,
 staleness not held, too short: results/evidence.md). This one is set up so that it can:
@@ -23,7 +23,8 @@ staleness not held, too short: results/evidence.md). This one is set up so that 
 - **deterministic**: one process, fixed threads, seeded sampling: a cell rerun from scratch gives
   the same accuracy (the study's last check);
 - **resumable**: each run's rows are written as it ends (`DIR/<setting>/<strategy>-seed<k>.parquet`)
-  and a rerun skips them.
+  and a rerun skips them; `DIR/study.json` keeps the design (staleness, steps, lr, prompts per
+  step, evaluation period) and a rerun with another design stops rather than mix the two.
 
 The mechanism comes from the same runs (each step's r_d mask kept fraction and the variance split
 of the log-ratio, `split/var_log_rd` / `split/var_log_rs`); in the snapshot runs of the first
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -188,8 +190,30 @@ def run_cell(config, columns: dict, path: Path, eval_every: int, probe: bool = F
         probed.write_parquet(path.with_name(f"{path.stem}.gradients.parquet"))
 
 
+STUDY_KEYS = ("staleness", "steps", "lr", "prompts", "eval_every")  # one work dir holds one design
+
+
+def check_design(work: Path, args) -> None:
+    """Write the study's design into `work/study.json` on its first run, and stop (exit 2, one
+    line) a later run whose design differs, so that one work dir never mixes two designs."""
+    import json
+
+    design = {key: getattr(args, key) for key in STUDY_KEYS}
+    kept = work / "study.json"
+    if kept.exists():
+        before = json.loads(kept.read_text())
+        if before != design:
+            changed = ", ".join(f"{k} {before.get(k)} -> {design[k]}" for k in STUDY_KEYS if before.get(k) != design[k])
+            print(f"error: {kept} holds another design ({changed}): use a new --work", file=sys.stderr)
+            raise SystemExit(2)
+    else:
+        work.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(design, indent=1) + "\n")
+
+
 def run(args) -> None:
     work = Path(args.work)
+    check_design(work, args)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     cells = [(setting, strategy, seed) for setting in args.settings.split(",") for seed in seeds
              for strategy in args.strategies.split(",")]
@@ -321,16 +345,17 @@ def plot(rows: pl.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def report(work: Path) -> str:
-    """The study's tables (markdown) from a work dir, and its plot and rows into results/."""
+def report(work: Path, name: str = "evidence_held") -> str:
+    """The study's tables (markdown) from a work dir, and its plot and rows into
+    results/`name`.png and .parquet."""
     from benchmarks.common import table
 
     rows, probes = load(work)
-    order = {name: i for i, name in enumerate(STRATEGIES)}  # snapshot first, as in the study
+    order = {strategy: i for i, strategy in enumerate(STRATEGIES)}  # snapshot first, as in the study
     runs = per_run(rows).sort(pl.col("strategy").replace_strict(order, default=len(order)), "seed")
     RESULTS.mkdir(exist_ok=True)
-    rows.write_parquet(RESULTS / "evidence_held.parquet")
-    plot(rows, RESULTS / "evidence_held.png")
+    rows.write_parquet(RESULTS / f"{name}.parquet")
+    plot(rows, RESULTS / f"{name}.png")
     staleness = rows.group_by("step").agg(pl.col("staleness/mean").min().alias("min"),
                                           pl.col("staleness/mean").max().alias("max"),
                                           pl.col("staleness/max").max().alias("max per token")).sort("step")
@@ -340,7 +365,9 @@ def report(work: Path) -> str:
     share = split["var_log_rd"] / (split["var_log_rd"] + split["var_log_rs"])
     counts = ", ".join(f"{k} {v}" for k, v in runs.group_by("strategy", maintain_order=True).len().iter_rows())
     seconds = runs["seconds"]
+    design = work / "study.json"  # absent in work dirs begun before it was written
     return "\n\n".join([
+        (f"Design ({design}): {design.read_text().strip()}" if design.exists() else f"Design: not kept in {work}"),
         f"Runs: {runs.height} ({counts}); wall per run {seconds.median():.0f} s median ({seconds.min():.0f}-"
         f"{seconds.max():.0f}), {seconds.sum() / 3600:.1f} h in all.",
         "Realized staleness per step (mean per token over the step's trained tokens; min and max over runs):\n\n"
@@ -377,11 +404,12 @@ def main() -> None:
     r.add_argument("--gradient-seeds", type=int, default=2)
     rep = sub.add_parser("report")
     rep.add_argument("--work", required=True)
+    rep.add_argument("--name", default="evidence_held", help="results/NAME.png and .parquet")
     a = parser.parse_args()
     if a.command == "run":
         run(a)
     else:
-        print(report(Path(a.work)))
+        print(report(Path(a.work), a.name))
 
 
 if __name__ == "__main__":

@@ -116,3 +116,17 @@ def test_outcome_study_cell_config_holds_the_study_settings_and_its_prompts_per_
     assert config.prompts_per_step == BASE["prompts_per_step"] == 4 and wider.prompts_per_step == 8
     for c in (config, wider):
         assert (c.strategy, c.seed, c.max_staleness, c.steps, c.group_size) == ("loglinear", 3, 2, 12, 8)
+
+
+def test_outcome_study_work_dir_keeps_one_design(tmp_path, capsys):
+    from argparse import Namespace
+
+    from benchmarks.evidence_held import check_design
+
+    args = Namespace(staleness=2, steps=12, lr=3e-5, prompts=8, eval_every=6)
+    check_design(tmp_path, args)
+    check_design(tmp_path, args)  # the same design resumes
+    with pytest.raises(SystemExit) as stop:
+        check_design(tmp_path, Namespace(**{**vars(args), "prompts": 4}))
+    assert stop.value.code == 2
+    assert "study.json holds another design (prompts 8 -> 4): use a new --work" in capsys.readouterr().err
