@@ -151,12 +151,15 @@ def run_cell(config, columns: dict, path: Path, eval_every: int, probe: bool = F
     process: the in-process loop with lag = `max_staleness`, the study's evaluations, one line per
     step; its per-step rows, with `columns` added, written to `path` at the end. `probe`: the
     gradient probe before each step (snapshot's runs: `probed_train_step`)."""
+    from transformers.utils import logging as hf_logging
+
     from trajflow.engines.models import load_model
     from trajflow.operators.contracts.stage import Stage
     from trajflow.pipelines.local import iter_in_process
     from trajflow.pipelines.policy_store import InProcessStore
     from trajflow.pipelines.rl_loop import RLPipeline
 
+    hf_logging.disable_progress_bar()  # a bar per model load (the probe loads one per version)
     pipe = RLPipeline(config.pipeline_config(), model_path=config.model_path)
     store = InProcessStore(config.max_staleness, pipe.strategy.keep_history)
     store.publish(load_model(pipe.model_path).state_dict(), 0)
