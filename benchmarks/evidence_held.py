@@ -132,7 +132,8 @@ def probed_train_step(config, model_path: str, out: list):
         def __call__(self, batch: pa.Table) -> pa.Table:
             if not hasattr(self, "probe"):
                 self.probe = Diagnose(self.store, model_path, strategies, s.correction, s.kl, s.sampling,
-                                      config.max_staleness, s.numerics, s.trainer.torch_threads, gradients=True)
+                                      config.max_staleness, s.numerics, s.trainer.torch_threads, gradients=True,
+                                      max_tokens_per_microbatch=s.trainer.max_tokens_per_microbatch)
             out.extend(self.probe(batch).to_pylist())
             return super().__call__(batch)
 

@@ -21,10 +21,16 @@ with the weights of version k + 1 — one update per version, the unit it then c
 loss is differentiated with respect to every parameter (one backward each, on the same forward
 pass); `grad/cos_vs_exact` and `grad/rel_err_vs_exact` compare it with the gradient of the first
 exact strategy in `strategies` (algorithms/diagnostics.py `gradient_agreement`).
+
+`max_tokens_per_microbatch` (the trainer's): the step's rows are cut into the trainer's micro-batches
+(operators/trainer/plan.py), each with one forward; losses and gradients add up in sum form and are
+divided once by the step's count, so the numbers equal the whole step's at the memory of one
+micro-batch (a real model's whole step with gradients may not fit in memory at once).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -34,6 +40,7 @@ import torch
 
 from trajflow.algorithms.config import CorrectionConfig, DistillConfig, KLConfig
 from trajflow.algorithms.diagnostics import gradient_agreement
+from trajflow.algorithms.objective import LossSum
 from trajflow.engines.lora import VersionWeights
 from trajflow.engines.models import load_model
 from trajflow.engines.sampling import SamplingConfig
@@ -41,7 +48,9 @@ from trajflow.engines.training_numerics import TrainingNumerics
 from trajflow.operators.contracts.store import PolicyStoreClient, VersionNotHeld
 from trajflow.operators.strategies.base import Strategy
 from trajflow.operators.trainer.accounting import apply_staleness_bound, step_metrics
-from trajflow.operators.trainer.correction import PolicyHolder, StepBatch, correct, step_diagnostics, top_k_in_loss
+from trajflow.operators.trainer.correction import (PolicyHolder, StepBatch, correct, merge_outputs, step_diagnostics,
+                                                   top_k_in_loss)
+from trajflow.operators.trainer.plan import plan_shards
 
 
 class Diagnose(PolicyHolder):
@@ -60,6 +69,7 @@ class Diagnose(PolicyHolder):
         torch_threads: int,
         gradients: bool = False,
         distill: DistillConfig | None = None,
+        max_tokens_per_microbatch: int | None = None,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.store = store
@@ -75,6 +85,7 @@ class Diagnose(PolicyHolder):
             raise ValueError("gradients: compare against an exact strategy (e.g. snapshot); none was given")
         self.gradients_vs = exact[0] if gradients else None
         self.minibatches_per_step = 1  # the log holds one set of weights per version
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch  # the trainer's (None: the whole step)
         self.model = numerics.prepare(load_model(model_path))
         self.versions = VersionWeights(model_path)  # a LoRA run's versions are adapters
         self.version: int | None = None
@@ -111,27 +122,51 @@ class Diagnose(PolicyHolder):
         results: dict[str, dict] = {s.name: {} for s in self.strategies}
         if len(trained):
             step = StepBatch.from_table(batch.take(pa.array(trained)), k)
-            top_k = [] if any(top_k_in_loss(s, self.distill, step) for s in self.strategies) else None
-            current = self.current(step, grad=self.gradients_vs is not None, top_k=top_k)
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            grads: dict[str, torch.Tensor] = {}
             for strategy in self.strategies:
                 strategy.before_step(step, self)
-                result = correct(strategy, step, current, self, self.correction, kl=self.kl, distill=self.distill,
-                                 current_top_k=top_k[0] if top_k else None)
-                results[strategy.name] = step_diagnostics(result.loss, step, k, result.outside_support, strategy,
-                                                          strategy.correction(self.correction))
-                if self.gradients_vs is not None:
-                    parts = torch.autograd.grad(result.loss.loss, params, retain_graph=True, allow_unused=True)
-                    grads[strategy.name] = torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
-                                                      for p, g in zip(params, parts)])
-            for name, grad in grads.items():
-                results[name].update(gradient_agreement(grad, grads[self.gradients_vs]))
+            results = self._diagnose(step, k)
             self._after_step(k, results)
         rows = [{**base, "strategy": s.name, **results[s.name], "diagnose_seconds": time.perf_counter() - started}
                 for s in self.strategies]
         keys = list(dict.fromkeys(key for row in rows for key in row))  # from_pylist reads only row 0's keys
         return pa.Table.from_pylist([{key: row.get(key) for key in keys} for row in rows])
+
+    def _diagnose(self, step: StepBatch, k: int) -> dict[str, dict]:
+        """Each strategy's step diagnostics (and gradient) on the step's trained rows, over the
+        trainer's micro-batches: one forward of pi_theta per micro-batch, shared by the strategies;
+        the losses (and gradients) in sum form, divided once by the step's count, as the trainer does."""
+        lengths = np.array([len(p) + len(r) for p, r in zip(step.prompts, step.responses)])
+        micro = plan_shards(lengths, 1, 1, self.max_tokens_per_microbatch).microbatches[0][0]
+        params = [p for p in self.model.parameters() if p.requires_grad] if self.gradients_vs else []
+        parts: dict[str, list] = {s.name: [] for s in self.strategies}
+        outside = dict.fromkeys(parts, 0)
+        grads: dict[str, torch.Tensor] = {}
+        for rows in micro:
+            part = step.select(torch.tensor(rows, dtype=torch.int64))
+            top_k = [] if any(top_k_in_loss(s, self.distill, part) for s in self.strategies) else None
+            current = self.current(part, grad=self.gradients_vs is not None, top_k=top_k)
+            for strategy in self.strategies:
+                fixed = correct(strategy, part, current, self, self.correction, kl=self.kl, distill=self.distill,
+                                current_top_k=top_k[0] if top_k else None)
+                loss = fixed.loss
+                parts[strategy.name].append(
+                    (part.rows, dataclasses.replace(loss, loss=loss.loss.detach(), loss_sum=loss.loss_sum.detach())))
+                outside[strategy.name] += fixed.outside_support
+                if self.gradients_vs is not None:
+                    pieces = torch.autograd.grad(loss.loss_sum, params, retain_graph=True, allow_unused=True)
+                    flat = torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(params, pieces)])
+                    grads[strategy.name] = grads[strategy.name] + flat if strategy.name in grads else flat
+        results = {}
+        for strategy in self.strategies:
+            total = sum((LossSum(float(out.loss_sum), float(out.count)) for _, out in parts[strategy.name]), LossSum())
+            merged = merge_outputs(parts[strategy.name], step.inference.shape, None if len(micro) == 1 else total.mean)
+            results[strategy.name] = step_diagnostics(merged, step, k, outside[strategy.name], strategy,
+                                                      strategy.correction(self.correction))
+            if strategy.name in grads:
+                grads[strategy.name] /= total.divisor
+        for name, grad in grads.items():
+            results[name].update(gradient_agreement(grad, grads[self.gradients_vs]))
+        return results
 
     def _after_step(self, k: int, results: dict[str, dict]) -> None:
         """The strategies' after-update / after-step hooks, in the train step's order: strategies that

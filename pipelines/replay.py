@@ -413,7 +413,7 @@ class Replay:
             diagnose = dict(model_path=self.model_path, strategies=self.strategies, correction=s.correction, kl=s.kl,
                             sampling=live.sampling, max_staleness=c.max_staleness, numerics=s.numerics,
                             torch_threads=s.trainer.torch_threads, gradients=self.gradients,
-                            distill=s.distill)
+                            distill=s.distill, max_tokens_per_microbatch=s.trainer.max_tokens_per_microbatch)
             return chain + [Stage("diagnose", Diagnose, diagnose, s.trainer)]
         train = live.train_stage(self.strategies[0])
         train.kwargs["store"] = stores["trainer"]  # its own store: new versions never mix with logged ones

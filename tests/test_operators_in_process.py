@@ -279,6 +279,17 @@ def test_diagnose_gradients_against_the_exact_strategy(without_ray, one_torch_th
     assert 0.0 < rows["behavior"]["grad/cos_vs_exact"] < 1.0
     assert rows["snapshot"]["split/var_log_rs"] == 0.0 < rows["snapshot"]["split/var_log_rd"]
     assert rows["snapshot"]["split/var_log_total"] == pytest.approx(rows["snapshot"]["split/var_log_rd"])
+    # the trainer's micro-batches (here about one row each) give the whole step's numbers: the
+    # losses and gradients add up in sum form and are divided once by the step's count
+    longest = max(len(p) + len(r) for p, r in zip(logged["prompt_tokens"].to_pylist(),
+                                                   logged["response_tokens"].to_pylist()))
+    micro = Diagnose(logged_store, pipe.model_path, strategies, c.settings.correction, c.settings.kl, pipe.sampling,
+                     c.max_staleness, c.settings.numerics, 1, gradients=True, max_tokens_per_microbatch=longest)
+    cut = {r["strategy"]: r for r in micro(logged).to_pylist()}
+    for name, row in rows.items():
+        for key in ("loss", "mask/token_kept_frac", "clip/frac", "mismatch/k3", "split/var_log_rd", "grad/norm",
+                    "grad/cos_vs_exact"):
+            assert cut[name][key] == pytest.approx(row[key], rel=1e-4, abs=1e-7), (name, key)
     # without an exact strategy there is nothing to compare with
     with pytest.raises(ValueError, match="exact strategy"):
         Diagnose(logged_store, pipe.model_path, strategies[1:], c.settings.correction, c.settings.kl, pipe.sampling,
