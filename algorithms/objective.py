@@ -68,7 +68,7 @@ the policy term. Log-ratios are clamped to ±LOG_RATIO_CLAMP before exp, so extr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -202,6 +202,11 @@ class LossOutput:
     is_weights: Tensor
     token_weights: Tensor
     kl: Tensor
+
+    def detached(self) -> LossOutput:
+        """This output with its two scalars detached too: what a step keeps of a micro-batch
+        after its backward (the [B, T] fields are detached already)."""
+        return replace(self, loss=self.loss.detach(), loss_sum=self.loss_sum.detach())
 
 
 def _log_bounds(c: float | None, low: float | None) -> tuple[float, float]:

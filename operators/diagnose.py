@@ -30,7 +30,6 @@ micro-batch (a real model's whole step with gradients may not fit in memory at o
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -135,7 +134,7 @@ class Diagnose(PolicyHolder):
         """Each strategy's step diagnostics (and gradient) on the step's trained rows, over the
         trainer's micro-batches: one forward of pi_theta per micro-batch, shared by the strategies;
         the losses (and gradients) in sum form, divided once by the step's count, as the trainer does."""
-        lengths = np.array([len(p) + len(r) for p, r in zip(step.prompts, step.responses)])
+        lengths = step.lengths()
         micro = plan_shards(lengths, 1, 1, self.max_tokens_per_microbatch).microbatches[0][0]
         params = [p for p in self.model.parameters() if p.requires_grad] if self.gradients_vs else []
         parts: dict[str, list] = {s.name: [] for s in self.strategies}
@@ -148,14 +147,15 @@ class Diagnose(PolicyHolder):
             for strategy in self.strategies:
                 fixed = correct(strategy, part, current, self, self.correction, kl=self.kl, distill=self.distill,
                                 current_top_k=top_k[0] if top_k else None)
-                loss = fixed.loss
-                parts[strategy.name].append(
-                    (part.rows, dataclasses.replace(loss, loss=loss.loss.detach(), loss_sum=loss.loss_sum.detach())))
+                parts[strategy.name].append((part.rows, fixed.loss.detached()))
                 outside[strategy.name] += fixed.outside_support
                 if self.gradients_vs is not None:
-                    pieces = torch.autograd.grad(loss.loss_sum, params, retain_graph=True, allow_unused=True)
+                    pieces = torch.autograd.grad(fixed.loss.loss_sum, params, retain_graph=True, allow_unused=True)
                     flat = torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(params, pieces)])
-                    grads[strategy.name] = grads[strategy.name] + flat if strategy.name in grads else flat
+                    if strategy.name in grads:
+                        grads[strategy.name].add_(flat)
+                    else:
+                        grads[strategy.name] = flat
         results = {}
         for strategy in self.strategies:
             total = sum((LossSum(float(out.loss_sum), float(out.count)) for _, out in parts[strategy.name]), LossSum())

@@ -461,7 +461,7 @@ class TrainStep(TrainerReplica):
         diagnostics: (diagnostics, pi_old as used per row or None without a policy update, the
         data-parallel metrics)."""
         batch = StepBatch.from_table(table, trainer_version)
-        lengths = np.array([len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)])
+        lengths = batch.lengths()
         dp = self.trainer
         plan = plan_shards(lengths, self.policy.minibatches_per_step, dp.num_workers, dp.max_tokens_per_microbatch,
                            lockstep=self.sharded)

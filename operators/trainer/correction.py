@@ -119,6 +119,10 @@ class StepBatch:
     def width(self) -> int:
         return self.inference.shape[1]
 
+    def lengths(self) -> np.ndarray:
+        """Each row's tokens, prompt and response: what a micro-batch's budget counts."""
+        return np.array([len(p) + len(r) for p, r in zip(self.prompts, self.responses)])
+
     def select(self, idx: Tensor) -> "StepBatch":
         """The rows `idx` (positions in this batch), keeping the width."""
         picked = idx.tolist()

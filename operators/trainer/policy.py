@@ -10,7 +10,6 @@ scoring under them.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -160,7 +159,7 @@ class PolicyLearner(Learner[StepBatch, PolicyResult], PolicyHolder):
             result.dummy_passes += 1
             return LossSum()
         fixed.loss.loss_sum.backward()
-        detached = dataclasses.replace(fixed.loss, loss=fixed.loss.loss.detach(), loss_sum=fixed.loss.loss_sum.detach())
+        detached = fixed.loss.detached()
         result.parts.append((batch.rows, detached))
         result.olds.append((batch.rows, fixed.old))
         result.outside_support += fixed.outside_support
