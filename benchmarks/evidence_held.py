@@ -368,12 +368,15 @@ def report(work: Path, name: str = "evidence_held") -> str:
     split = runs.filter(pl.col("strategy") == "snapshot")
     share = split["var_log_rd"] / (split["var_log_rd"] + split["var_log_rs"])
     counts = ", ".join(f"{k} {v}" for k, v in runs.group_by("strategy", maintain_order=True).len().iter_rows())
-    seconds = runs["seconds"]
+    probed = (pl.col("strategy") == "snapshot") & pl.col("seed").is_in(
+        probes["seed"].unique().to_list() if probes.height else [])
+    walls = "; ".join(f"{label} {len(s)}: {s.median():.0f} s median ({s.min():.0f}-{s.max():.0f})"
+                      for label, s in (("unprobed", runs.filter(~probed)["seconds"]),
+                                       ("probed", runs.filter(probed)["seconds"])) if len(s))
     design = work / "study.json"  # absent in work dirs begun before it was written
     return "\n\n".join([
         (f"Design ({design}): {design.read_text().strip()}" if design.exists() else f"Design: not kept in {work}"),
-        f"Runs: {runs.height} ({counts}); wall per run {seconds.median():.0f} s median ({seconds.min():.0f}-"
-        f"{seconds.max():.0f}), {seconds.sum() / 3600:.1f} h in all.",
+        f"Runs: {runs.height} ({counts}), {runs['seconds'].sum() / 3600:.1f} h in all.\nWall per run: {walls}.",
         "Realized staleness per step (mean per token over the step's trained tokens; min and max over runs):\n\n"
         + table([{"step": r["step"], "min": f"{r['min']:.2f}" if r["min"] is not None else "-",
                   "max": f"{r['max']:.2f}" if r["max"] is not None else "-",
